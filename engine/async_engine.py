@@ -1,0 +1,161 @@
+"""AsyncEngine: the engine on one background thread, streams on the event loop.
+
+The engine thread runs `LLMEngine.step()` in a loop. Requests and aborts reach it through
+a thread-safe command queue that it drains before each step; each step's outputs come
+back to the event loop in one `call_soon_threadsafe`. Every request has a one-slot
+collector that merges outputs when its consumer falls behind, so the engine never waits
+on a consumer and a slow consumer simply gets bigger deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from .config import EngineConfig, SamplingParams
+from .sequence import RequestOutput
+
+log = logging.getLogger("streamgate.engine")
+
+
+class _Collector:
+    """One request's mailbox: holds at most one (merged) output."""
+
+    __slots__ = ("output", "event")
+
+    def __init__(self) -> None:
+        self.output: RequestOutput | None = None
+        self.event = asyncio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        self.output = out if self.output is None else self.output.merge(out)
+        self.event.set()
+
+    async def get(self) -> RequestOutput:
+        await self.event.wait()
+        self.event.clear()
+        out, self.output = self.output, None
+        return out
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, engine=None):
+        self.config = config
+        self.engine = engine             # an LLMEngine, built on start() unless given
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._collectors: dict[str, _Collector] = {}
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._running = False
+        self.error: BaseException | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load the model (in a worker thread, so the loop stays responsive) and start stepping."""
+        self._loop = asyncio.get_running_loop()
+        if self.engine is None:
+            from .llm_engine import LLMEngine
+            self.engine = await asyncio.to_thread(LLMEngine, self.config)
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="streamgate-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort everything still running and stop the engine thread."""
+        self._running = False
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        for rid, collector in list(self._collectors.items()):
+            collector.put(RequestOutput(rid, [], "", True, "abort", error="engine stopped"))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    # -- requests ---------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                       priority: int = 0, tenant: str | None = None,
+                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Bad input raises ValueError before anything is queued.
+        Leaving the iterator early (break, cancellation, disconnect) aborts the request."""
+        if not self._running:
+            raise RuntimeError("AsyncEngine is not running (call start())")
+        if request_id in self._collectors:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.engine.validate_request(request_id, prompt_token_ids, params, priority, deadline)
+        collector = self._collectors[request_id] = _Collector()
+        self._send(("add", request_id, list(prompt_token_ids), params, priority, tenant, deadline))
+        finished = False
+        try:
+            while not finished:
+                out = await collector.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._collectors.pop(request_id, None)
+            if not finished:
+                self._send(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its blocks are freed by the next step. Unknown ids are ignored."""
+        if self._running:
+            self._send(("abort", request_id))
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # -- the engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while self._running:
+            self._drain_commands()
+            if not engine.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except BaseException as exc:            # a bug outside the per-batch guard
+                log.exception("engine thread crashed")
+                self.error = exc
+                self._running = False
+                self._loop.call_soon_threadsafe(self._fail_all, f"{type(exc).__name__}: {exc}")
+                return
+            if outputs:
+                self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, rid, prompt, params, priority, tenant, deadline = command
+                try:
+                    self.engine.add_request(rid, prompt, params, priority=priority, tenant=tenant, deadline=deadline)
+                except ValueError as exc:           # e.g. an id reused after an abort raced
+                    self._loop.call_soon_threadsafe(
+                        self._dispatch, [RequestOutput(rid, [], "", True, "error", error=str(exc))])
+            else:
+                self.engine.abort(command[1])
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            collector = self._collectors.get(out.request_id)
+            if collector is not None:
+                collector.put(out)
+
+    def _fail_all(self, message: str) -> None:
+        for rid, collector in list(self._collectors.items()):
+            collector.put(RequestOutput(rid, [], "", True, "error", error=message))

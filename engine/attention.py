@@ -1,0 +1,73 @@
+"""Attention over block tables for a packed batch that mixes prefill chunks and decode
+tokens, registered with transformers' AttentionInterface as "streamgate_paged".
+
+The model runs on one packed row `[1, N]`. Rows that compute a single token (decodes, and a
+prefill's last 1-token chunk) are batched into one SDPA call over their gathered, padded
+contexts. Each prefill chunk gets its own SDPA call with a causal mask offset by the tokens
+already computed. All index tensors are built once per step (`AttentionMetadata`) and
+shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from .kv_cache import PagedKVCache
+
+ATTN_IMPLEMENTATION = "streamgate_paged"
+
+
+@dataclass
+class PrefillChunk:
+    rows: slice                      # the chunk's rows in the packed batch
+    context_slots: torch.Tensor | None  # [T] slots of the whole context; None: no earlier context
+    mask: torch.Tensor | None        # [q, T] bool, causal with offset; None: plain causal
+
+
+@dataclass
+class AttentionMetadata:
+    cache: PagedKVCache
+    slot_mapping: torch.Tensor       # [N] where each new token's K/V goes
+    decode_rows: torch.Tensor | None  # [B] packed-row index of each single-token row
+    decode_slots: torch.Tensor | None  # [B, T_max] context slots, padded with slot 0
+    decode_mask: torch.Tensor | None   # [B, 1, 1, T_max] True where the slot is real context
+    prefills: list[PrefillChunk]
+
+
+def paged_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, **kwargs):
+    """query [1, H, N, D]; key/value [1, H_kv, N, D] (already written to the pool by the
+    cache's update()). Returns ([1, N, H, D], None)."""
+    meta: AttentionMetadata = kwargs["paged"]
+    layer = module.layer_idx
+    q = query[0].transpose(0, 1)                                  # [N, H, D]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)                                     # [N, H, D]
+
+    if meta.decode_rows is not None:
+        k_ctx, v_ctx = meta.cache.gather(layer, meta.decode_slots)  # [B, T, H_kv, D]
+        b = k_ctx.shape[0]
+        qd = q[meta.decode_rows].view(b, num_kv_heads, group, head_dim)  # [B, H_kv, G, D]
+        o = F.scaled_dot_product_attention(qd, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
+                                           attn_mask=meta.decode_mask, scale=scaling)  # [B, H_kv, G, D]
+        out[meta.decode_rows] = o.reshape(b, num_heads, head_dim)
+
+    for chunk in meta.prefills:
+        qp = q[chunk.rows].transpose(0, 1).unsqueeze(0)           # [1, H, q, D]
+        if chunk.context_slots is None:                            # whole context is this chunk
+            kp, vp = key[:, :, chunk.rows], value[:, :, chunk.rows]  # [1, H_kv, q, D]
+        else:
+            kc, vc = meta.cache.gather(layer, chunk.context_slots)  # [T, H_kv, D]
+            kp, vp = kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0)  # [1, H_kv, T, D]
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                           scale=scaling, enable_gqa=group > 1)  # [1, H, q, D]
+        out[chunk.rows] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

@@ -1,0 +1,178 @@
+"""KV block bookkeeping: fixed-size blocks, ref counts, a free queue, per-sequence block
+tables and prefix caching. Plain ints only; never imports torch.
+
+Prefix caching: a full, computed block is named by a chained hash of (previous block's
+hash, its token ids). A new sequence walks its prompt block by block and reuses every
+block whose hash is registered *and* whose stored tokens equal its own (the check that
+rules out false sharing). A block whose last owner frees it keeps its hash and goes to the
+back of the free queue; allocation takes from the front, so cached blocks are evicted
+least-recently-freed first (LRU) and a hit on a free block takes it back off the queue.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from .sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    """Chained hash of one full block; 128-bit BLAKE2b, so collisions are not a concern."""
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: bytes | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block: dict[bytes, int] = {}
+        self.prefix_hit_tokens = 0       # cumulative tokens served from the prefix cache
+        self.prefix_query_tokens = 0     # cumulative prompt tokens looked up
+
+    # -- capacity -----------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - len(self.free_queue)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    # -- prefix matching ----------------------------------------------------------------
+    def _match_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
+        """Cached blocks covering a prefix of `seq`. The last token is never served from
+        cache: the model must compute at least one position to produce logits."""
+        if not self.enable_prefix_caching:
+            return [], []
+        bs, ids, hashes, parent = self.block_size, [], [], b""
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = seq.token_ids(i * bs, (i + 1) * bs)
+            h = block_hash(parent, tokens)
+            bid = self.hash_to_block.get(h)
+            if bid is None or self.blocks[bid].token_ids != tuple(tokens):
+                break
+            ids.append(bid)
+            hashes.append(h)
+            parent = h
+        return ids, hashes
+
+    def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
+        """Whether all of `seq`'s tokens fit, leaving `reserve` blocks free (the watermark)."""
+        hits, _ = self._match_prefix(seq)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        need = self.blocks_for(seq.num_tokens) - len(hits) + revived
+        return need + reserve <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give `seq` blocks for all its tokens, reusing cached prefix blocks."""
+        assert not seq.block_table, f"{seq.request_id} already holds blocks"
+        hits, hashes = self._match_prefix(seq)
+        for bid in hits:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                del self.free_queue[bid]
+            block.ref_count += 1
+        seq.block_table = list(hits)
+        seq.block_hashes = list(hashes)
+        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens
+        self.prefix_hit_tokens += seq.num_cached_tokens
+        self.prefix_query_tokens += seq.num_tokens
+        self._grow(seq, seq.num_tokens)
+
+    # -- growth -------------------------------------------------------------------------
+    def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+        need = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return need <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> None:
+        """Make room for the next `num_new_tokens` tokens to be computed."""
+        self._grow(seq, seq.num_computed_tokens + num_new_tokens)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> None:
+        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        if need > self.num_free_blocks:
+            raise RuntimeError(f"out of KV blocks: {seq.request_id} needs {need}, {self.num_free_blocks} free")
+        for _ in range(need):
+            seq.block_table.append(self._pop_free())
+
+    def _pop_free(self) -> int:
+        bid, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[bid]
+        if block.hash is not None:            # evict its cache entry
+            if self.hash_to_block.get(block.hash) == bid:
+                del self.hash_to_block[block.hash]
+            block.hash = block.token_ids = None
+        block.ref_count = 1
+        return bid
+
+    # -- after the model ran --------------------------------------------------------------
+    def commit(self, seq: Sequence) -> None:
+        """Register the hashes of blocks that the last step filled with computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            tokens = seq.token_ids(i * bs, (i + 1) * bs)
+            parent = seq.block_hashes[-1] if seq.block_hashes else b""
+            h = block_hash(parent, tokens)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self.hash_to_block:
+                block.hash, block.token_ids = h, tuple(tokens)
+                self.hash_to_block[h] = block.block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks. Tail blocks are queued first, so they are evicted first."""
+        for bid in reversed(seq.block_table):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {bid} freed twice"
+            if block.ref_count == 0:
+                if block.hash is None:
+                    self.free_queue[bid] = None
+                    self.free_queue.move_to_end(bid, last=False)   # uncached: reuse first
+                else:
+                    self.free_queue[bid] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    # -- introspection (tests, stats) -----------------------------------------------------
+    def check_invariants(self, live: list[Sequence]) -> None:
+        """Every block is either free (ref 0) or owned exactly ref_count times by `live`."""
+        owners: dict[int, int] = {}
+        for seq in live:
+            for bid in seq.block_table:
+                owners[bid] = owners.get(bid, 0) + 1
+        for block in self.blocks:
+            expected = owners.get(block.block_id, 0)
+            assert block.ref_count == expected, f"block {block.block_id}: ref {block.ref_count} != {expected} owners"
+            assert (block.block_id in self.free_queue) == (expected == 0), f"block {block.block_id} free-queue state wrong"
+        for h, bid in self.hash_to_block.items():
+            assert self.blocks[bid].hash == h, f"stale hash entry for block {bid}"

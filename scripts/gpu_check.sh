@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# On a machine with an NVIDIA GPU: run the engine's parity tests on CUDA (bf16) and a short
+# offline benchmark. Takes a few minutes. Usage: bash scripts/gpu_check.sh [OUTDIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${1:-${OUT:-bench/results}}
+mkdir -p "$OUT"
+"$PY" - <<'PY'
+import torch
+assert torch.cuda.is_available(), "no CUDA device visible to torch (is this the CPU build of torch?)"
+print("CUDA:", torch.cuda.get_device_name(0), "torch", torch.__version__)
+PY
+"$PY" -m pytest -q -m cuda -k "cuda" tests/test_parity.py 2>&1 | tee "$OUT/gpu_parity.txt"
+"$PY" -m bench.offline --device cuda --dtype bfloat16 --systems engine,hf-static \
+    --num-requests 64 --json-out "$OUT/offline_cuda.json" 2>&1 | tee "$OUT/gpu_bench.txt"

@@ -1,0 +1,102 @@
+"""Building tiny models and checking an engine's greedy output against Hugging Face."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.2,
+            tie_word_embeddings=False)
+
+
+def build_tiny_model(family: str, out: Path, tokenizer_dir: str) -> str:
+    """A ~4M-parameter random model of `family` with the default model's vocabulary."""
+    import transformers
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
+    }[family]
+    extra = {"head_dim": 16} if family == "qwen3" else {}
+    if family == "gpt2":
+        config = config_cls(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4)
+    else:
+        config = config_cls(vocab_size=len(tokenizer), **TINY, **extra)
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(1234)
+    model = model_cls(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+def load_reference(model_dir: str, device: str = "cpu", dtype: str = "float32"):
+    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa",
+                                                dtype=getattr(torch, dtype)).to(device).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Hugging Face `generate`, greedy, explicit attention mask, exactly max_new_tokens."""
+    device = model.device
+    ids = torch.tensor([prompt], device=device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                         temperature=None, top_p=None, top_k=None)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.inference_mode()
+def assert_greedy_parity(model, prompt: list[int], got: list[int], tol: float) -> None:
+    """`got` must equal HF's greedy output. Where they differ, the first difference must be a
+    near-tie (logits within `tol`), and every token the engine chose must be within `tol` of
+    the teacher-forced maximum at its position."""
+    want = hf_greedy(model, prompt, len(got))
+    if got == want:
+        return
+    ids = torch.tensor([prompt + got], device=model.device)
+    logits = model(ids).logits[0, len(prompt) - 1:-1].float()          # [len(got), V]
+    first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    row = logits[first]
+    assert abs(row[got[first]] - row[want[first]]) <= tol, (
+        f"diverged at output {first}: engine {got[first]} vs HF {want[first]}, "
+        f"logit gap {float(row[want[first]] - row[got[first]]):.3g} > {tol}\n got={got}\nwant={want}")
+    best = logits.max(dim=-1).values
+    chosen = logits.gather(1, torch.tensor(got, device=logits.device)[:, None])[:, 0]
+    worst = int((best - chosen).argmax())
+    assert float(best[worst] - chosen[worst]) <= tol, f"token {worst} is {float(best[worst] - chosen[worst]):.3g} below the max"
+
+
+def copy_tokenizer(src: str, dst: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (Path(src) / name).exists():
+            shutil.copy(Path(src) / name, dst / name)
+
+
+def run_to_completion(engine, arrivals: dict[int, list[tuple]]) -> dict[str, list[int]]:
+    """Step `engine`, adding requests at the given steps: {step: [(id, prompt, params), ...]}.
+    Returns each request's output token ids and checks every request ends exactly once."""
+    outputs: dict[str, list[int]] = {}
+    finished: dict[str, str] = {}
+    step = 0
+    while engine.has_unfinished() or any(s >= step for s in arrivals):
+        for rid, prompt, params in arrivals.get(step, []):
+            engine.add_request(rid, prompt, params)
+        for out in engine.step():
+            assert out.request_id not in finished, f"{out.request_id} produced output after finishing"
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+        step += 1
+        assert step < 10_000, "engine did not finish"
+    expected = {rid for reqs in arrivals.values() for rid, _, _ in reqs}
+    assert set(finished) == expected, f"unfinished: {expected - set(finished)}"
+    return outputs
