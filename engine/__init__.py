@@ -2,6 +2,7 @@
 chunked prefill. See DESIGN.md for the contract."""
 
 from .config import EngineConfig, SamplingParams
+from .errors import EngineOverloaded
 from .sequence import RequestOutput, Sequence, SequenceStatus
 
 
@@ -18,4 +19,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["EngineConfig", "SamplingParams", "RequestOutput", "Sequence", "SequenceStatus",
-           "LLMEngine", "AsyncEngine"]
+           "LLMEngine", "AsyncEngine", "EngineOverloaded"]

@@ -16,6 +16,7 @@ import threading
 from collections.abc import AsyncIterator
 
 from .config import EngineConfig, SamplingParams
+from .errors import EngineOverloaded
 from .sequence import RequestOutput
 
 log = logging.getLogger("streamgate.engine")
@@ -83,17 +84,20 @@ class AsyncEngine:
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       priority: int = 0, tenant: str | None = None,
-                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Bad input raises ValueError before anything is queued.
-        Leaving the iterator early (break, cancellation, disconnect) aborts the request."""
+                       priority: int = 0, tenant: str | None = None, deadline: float | None = None,
+                       weight: float = 1.0) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Bad input raises ValueError and a full queue raises
+        EngineOverloaded, both before anything is queued. Leaving the iterator early (break,
+        cancellation, disconnect) aborts the request."""
         if not self._running:
             raise RuntimeError("AsyncEngine is not running (call start())")
         if request_id in self._collectors:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.engine.validate_request(request_id, prompt_token_ids, params, priority, deadline)
+        self.engine.validate_request(request_id, prompt_token_ids, params, priority, deadline, weight)
+        self.engine.scheduler.check_capacity(len(prompt_token_ids))   # a snapshot; rechecked on add
         collector = self._collectors[request_id] = _Collector()
-        self._send(("add", request_id, list(prompt_token_ids), params, priority, tenant, deadline))
+        self._send(("add", request_id, list(prompt_token_ids), params,
+                    dict(priority=priority, tenant=tenant, deadline=deadline, weight=weight)))
         finished = False
         try:
             while not finished:
@@ -141,10 +145,10 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, rid, prompt, params, priority, tenant, deadline = command
+                _, rid, prompt, params, kwargs = command
                 try:
-                    self.engine.add_request(rid, prompt, params, priority=priority, tenant=tenant, deadline=deadline)
-                except ValueError as exc:           # e.g. an id reused after an abort raced
+                    self.engine.add_request(rid, prompt, params, **kwargs)
+                except (ValueError, EngineOverloaded) as exc:   # lost a race with other adds
                     self._loop.call_soon_threadsafe(
                         self._dispatch, [RequestOutput(rid, [], "", True, "error", error=str(exc))])
             else:

@@ -38,8 +38,11 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0):
         self.block_size = block_size
+        self.num_host_blocks = num_host_blocks
+        self.host_free: list[int] = list(range(num_host_blocks))    # the swap pool
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -148,8 +151,42 @@ class BlockManager:
                 self.hash_to_block[h] = block.block_id
 
     def free(self, seq: Sequence) -> None:
-        """Release `seq`'s blocks. Tail blocks are queued first, so they are evicted first."""
-        for bid in reversed(seq.block_table):
+        """Release all of `seq`'s blocks (device and host); it has nothing computed after."""
+        self._release(seq.block_table)
+        self.host_free.extend(seq.host_table)
+        seq.block_table, seq.host_table, seq.block_hashes = [], [], []
+        seq.num_computed_tokens = 0
+
+    # -- swapping (the host pool) ---------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return 0 < len(seq.block_table) <= len(self.host_free)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move `seq` to host blocks; returns (device block, host block) pairs to copy.
+        The copies must run before the device blocks are written again (the runner does
+        them before the step's forward pass)."""
+        pairs = [(bid, self.host_free.pop()) for bid in seq.block_table]
+        self._release(seq.block_table)
+        seq.host_table = [h for _, h in pairs]
+        seq.block_table, seq.block_hashes = [], []
+        return pairs
+
+    def can_swap_in(self, seq: Sequence, reserve: int = 0) -> bool:
+        return self.blocks_for(seq.num_tokens) + reserve <= self.num_free_blocks
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Give `seq` fresh device blocks for all its tokens; returns (host block, device
+        block) pairs to copy back. Its computed tokens stay computed."""
+        self._grow(seq, seq.num_tokens)
+        pairs = list(zip(seq.host_table, seq.block_table))
+        self.host_free.extend(seq.host_table)
+        seq.host_table = []
+        return pairs
+
+    def _release(self, table: list[int]) -> None:
+        """Drop one reference to each block. Tail blocks are queued first, so among cached
+        blocks the tails are evicted before the prefixes; uncached blocks are reused first."""
+        for bid in reversed(table):
             block = self.blocks[bid]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {bid} freed twice"
@@ -159,9 +196,6 @@ class BlockManager:
                     self.free_queue.move_to_end(bid, last=False)   # uncached: reuse first
                 else:
                     self.free_queue[bid] = None
-        seq.block_table = []
-        seq.block_hashes = []
-        seq.num_computed_tokens = 0
 
     # -- introspection (tests, stats) -----------------------------------------------------
     def check_invariants(self, live: list[Sequence]) -> None:
@@ -176,3 +210,6 @@ class BlockManager:
             assert (block.block_id in self.free_queue) == (expected == 0), f"block {block.block_id} free-queue state wrong"
         for h, bid in self.hash_to_block.items():
             assert self.blocks[bid].hash == h, f"stale hash entry for block {bid}"
+        held = [h for seq in live for h in seq.host_table]
+        assert len(held) == len(set(held)), "a host block is owned twice"
+        assert sorted(held + self.host_free) == list(range(self.num_host_blocks)), "host blocks lost"

@@ -28,6 +28,12 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
     watermark: float = 0.01               # share of KV blocks kept free at admission
     chunked_prefill: bool = True          # False: prefill-first, unchunked (for comparison)
+    aging_rate: float = 0.1               # priority classes gained per second of waiting
+    preempt_for_priority: bool | None = None  # None: on for policy="priority"
+    swap_min_tokens: int = 256            # auto mode: swap sequences at least this long
+    max_queued_requests: int = 4096       # beyond this add_request raises EngineOverloaded
+    max_queued_tokens: int = 4 * 1024 * 1024
+    starvation_threshold_s: float = 30.0  # waiting longer than this counts as starving
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -51,9 +57,20 @@ class EngineConfig:
         need(_is_int(self.num_swap_blocks) and self.num_swap_blocks >= 0, "num_swap_blocks", "must be an int >= 0")
         need(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "must be > 0")
         need(0.0 <= self.watermark < 1.0, "watermark", "must be in [0, 1)")
+        need(self.aging_rate >= 0, "aging_rate", "must be >= 0")
+        need(_is_int(self.swap_min_tokens) and self.swap_min_tokens >= 0, "swap_min_tokens", "must be an int >= 0")
+        need(_is_int(self.max_queued_requests) and self.max_queued_requests > 0, "max_queued_requests", "must be > 0")
+        need(_is_int(self.max_queued_tokens) and self.max_queued_tokens > 0, "max_queued_tokens", "must be > 0")
+        need(self.starvation_threshold_s > 0, "starvation_threshold_s", "must be > 0")
+        need(self.preemption_mode != "swap" or self.num_swap_blocks > 0, "num_swap_blocks",
+             "must be > 0 when preemption_mode is 'swap'")
         if not self.chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
                  "must be >= max_model_len when chunked_prefill is off (a whole prompt runs in one step)")
+
+    @property
+    def priority_preemption(self) -> bool:
+        return self.policy == "priority" if self.preempt_for_priority is None else self.preempt_for_priority
 
 
 @dataclass(frozen=True)
@@ -99,6 +116,7 @@ class SamplingParams:
         limit = vocab_size if vocab_size is not None else float("inf")
         if not all(_is_int(t) and 0 <= t < limit for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids in [0, {limit}) (got {self.stop_token_ids!r})")
+
 
 
 def _is_int(x: object) -> bool:

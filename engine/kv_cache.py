@@ -14,13 +14,19 @@ import torch
 
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
+                 head_dim: int, dtype: torch.dtype, device: torch.device, num_host_blocks: int = 0):
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)   # [L, S, H_kv, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)   # [L, S, H_kv, D]
+        # The swap pool lives in host memory (pinned on CUDA, so copies can overlap).
+        host_shape = (num_layers, num_host_blocks * block_size, num_kv_heads, head_dim)
+        pin = torch.device(device).type == "cuda"
+        self.k_host = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+        self.v_host = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+        self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * self.k.element_size()
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -38,6 +44,24 @@ class PagedKVCache:
         meta = (kwargs or {})["paged"]
         self.write(layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping)
         return key, value
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> int:
+        """Copy blocks device→host (swap_out pairs), then host→device (swap_in pairs), in
+        that order, so a block freed by a swap-out can be refilled in the same step.
+        Returns the bytes moved."""
+        for pairs, src, dst in ((swap_out, (self.k, self.v), (self.k_host, self.v_host)),
+                                (swap_in, (self.k_host, self.v_host), (self.k, self.v))):
+            if not pairs:
+                continue
+            src_slots = self._slots([a for a, _ in pairs], src[0].device)
+            dst_slots = self._slots([b for _, b in pairs], dst[0].device)
+            for s, d in zip(src, dst):
+                d[:, dst_slots] = s[:, src_slots].to(d.device, non_blocking=True)   # [L, n*bs, H_kv, D]
+        return (len(swap_out) + len(swap_in)) * self.bytes_per_block
+
+    def _slots(self, blocks: list[int], device: torch.device) -> torch.Tensor:
+        b = torch.tensor(blocks, dtype=torch.long, device=device)
+        return (b[:, None] * self.block_size + torch.arange(self.block_size, device=device)).reshape(-1)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of the pool at `slots` (any shape [...]): returns [..., H_kv, D] each."""

@@ -14,6 +14,7 @@ import time
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
 from .detokenizer import IncrementalDetokenizer
+from .metrics import EngineMetrics
 from .model_runner import ModelRunner
 from .sampler import sample
 from .scheduler import Scheduler, SchedulerOutput
@@ -23,15 +24,23 @@ log = logging.getLogger("streamgate.engine")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, clock=time.monotonic):
+        """`clock` (seconds, monotonic) times arrivals, deadlines and latencies; tests pass a
+        fake one."""
         self.config = config
+        self.clock = clock
         self.runner = ModelRunner(config)
         self.tokenizer = self.runner.tokenizer
         self.vocab_size = self.runner.vocab_size
         capacity = self.runner.num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or self.runner.max_position_embeddings or capacity, capacity)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          num_host_blocks=config.num_swap_blocks)
+        self.scheduler = Scheduler(config, self.block_manager, clock)
+        self.metrics = EngineMetrics(self.stats)
+        self._swapped_bytes = 0
+        self._prompt_tokens = self._generation_tokens = 0
+        self._served: dict[str, list[int]] = {}      # tenant -> [input tokens, output tokens]
         self.eos_token_ids = _eos_ids(self.tokenizer, self.runner.model)
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
@@ -41,7 +50,7 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def validate_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                         priority: int = 0, deadline: float | None = None) -> None:
+                         priority: int = 0, deadline: float | None = None, weight: float = 1.0) -> None:
         """Raise ValueError naming the bad field; touches no engine state."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string (got {request_id!r})")
@@ -61,13 +70,25 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer (got {priority!r})")
         if deadline is not None and not isinstance(deadline, (int, float)):
             raise ValueError(f"deadline must be a time.monotonic() value or None (got {deadline!r})")
+        if not isinstance(weight, (int, float)) or not weight > 0:
+            raise ValueError(f"weight must be > 0 (got {weight!r})")
+        blocks = self.block_manager.blocks_for(len(prompt_token_ids) + 1)
+        usable = self.block_manager.num_blocks - self.scheduler.watermark_blocks
+        if blocks > usable:
+            raise ValueError(f"prompt_token_ids: the prompt needs {blocks} KV blocks but only {usable} "
+                             f"can ever be free (num_kv_blocks={self.block_manager.num_blocks})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     priority: int = 0, tenant: str | None = None, deadline: float | None = None,
-                    arrival_time: float | None = None) -> None:
-        self.validate_request(request_id, prompt_token_ids, params, priority, deadline)
+                    weight: float = 1.0, arrival_time: float | None = None) -> None:
+        """Queue a request. Raises ValueError (bad input, naming the field) or
+        EngineOverloaded (a queue limit is reached); either way nothing changes."""
+        self.validate_request(request_id, prompt_token_ids, params, priority, deadline, weight)
+        self.scheduler.check_capacity(len(prompt_token_ids))
         seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority, tenant=tenant,
-                       deadline=deadline, arrival_time=arrival_time, eos_token_ids=self.eos_token_ids)
+                       deadline=deadline, arrival_time=self.clock() if arrival_time is None else arrival_time,
+                       eos_token_ids=self.eos_token_ids,
+                       weight=weight)
         self.seqs[request_id] = seq
         self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
         self.scheduler.add(seq)
@@ -77,8 +98,8 @@ class LLMEngine:
         Unknown (or already finished) ids are ignored."""
         seq = self.seqs.get(request_id)
         if seq is not None and not seq.status.finished:
-            self._end(seq, "abort")
-            self._pending.append(self._output(seq, [], ""))
+            self.scheduler.finish(seq, "abort")
+            self._pending.append(self._retire(seq))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
@@ -88,6 +109,8 @@ class LLMEngine:
         start = time.perf_counter()
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
+        outputs += [self._retire(seq) for seq in batch.finished]      # deadlines
+        self._swapped_bytes += self.runner.swap(batch)
         self.runner.last_forward_time = 0.0
         if not batch.is_empty:
             sampling = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
@@ -104,13 +127,22 @@ class LLMEngine:
         return outputs
 
     def _postprocess(self, batch: SchedulerOutput, sampling: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
+        policy = self.scheduler.policy
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            decode = seq.num_uncomputed_tokens == 1 and seq.num_output_tokens > 0
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
-        now = time.monotonic()
+            if not decode:                               # (the scheduler charged the policy)
+                self._prompt_tokens += n
+                self._served.setdefault(seq.tenant or "", [0, 0])[0] += n
+        now = self.clock()
         outputs = []
         for seq, token in zip(sampling, tokens):
             seq.output_token_ids.append(token)
+            self._generation_tokens += 1
+            self._served.setdefault(seq.tenant or "", [0, 0])[1] += 1
+            policy.on_served(seq, 0, 1)
+            self.metrics.on_token(seq, now)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             detok = self.detoks[seq.request_id]
@@ -119,9 +151,8 @@ class LLMEngine:
             text = "" if is_stop_token else detok.add_token(token)
             reason = self._finish_reason(seq, is_stop_token, detok)
             if reason is not None:
-                if not detok.stopped:
-                    text += detok.flush()
-                self._end(seq, reason)
+                self.scheduler.finish(seq, reason)
+                text += self._retire(seq).new_text
             outputs.append(self._output(seq, [token], text))
         return outputs
 
@@ -136,16 +167,24 @@ class LLMEngine:
         outputs = []
         for seq in batch.seqs:
             if not seq.status.finished:
-                self._end(seq, "error")
-                out = self._output(seq, [], "")
+                self.scheduler.finish(seq, "error")
+                out = self._retire(seq)
                 out.error = f"{type(exc).__name__}: {exc}"
                 outputs.append(out)
         return outputs
 
     def _end(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        self._retire(seq)
+
+    def _retire(self, seq: Sequence) -> RequestOutput:
+        """Forget a finished sequence; returns its final output (for requests the scheduler
+        ended, e.g. by deadline). Any text still held back is released."""
+        self.metrics.on_finish(seq, self.clock())
         del self.seqs[seq.request_id]
-        del self.detoks[seq.request_id]
+        detok = self.detoks.pop(seq.request_id)
+        text = "" if detok.stopped or seq.finish_reason in ("abort", "error") else detok.flush()
+        return self._output(seq, [], text)
 
     def _output(self, seq: Sequence, new_token_ids: list[int], text: str) -> RequestOutput:
         done = seq.status is SequenceStatus.FINISHED
@@ -154,26 +193,47 @@ class LLMEngine:
 
     # -- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:
-        """A plain-dict snapshot of queues, KV usage and the last step."""
-        bm, sched, last = self.block_manager, self.scheduler, self.scheduler.last_output
+        """A plain-dict snapshot of queues, KV usage, the last step and cumulative counters."""
+        bm, sched, last, c = self.block_manager, self.scheduler, self.scheduler.last_output, self.scheduler.counters
+        cfg, now = self.config, self.clock()
         filled: dict[int, int] = {}
-        for seq in sched.running:
-            for i, bid in enumerate(seq.block_table):
+        for seq in list(sched.running):
+            for i, bid in enumerate(list(seq.block_table)):
                 filled[bid] = max(filled.get(bid, 0), min(bm.block_size, seq.num_computed_tokens - i * bm.block_size))
+        fair = getattr(sched.policy, "counters", {})
         return {
             "waiting": len(sched.waiting),
             "running": len(sched.running),
+            "swapped": len(sched.swapped),
+            "batch_occupancy": len(sched.running) / cfg.max_num_seqs,
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_total": bm.num_blocks,
+            "kv_cache_usage": bm.num_used_blocks / bm.num_blocks,
             "kv_slots_used": sum(max(0, f) for f in filled.values()),
+            "host_blocks_used": bm.num_host_blocks - len(bm.host_free),
+            "host_blocks_total": bm.num_host_blocks,
             "block_size": bm.block_size,
             "prefix_cache_hit_tokens": bm.prefix_hit_tokens,
             "prefix_cache_query_tokens": bm.prefix_query_tokens,
+            "prefix_cache_hit_rate": bm.prefix_hit_tokens / max(1, bm.prefix_query_tokens),
             "num_batched_tokens": last.num_batched_tokens,
             "num_decode_tokens": last.num_decode_tokens,
             "num_prefill_tokens": last.num_prefill_tokens,
             "num_seqs_scheduled": len(last.seqs),
-            "num_preemptions": sched.num_preemptions,
+            "token_budget_usage": last.num_batched_tokens / cfg.max_num_batched_tokens,
+            "num_preemptions": c.preemptions,
+            "preemptions_recompute": c.preemptions_recompute,
+            "preemptions_swap": c.preemptions_swap,
+            "recomputed_tokens": c.recomputed_tokens,
+            "swapped_bytes": self._swapped_bytes,
+            "deadline_drops": c.deadline_drops,
+            "deadline_finishes": c.deadline_finishes,
+            "rejections": c.rejections,
+            "starving": sum(1 for s in list(sched.waiting) if now - s.arrival_time > cfg.starvation_threshold_s),
+            "prompt_tokens": self._prompt_tokens,
+            "generation_tokens": self._generation_tokens,
+            "tenant_served_tokens": {t: tuple(v) for t, v in dict(self._served).items()},
+            "fair_counters": {str(t or ""): v for t, v in dict(fair).items()},
             "step_time_s": self._step_time,
             "forward_time_s": self._forward_time,
             "num_steps": self._num_steps,

@@ -34,7 +34,7 @@ class ModelRunner:
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.num_blocks = config.num_kv_blocks or self._auto_num_blocks(hf.num_hidden_layers, num_kv_heads, head_dim)
         self.kv_cache = PagedKVCache(hf.num_hidden_layers, self.num_blocks, config.block_size,
-                                     num_kv_heads, head_dim, self.dtype, self.device)
+                                     num_kv_heads, head_dim, self.dtype, self.device, config.num_swap_blocks)
         self.last_forward_time = 0.0
 
     def _auto_num_blocks(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
@@ -52,6 +52,16 @@ class ModelRunner:
         return num_blocks
 
     # -- one step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def swap(self, batch: SchedulerOutput) -> int:
+        """Do the step's KV copies to and from the host pool; returns bytes moved."""
+        if not (batch.swap_out or batch.swap_in):
+            return 0
+        moved = self.kv_cache.swap(batch.swap_out, batch.swap_in)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return moved
+
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> torch.Tensor:
         """Returns float32 logits [num_sampling_rows, V], one row per sequence that

@@ -35,25 +35,29 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  priority: int = 0, tenant: str | None = None, deadline: float | None = None,
-                 arrival_time: float | None = None, eos_token_ids: frozenset[int] = frozenset()):
+                 arrival_time: float | None = None, eos_token_ids: frozenset[int] = frozenset(),
+                 weight: float = 1.0):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
         self.priority = priority
         self.tenant = tenant
+        self.weight = weight                  # the tenant's share under the fair policy
         self.deadline = deadline
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.eos_token_ids = eos_token_ids
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.block_table: list[int] = []
+        self.host_table: list[int] = []       # host-pool blocks while SWAPPED
         self.block_hashes: list[bytes] = []   # hashes of this sequence's full, computed blocks
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0            # prefix-cache hits at the last allocation
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         self.generator = None                 # sampler's per-request RNG (set by the sampler)
 
     # -- derived values ---------------------------------------------------------------

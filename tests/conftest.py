@@ -12,6 +12,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and OpenMP's spinning threads slow
+    to a crawl when another process shares the two cores. The SmolLM2 tests opt back in."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@pytest.fixture
+def all_threads():
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    yield
+    torch.set_num_threads(1)
+
+
 def cuda_available() -> bool:
     try:
         import torch

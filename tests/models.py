@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -45,11 +44,12 @@ def load_reference(model_dir: str, device: str = "cpu", dtype: str = "float32"):
 
 @torch.inference_mode()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Hugging Face `generate`, greedy, explicit attention mask, exactly max_new_tokens."""
+    """Hugging Face `generate`, greedy, explicit attention mask, EOS ignored (as the engine's
+    `ignore_eos`; `min_new_tokens` would instead mask EOS and change the argmax)."""
     device = model.device
     ids = torch.tensor([prompt], device=device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                         eos_token_id=None, do_sample=False, pad_token_id=0,
                          temperature=None, top_p=None, top_k=None)
     return out[0, len(prompt):].tolist()
 
@@ -73,12 +73,6 @@ def assert_greedy_parity(model, prompt: list[int], got: list[int], tol: float) -
     chosen = logits.gather(1, torch.tensor(got, device=logits.device)[:, None])[:, 0]
     worst = int((best - chosen).argmax())
     assert float(best[worst] - chosen[worst]) <= tol, f"token {worst} is {float(best[worst] - chosen[worst]):.3g} below the max"
-
-
-def copy_tokenizer(src: str, dst: Path) -> None:
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        if (Path(src) / name).exists():
-            shutil.copy(Path(src) / name, dst / name)
 
 
 def run_to_completion(engine, arrivals: dict[int, list[tuple]]) -> dict[str, list[int]]:

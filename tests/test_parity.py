@@ -87,7 +87,7 @@ def test_prefix_cache_off_means_no_hits(tiny_model):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device_dtype", DEVICES)
-def test_smollm2_greedy_parity(default_model_dir, device_dtype):
+def test_smollm2_greedy_parity(default_model_dir, device_dtype, all_threads):
     """SmolLM2-135M: 8 chat prompts of mixed lengths, chunked prefill, equal HF generate."""
     from transformers import AutoTokenizer
 

@@ -142,3 +142,15 @@ def test_finish_frees_blocks_from_any_queue():
     s.finish(b, "abort")
     assert s.bm.num_free_blocks == 10 and not s.running and not s.waiting
     assert a.status is SequenceStatus.FINISHED and a.finish_reason == "abort"
+
+
+def test_prefill_first_mode_stalls_decodes_while_admitting():
+    """With chunked_prefill off (the comparison mode), a step that admits a prompt runs no
+    decodes; with it on, the decodes run beside a chunk of the prompt."""
+    for chunked, want in ((False, ["p"]), (True, ["d", "p"])):
+        s = make(max_num_batched_tokens=32, max_num_seqs=4, chunked_prefill=chunked, max_model_len=32)
+        s.add(req("d", 4, 0.0))
+        advance(s, s.schedule())
+        s.add(req("p", 20, 1.0))
+        out = s.schedule()
+        assert [q.request_id for q in out.seqs] == want

@@ -1,0 +1,88 @@
+"""Each policy's ordering rule on hand-built queues (no torch, fake clock)."""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig, SamplingParams
+from engine.policy import make_policy
+from engine.sequence import Sequence
+
+
+def seq(rid, *, t=0.0, prio=0, n=10, max_tokens=16, tenant=None, deadline=None, weight=1.0, computed=0):
+    s = Sequence(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens), priority=prio, tenant=tenant,
+                 deadline=deadline, arrival_time=t, weight=weight)
+    s.num_computed_tokens = computed
+    return s
+
+
+def order(policy, seqs, now):
+    return [s.request_id for s in sorted(seqs, key=lambda s: policy.key(s, now))]
+
+
+def test_fcfs_orders_by_arrival():
+    """fcfs: earliest arrival first, whatever the priority or size."""
+    p = make_policy(EngineConfig(policy="fcfs"))
+    seqs = [seq("c", t=3, prio=0), seq("a", t=1, prio=9, n=1000), seq("b", t=2)]
+    assert order(p, seqs, now=5) == ["a", "b", "c"]
+
+
+def test_priority_orders_by_class_then_deadline_then_arrival():
+    """priority: lower class first; within a class the earlier deadline, then arrival."""
+    p = make_policy(EngineConfig(policy="priority", aging_rate=0.0))
+    seqs = [seq("low", t=0, prio=2), seq("hi-late", t=2, prio=0), seq("hi-dl", t=3, prio=0, deadline=50.0),
+            seq("hi-dl-early", t=4, prio=0, deadline=20.0), seq("mid", t=1, prio=1)]
+    assert order(p, seqs, now=5) == ["hi-dl-early", "hi-dl", "hi-late", "mid", "low"]
+
+
+def test_priority_aging_lets_old_low_priority_requests_through():
+    """With aging 0.1 class/s, a class-2 request waiting 30 s outranks a fresh class-0 one;
+    after 10 s it does not yet."""
+    p = make_policy(EngineConfig(policy="priority", aging_rate=0.1))
+    old, fresh = seq("old", t=0, prio=2), seq("fresh", t=30, prio=0)
+    assert order(p, [fresh, old], now=30) == ["old", "fresh"]
+    old2, fresh2 = seq("old", t=0, prio=2), seq("fresh", t=10, prio=0)
+    assert order(p, [old2, fresh2], now=10) == ["fresh", "old"]
+
+
+def test_priority_victim_is_worst_class_then_least_progress():
+    """Victims: the least urgent class first; within it, the one with the least progress."""
+    p = make_policy(EngineConfig(policy="priority"))
+    seqs = [seq("hi", prio=0), seq("lo-far", prio=3, computed=90), seq("lo-new", prio=3, computed=5)]
+    victim = max(seqs, key=lambda s: p.victim_key(s, 0.0))
+    assert victim.request_id == "lo-new"
+
+
+def test_cost_prefers_cheap_requests_with_aging():
+    """cost: a short prompt with few output tokens goes before a long document; the long one
+    overtakes after waiting long enough."""
+    p = make_policy(EngineConfig(policy="cost", aging_rate=0.1))
+    short, long = seq("short", t=10, n=20, max_tokens=16), seq("long", t=10, n=2000, max_tokens=256)
+    medium = seq("medium", t=10, n=200, max_tokens=64)
+    assert order(p, [long, medium, short], now=10) == ["short", "medium", "long"]
+    aged_long = seq("long", t=0, n=2000, max_tokens=256)
+    fresh_short = seq("short", t=100, n=20, max_tokens=16)
+    assert order(p, [fresh_short, aged_long], now=100) == ["long", "short"]
+
+
+def test_fair_serves_the_least_served_tenant_and_divides_by_weight():
+    """fair: counters grow by input x1 + output x2 over the weight; least counter first."""
+    p = make_policy(EngineConfig(policy="fair"))
+    a, b = seq("a1", tenant="a", weight=2.0), seq("b1", tenant="b", weight=1.0)
+    p.on_add(a, set())
+    p.on_add(b, {"a"})
+    p.on_served(a, 100, 10)        # (100 + 20) / 2 = 60
+    p.on_served(b, 50, 10)         # 50 + 20 = 70
+    assert p.counters == {"a": 60.0, "b": 70.0}
+    assert order(p, [seq("b2", t=0, tenant="b"), seq("a2", t=1, tenant="a")], now=2) == ["a2", "b2"]
+
+
+def test_fair_returning_tenant_starts_at_the_backlogged_minimum():
+    """A tenant back from idle is lifted to the smallest counter among backlogged tenants,
+    so its idle time is not banked; a tenant already ahead keeps its counter."""
+    p = make_policy(EngineConfig(policy="fair"))
+    p.counters = {"a": 500.0, "b": 800.0, "idle": 10.0, "ahead": 900.0}
+    p.on_add(seq("x", tenant="idle"), backlogged={"a", "b"})
+    assert p.counters["idle"] == 500.0
+    p.on_add(seq("y", tenant="ahead"), backlogged={"a", "b"})
+    assert p.counters["ahead"] == 900.0
+    p.on_add(seq("z", tenant="new"), backlogged={"a", "b"})
+    assert p.counters["new"] == 500.0
