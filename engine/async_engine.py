@@ -25,11 +25,12 @@ log = logging.getLogger("streamgate.engine")
 class _Collector:
     """One request's mailbox: holds at most one (merged) output."""
 
-    __slots__ = ("output", "event")
+    __slots__ = ("output", "event", "detached")
 
     def __init__(self) -> None:
         self.output: RequestOutput | None = None
         self.event = asyncio.Event()
+        self.detached = False    # the consumer left; kept until the engine confirms the end
 
     def put(self, out: RequestOutput) -> None:
         self.output = out if self.output is None else self.output.merge(out)
@@ -94,7 +95,7 @@ class AsyncEngine:
         if request_id in self._collectors:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.engine.validate_request(request_id, prompt_token_ids, params, priority, deadline, weight)
-        self.engine.scheduler.check_capacity(len(prompt_token_ids))   # a snapshot; rechecked on add
+        self.engine.scheduler.check_capacity(len(prompt_token_ids), count=False)  # rechecked on add
         collector = self._collectors[request_id] = _Collector()
         self._send(("add", request_id, list(prompt_token_ids), params,
                     dict(priority=priority, tenant=tenant, deadline=deadline, weight=weight)))
@@ -105,8 +106,12 @@ class AsyncEngine:
                 finished = out.finished
                 yield out
         finally:
-            self._collectors.pop(request_id, None)
-            if not finished:
+            if finished:
+                self._collectors.pop(request_id, None)
+            else:
+                # The id stays taken until the engine's final output for it arrives, so a
+                # reused id can never receive this request's abort.
+                collector.detached = True
                 self._send(("abort", request_id))
 
     async def abort(self, request_id: str) -> None:
@@ -122,12 +127,12 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         while self._running:
-            self._drain_commands()
-            if not engine.has_unfinished():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
             try:
+                self._drain_commands()
+                if not engine.has_unfinished():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
                 outputs = engine.step()
             except BaseException as exc:            # a bug outside the per-batch guard
                 log.exception("engine thread crashed")
@@ -157,7 +162,12 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             collector = self._collectors.get(out.request_id)
-            if collector is not None:
+            if collector is None:
+                continue
+            if collector.detached:
+                if out.finished:
+                    del self._collectors[out.request_id]
+            else:
                 collector.put(out)
 
     def _fail_all(self, message: str) -> None:

@@ -2,8 +2,9 @@
 tokens, registered with transformers' AttentionInterface as "streamgate_paged".
 
 The model runs on one packed row `[1, N]`. Rows that compute a single token (decodes, and a
-prefill's last 1-token chunk) are batched into one SDPA call over their gathered, padded
-contexts. Each prefill chunk gets its own SDPA call with a causal mask offset by the tokens
+prefill's last 1-token chunk) are batched into SDPA calls over their gathered, padded
+contexts, one call per group of similar context lengths (so one long context does not
+make every stream gather and attend over its padding). Each prefill chunk gets its own SDPA call with a causal mask offset by the tokens
 already computed. All index tensors are built once per step (`AttentionMetadata`) and
 shared by every layer.
 """
@@ -29,12 +30,18 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Single-token rows with similar context lengths, attended in one SDPA call."""
+    rows: torch.Tensor               # [B] packed-row index of each single-token row
+    slots: torch.Tensor              # [B, T_max] context slots, padded with slot 0
+    mask: torch.Tensor               # [B, 1, 1, T_max] True where the slot is real context
+
+
+@dataclass
 class AttentionMetadata:
     cache: PagedKVCache
     slot_mapping: torch.Tensor       # [N] where each new token's K/V goes
-    decode_rows: torch.Tensor | None  # [B] packed-row index of each single-token row
-    decode_slots: torch.Tensor | None  # [B, T_max] context slots, padded with slot 0
-    decode_mask: torch.Tensor | None   # [B, 1, 1, T_max] True where the slot is real context
+    decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
 
@@ -49,13 +56,13 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)                                     # [N, H, D]
 
-    if meta.decode_rows is not None:
-        k_ctx, v_ctx = meta.cache.gather(layer, meta.decode_slots)  # [B, T, H_kv, D]
+    for dec in meta.decodes:
+        k_ctx, v_ctx = meta.cache.gather(layer, dec.slots)        # [B, T, H_kv, D]
         b = k_ctx.shape[0]
-        qd = q[meta.decode_rows].view(b, num_kv_heads, group, head_dim)  # [B, H_kv, G, D]
+        qd = q[dec.rows].view(b, num_kv_heads, group, head_dim)    # [B, H_kv, G, D]
         o = F.scaled_dot_product_attention(qd, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
-                                           attn_mask=meta.decode_mask, scale=scaling)  # [B, H_kv, G, D]
-        out[meta.decode_rows] = o.reshape(b, num_heads, head_dim)
+                                           attn_mask=dec.mask, scale=scaling)  # [B, H_kv, G, D]
+        out[dec.rows] = o.reshape(b, num_heads, head_dim)
 
     for chunk in meta.prefills:
         qp = q[chunk.rows].transpose(0, 1).unsqueeze(0)           # [1, H, q, D]

@@ -43,6 +43,9 @@ class BlockManager:
         self.block_size = block_size
         self.num_host_blocks = num_host_blocks
         self.host_free: list[int] = list(range(num_host_blocks))    # the swap pool
+        # Host blocks released during a step stay unusable until the next step: a swap-in
+        # copy reading one may still be pending when a swap-out in the same step writes.
+        self.host_pending: list[int] = []
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -84,12 +87,20 @@ class BlockManager:
             parent = h
         return ids, hashes
 
-    def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
-        """Whether all of `seq`'s tokens fit, leaving `reserve` blocks free (the watermark)."""
+    def blocks_needed(self, seq: Sequence) -> int:
+        """Free blocks that allocating all of `seq`'s tokens would take (cached hits on
+        blocks nobody holds still leave the free queue)."""
         hits, _ = self._match_prefix(seq)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        need = self.blocks_for(seq.num_tokens) - len(hits) + revived
-        return need + reserve <= self.num_free_blocks
+        return self.blocks_for(seq.num_tokens) - len(hits) + revived
+
+    def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
+        """Whether all of `seq`'s tokens fit, leaving `reserve` blocks free (the watermark)."""
+        return self.blocks_needed(seq) + reserve <= self.num_free_blocks
+
+    def num_exclusive_blocks(self, seq: Sequence) -> int:
+        """Blocks that freeing `seq` would return to the free queue."""
+        return sum(1 for b in seq.block_table if self.blocks[b].ref_count == 1)
 
     def allocate(self, seq: Sequence) -> None:
         """Give `seq` blocks for all its tokens, reusing cached prefix blocks."""
@@ -153,7 +164,7 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release all of `seq`'s blocks (device and host); it has nothing computed after."""
         self._release(seq.block_table)
-        self.host_free.extend(seq.host_table)
+        self.host_pending.extend(seq.host_table)
         seq.block_table, seq.host_table, seq.block_hashes = [], [], []
         seq.num_computed_tokens = 0
 
@@ -179,9 +190,14 @@ class BlockManager:
         block) pairs to copy back. Its computed tokens stay computed."""
         self._grow(seq, seq.num_tokens)
         pairs = list(zip(seq.host_table, seq.block_table))
-        self.host_free.extend(seq.host_table)
+        self.host_pending.extend(seq.host_table)
         seq.host_table = []
         return pairs
+
+    def end_step(self) -> None:
+        """The step's copies are done: host blocks released during it become free."""
+        self.host_free.extend(self.host_pending)
+        self.host_pending.clear()
 
     def _release(self, table: list[int]) -> None:
         """Drop one reference to each block. Tail blocks are queued first, so among cached
@@ -212,4 +228,4 @@ class BlockManager:
             assert self.blocks[bid].hash == h, f"stale hash entry for block {bid}"
         held = [h for seq in live for h in seq.host_table]
         assert len(held) == len(set(held)), "a host block is owned twice"
-        assert sorted(held + self.host_free) == list(range(self.num_host_blocks)), "host blocks lost"
+        assert sorted(held + self.host_free + self.host_pending) == list(range(self.num_host_blocks)), "host blocks lost"

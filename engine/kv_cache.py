@@ -21,7 +21,7 @@ class PagedKVCache:
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)   # [L, S, H_kv, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)   # [L, S, H_kv, D]
-        # The swap pool lives in host memory (pinned on CUDA, so copies can overlap).
+        # The swap pool lives in host memory (pinned on CUDA for faster transfers).
         host_shape = (num_layers, num_host_blocks * block_size, num_kv_heads, head_dim)
         pin = torch.device(device).type == "cuda"
         self.k_host = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
@@ -56,7 +56,9 @@ class PagedKVCache:
             src_slots = self._slots([a for a, _ in pairs], src[0].device)
             dst_slots = self._slots([b for _, b in pairs], dst[0].device)
             for s, d in zip(src, dst):
-                d[:, dst_slots] = s[:, src_slots].to(d.device, non_blocking=True)   # [L, n*bs, H_kv, D]
+                # Blocking copies: a non-blocking device->host copy would still be in flight
+                # when the host-side scatter reads it.
+                d[:, dst_slots] = s[:, src_slots].to(d.device)          # [L, n*bs, H_kv, D]
         return (len(swap_out) + len(swap_in)) * self.bytes_per_block
 
     def _slots(self, blocks: list[int], device: torch.device) -> torch.Tensor:

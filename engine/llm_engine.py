@@ -32,8 +32,13 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.tokenizer = self.runner.tokenizer
         self.vocab_size = self.runner.vocab_size
-        capacity = self.runner.num_blocks * config.block_size
+        # One sequence must always fit alone with the watermark left free, or a long
+        # preempted sequence could never be readmitted.
+        usable = self.runner.num_blocks - int(config.watermark * self.runner.num_blocks)
+        capacity = usable * config.block_size
         self.max_model_len = min(config.max_model_len or self.runner.max_position_embeddings or capacity, capacity)
+        if not config.chunked_prefill:           # a whole (re)computed prompt must fit one step
+            self.max_model_len = min(self.max_model_len, config.max_num_batched_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           num_host_blocks=config.num_swap_blocks)
         self.scheduler = Scheduler(config, self.block_manager, clock)
@@ -110,23 +115,26 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         outputs += [self._retire(seq) for seq in batch.finished]      # deadlines
-        self._swapped_bytes += self.runner.swap(batch)
         self.runner.last_forward_time = 0.0
-        if not batch.is_empty:
-            sampling = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
-            try:
+        try:
+            self._swapped_bytes += self.runner.swap(batch)
+            if not batch.is_empty:
+                sampling = [s for s, n in zip(batch.seqs, batch.num_new_tokens)
+                            if s.num_computed_tokens + n == s.num_tokens]
                 logits = self.runner.run(batch)
                 tokens = sample(logits, sampling)
-                outputs += self._postprocess(batch, sampling, tokens)
-            except Exception as exc:                    # fail this batch, keep serving the rest
-                log.exception("step failed; failing %d requests", len(batch.seqs))
-                outputs += self._fail(batch, exc)
+                self._postprocess(batch, sampling, tokens, outputs)
+        except Exception as exc:                        # fail this batch, keep serving the rest
+            log.exception("step failed; failing %d requests", len(batch.seqs))
+            outputs += self._fail(batch, exc)
         self._step_time = time.perf_counter() - start
         self._forward_time = self.runner.last_forward_time
         self._num_steps += 1
         return outputs
 
-    def _postprocess(self, batch: SchedulerOutput, sampling: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
+    def _postprocess(self, batch: SchedulerOutput, sampling: list[Sequence], tokens: list[int],
+                     outputs: list[RequestOutput]) -> None:
+        """Appends to `outputs` as it goes, so a failure part-way loses no final output."""
         policy = self.scheduler.policy
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             decode = seq.num_uncomputed_tokens == 1 and seq.num_output_tokens > 0
@@ -136,7 +144,6 @@ class LLMEngine:
                 self._prompt_tokens += n
                 self._served.setdefault(seq.tenant or "", [0, 0])[0] += n
         now = self.clock()
-        outputs = []
         for seq, token in zip(sampling, tokens):
             seq.output_token_ids.append(token)
             self._generation_tokens += 1
@@ -154,7 +161,6 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)
                 text += self._retire(seq).new_text
             outputs.append(self._output(seq, [token], text))
-        return outputs
 
     def _finish_reason(self, seq: Sequence, is_stop_token: bool, detok: IncrementalDetokenizer) -> str | None:
         if is_stop_token or detok.stopped:
@@ -165,7 +171,9 @@ class LLMEngine:
 
     def _fail(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         outputs = []
-        for seq in batch.seqs:
+        # Sequences swapped out this step may hold a half-copied host image: fail them too.
+        swapped = [s for s in batch.preempted if s.status is SequenceStatus.SWAPPED]
+        for seq in batch.seqs + swapped:
             if not seq.status.finished:
                 self.scheduler.finish(seq, "error")
                 out = self._retire(seq)
@@ -210,7 +218,7 @@ class LLMEngine:
             "kv_blocks_total": bm.num_blocks,
             "kv_cache_usage": bm.num_used_blocks / bm.num_blocks,
             "kv_slots_used": sum(max(0, f) for f in filled.values()),
-            "host_blocks_used": bm.num_host_blocks - len(bm.host_free),
+            "host_blocks_used": bm.num_host_blocks - len(bm.host_free) - len(bm.host_pending),
             "host_blocks_total": bm.num_host_blocks,
             "block_size": bm.block_size,
             "prefix_cache_hit_tokens": bm.prefix_hit_tokens,

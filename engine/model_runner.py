@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from .attention import AttentionMetadata, PrefillChunk
+from .attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from .config import EngineConfig
 from .kv_cache import PagedKVCache
 from .models import load_model
@@ -99,16 +99,20 @@ class ModelRunner:
             else:
                 prefills.append((row, start, n, table))
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
-        meta = AttentionMetadata(self.kv_cache, slot_t, None, None, None, [])
-        if dec_rows:
-            t_max = max(dec_lens)
+        meta = AttentionMetadata(self.kv_cache, slot_t, [], [])
+        order = sorted(range(len(dec_rows)), key=dec_lens.__getitem__)
+        for group in _length_groups([dec_lens[i] for i in order]):
+            idx = [order[i] for i in group]
+            lens = [dec_lens[i] for i in idx]
+            t_max = lens[-1]
             width = -(-t_max // bs)
-            tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in dec_tables],
+            tables = torch.tensor([dec_tables[i][:width] + [0] * (width - len(dec_tables[i][:width])) for i in idx],
                                   dtype=torch.long, device=dev)             # [B, blocks]
-            meta.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=dev)
-            meta.decode_slots = self._slots(tables)[:, :t_max]               # [B, T_max]
-            lens = torch.tensor(dec_lens, device=dev)
-            meta.decode_mask = (torch.arange(t_max, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+            lens_t = torch.tensor(lens, device=dev)
+            meta.decodes.append(DecodeGroup(
+                rows=torch.tensor([dec_rows[i] for i in idx], dtype=torch.long, device=dev),
+                slots=self._slots(tables)[:, :t_max],                        # [B, T_max]
+                mask=(torch.arange(t_max, device=dev)[None, :] < lens_t[:, None])[:, None, None, :]))
         for row, start, n, table in prefills:
             chunk = PrefillChunk(slice(row, row + n), None, None)
             if start > 0:                                                    # attends to earlier context
@@ -128,3 +132,20 @@ class ModelRunner:
         bs = self.config.block_size
         offsets = torch.arange(bs, device=tables.device)
         return (tables[:, :, None] * bs + offsets).reshape(tables.shape[0], -1)
+
+
+# A decode group may pad its rows up to this factor of its shortest context (plus a block)
+# before a new group starts: one more gather+SDPA call per layer is cheaper than attending
+# over that much padding.
+_GROUP_SLACK = 1.5
+
+
+def _length_groups(sorted_lens: list[int]) -> list[list[int]]:
+    """Split ascending context lengths into runs of similar length (returns index lists)."""
+    groups: list[list[int]] = []
+    for i, n in enumerate(sorted_lens):
+        if groups and n <= _GROUP_SLACK * sorted_lens[groups[-1][0]] + 16:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups

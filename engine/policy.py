@@ -16,6 +16,7 @@ more urgent sequence for a less urgent one" compares.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from .config import EngineConfig
 from .sequence import Sequence
@@ -40,8 +41,8 @@ class Policy:
         return (self.urgency(seq, now), -seq.num_computed_tokens)
 
     # Hooks for stateful policies (fair); no-ops elsewhere.
-    def on_add(self, seq: Sequence, backlogged: set[str | None]) -> None:
-        pass
+    def on_add(self, seq: Sequence, backlogged: Callable[[], set[str | None]]) -> None:
+        """A request arrived; `backlogged()` gives the tenants with queued or running work."""
 
     def on_served(self, seq: Sequence, prompt_tokens: int, output_tokens: int) -> None:
         pass
@@ -108,10 +109,11 @@ class FairPolicy(Policy):
     def key(self, seq: Sequence, now: float) -> tuple:
         return (self.counters.get(seq.tenant, 0.0), seq.arrival_time)
 
-    def on_add(self, seq: Sequence, backlogged: set[str | None]) -> None:
+    def on_add(self, seq: Sequence, backlogged: Callable[[], set[str | None]]) -> None:
         self.weights[seq.tenant] = seq.weight
-        if seq.tenant not in backlogged:
-            active = [self.counters.get(t, 0.0) for t in backlogged]
+        tenants = backlogged()
+        if seq.tenant not in tenants:
+            active = [self.counters.get(t, 0.0) for t in tenants]
             floor = min(active) if active else max(self.counters.values(), default=0.0)
             self.counters[seq.tenant] = max(self.counters.get(seq.tenant, 0.0), floor)
 

@@ -47,21 +47,22 @@ class Scheduler:
         self.last_output = SchedulerOutput()
 
     # -- queues ---------------------------------------------------------------------------
-    def check_capacity(self, num_tokens: int) -> None:
-        """Raise EngineOverloaded if one more request of `num_tokens` would pass a queue limit."""
+    def check_capacity(self, num_tokens: int, count: bool = True) -> None:
+        """Raise EngineOverloaded if one more request of `num_tokens` would pass a queue limit.
+        `count=False` only looks (for a pre-check from another thread)."""
         cfg = self.config
         if len(self.waiting) >= cfg.max_queued_requests:
-            self.counters.rejections += 1
+            self.counters.rejections += count
             raise EngineOverloaded(f"engine overloaded: {len(self.waiting)} requests already queued "
                                    f"(max_queued_requests={cfg.max_queued_requests})", limit="max_queued_requests")
-        queued = sum(s.num_tokens for s in self.waiting)
+        queued = sum(s.num_tokens for s in list(self.waiting))
         if queued + num_tokens > cfg.max_queued_tokens:
-            self.counters.rejections += 1
+            self.counters.rejections += count
             raise EngineOverloaded(f"engine overloaded: {queued} tokens already queued "
                                    f"(max_queued_tokens={cfg.max_queued_tokens})", limit="max_queued_tokens")
 
     def add(self, seq: Sequence) -> None:
-        self.policy.on_add(seq, self.backlogged_tenants())
+        self.policy.on_add(seq, self.backlogged_tenants)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -85,6 +86,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
         out = SchedulerOutput()
+        self.bm.end_step()                                   # last step's swap copies are done
         self._expire(now, out)
         key = lambda s: self.policy.key(s, now)  # noqa: E731
         self.running.sort(key=key)
@@ -134,6 +136,8 @@ class Scheduler:
         key = lambda s: self.policy.key(s, now)  # noqa: E731
         self.waiting.sort(key=key)
         self.swapped.sort(key=key)
+        if len(self.running) >= self.config.max_num_seqs and not self.config.priority_preemption:
+            return budget                                    # no seat can open this step
         while budget > 0 and (self.waiting or self.swapped):
             if self.policy.dynamic:                          # keys moved with the last admission
                 self.waiting.sort(key=key)
@@ -179,19 +183,27 @@ class Scheduler:
     def _make_room(self, seq: Sequence, swapping: bool, out: SchedulerOutput, now: float) -> bool:
         """Whether `seq` can start now; with priority preemption on, a request of a more
         urgent class may preempt running sequences of a less urgent class to get in."""
-        while not self._fits(seq, swapping):
-            if not self.config.priority_preemption:
-                return False
-            # Only a strictly less urgent class, and only victims that aging has not already
-            # lifted above the newcomer (else an aged request would be preempted forever).
-            mine = self.policy.key(seq, now)
-            lower = [s for s in self.running if s.priority > seq.priority and self.policy.key(s, now) > mine]
-            if not lower:
-                return False
-            victim = max(lower, key=lambda s: self.policy.victim_key(s, now))
+        if self._fits(seq, swapping):
+            return True
+        if not self.config.priority_preemption:
+            return False
+        # Only a strictly less urgent class, and only victims that aging has not already
+        # lifted above the newcomer (else an aged request would be preempted forever).
+        mine = self.policy.key(seq, now)
+        lower = [s for s in self.running if s.priority > seq.priority and self.policy.key(s, now) > mine]
+        lower.sort(key=lambda s: self.policy.victim_key(s, now), reverse=True)
+        # Preempt only if giving up all of them would be enough: never lose work for nothing.
+        need = self.bm.blocks_for(seq.num_tokens) if swapping else self.bm.blocks_needed(seq)
+        freeable = sum(self.bm.num_exclusive_blocks(s) for s in lower)
+        seats = self.config.max_num_seqs - len(self.running) + len(lower)
+        if seats < 1 or need + self.watermark_blocks > self.bm.num_free_blocks + freeable:
+            return False
+        for victim in lower:
             out.remove(victim)
             self._preempt(victim, out)
-        return True
+            if self._fits(seq, swapping):
+                return True
+        return False
 
     def _chunk(self, left: int, budget: int) -> int:
         """Tokens to compute this step: all that is left, or a chunk of the budget."""
@@ -203,7 +215,8 @@ class Scheduler:
         """Find a KV slot for `seq`'s next token, preempting less urgent sequences if needed.
         Returns False if `seq` itself had to be preempted."""
         while not self.bm.can_append(seq, 1):
-            candidates = [s for s in self.running if s not in out.seqs]
+            scheduled = {id(s) for s in out.seqs}
+            candidates = [s for s in self.running if id(s) not in scheduled]
             victim = max(candidates, key=lambda s: self.policy.victim_key(s, now))
             if self.policy.urgency(victim, now) < self.policy.urgency(seq, now):
                 victim = seq                                 # never preempt a more urgent one

@@ -134,3 +134,22 @@ async def test_event_loop_stays_responsive_while_engine_steps(aeng, monkeypatch)
     await work
     assert ticks > 50                               # >= 4 steps of 300 ms passed meanwhile
     assert worst < 0.15, f"event loop stalled {worst * 1000:.0f} ms behind a 300 ms step"
+
+
+async def test_a_request_id_is_reusable_only_after_its_abort_lands(aeng):
+    """A stream cancelled before the engine saw it keeps its id until the abort lands; the
+    next request with that id then runs normally and ends with its own finish reason."""
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    task = asyncio.create_task(collect(aeng, "same", [5, 6, 7], SamplingParams(max_tokens=400, **{"temperature": 0.0})))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(200):
+        try:
+            toks, _, finals = await collect(aeng, "same", [5, 6, 7], params)
+            break
+        except ValueError as exc:
+            assert "already in use" in str(exc)
+            await asyncio.sleep(0.01)
+    assert finals == ["length"] and len(toks) == 5

@@ -145,3 +145,21 @@ def test_blocks_are_never_lost_or_double_owned(ops, block_size, caching):
         bm.free(s)
     bm.check_invariants([])
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_host_blocks_released_in_a_step_are_not_reused_until_the_next():
+    """A swap-in's host blocks are still being read during its step, so a swap-out in the
+    same step must get other host blocks; after end_step they are free again."""
+    bm = BlockManager(8, 4, num_host_blocks=2)
+    a, c = seq("a", list(range(8))), seq("c", [50 + i for i in range(8)])
+    bm.allocate(a)
+    a.num_computed_tokens = 8
+    a_host = [h for _, h in bm.swap_out(a)]
+    bm.end_step()
+    bm.swap_in(a)                                  # same step: a's host blocks are being read
+    bm.allocate(c)
+    assert not bm.can_swap_out(c)                  # a's host blocks are not reusable yet
+    bm.end_step()
+    assert bm.can_swap_out(c)
+    assert sorted(h for _, h in bm.swap_out(c)) == sorted(a_host)
+    bm.check_invariants([a, c])

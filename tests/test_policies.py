@@ -67,8 +67,8 @@ def test_fair_serves_the_least_served_tenant_and_divides_by_weight():
     """fair: counters grow by input x1 + output x2 over the weight; least counter first."""
     p = make_policy(EngineConfig(policy="fair"))
     a, b = seq("a1", tenant="a", weight=2.0), seq("b1", tenant="b", weight=1.0)
-    p.on_add(a, set())
-    p.on_add(b, {"a"})
+    p.on_add(a, set)
+    p.on_add(b, lambda: {"a"})
     p.on_served(a, 100, 10)        # (100 + 20) / 2 = 60
     p.on_served(b, 50, 10)         # 50 + 20 = 70
     assert p.counters == {"a": 60.0, "b": 70.0}
@@ -80,9 +80,9 @@ def test_fair_returning_tenant_starts_at_the_backlogged_minimum():
     so its idle time is not banked; a tenant already ahead keeps its counter."""
     p = make_policy(EngineConfig(policy="fair"))
     p.counters = {"a": 500.0, "b": 800.0, "idle": 10.0, "ahead": 900.0}
-    p.on_add(seq("x", tenant="idle"), backlogged={"a", "b"})
+    p.on_add(seq("x", tenant="idle"), backlogged=lambda: {"a", "b"})
     assert p.counters["idle"] == 500.0
-    p.on_add(seq("y", tenant="ahead"), backlogged={"a", "b"})
+    p.on_add(seq("y", tenant="ahead"), backlogged=lambda: {"a", "b"})
     assert p.counters["ahead"] == 900.0
-    p.on_add(seq("z", tenant="new"), backlogged={"a", "b"})
+    p.on_add(seq("z", tenant="new"), backlogged=lambda: {"a", "b"})
     assert p.counters["new"] == 500.0

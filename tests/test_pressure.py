@@ -233,3 +233,17 @@ def test_metrics_expose_the_scheduler(tiny_model):
     assert "streamgate_time_to_first_token_seconds_count 4.0" in text
     assert "streamgate_inter_token_latency_seconds_count 116.0" in text      # 4 x 29 gaps
     assert "streamgate_e2e_request_latency_seconds_count 4.0" in text
+
+
+def test_a_long_preempted_sequence_is_always_readmitted(tiny_model):
+    """With a 20% watermark, max_model_len is capped so that a sequence that grew while
+    preempted still fits alone: both requests finish instead of blocking the queue."""
+    for mode in ("recompute", "swap"):
+        eng = engine(tiny_model, num_kv_blocks=10, block_size=4, watermark=0.2, max_num_batched_tokens=64,
+                     preemption_mode=mode, num_swap_blocks=16, swap_min_tokens=0)
+        assert eng.max_model_len == 8 * 4
+        arrivals = {0: [("a", list(range(40, 52)), SamplingParams(max_tokens=100, **GREEDY)),
+                        ("b", list(range(10, 30)), SamplingParams(max_tokens=100, **GREEDY))]}
+        out = run_to_completion(eng, arrivals)
+        assert len(out["a"]) == 20 and len(out["b"]) == 12
+        assert eng.stats()["num_preemptions"] > 0 and eng.stats()["kv_blocks_used"] == 0

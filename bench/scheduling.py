@@ -1,0 +1,138 @@
+"""Scheduler benchmarks on SmolLM2 (issue: scheduler under pressure).
+
+    python -m bench.scheduling smoothness   # 16 decoding streams while 4 ~2k-token prompts arrive
+    python -m bench.scheduling preemption   # cost of a preemption per 1k tokens: recompute vs swap
+
+`smoothness` runs the same trace twice, in-process: chunked prefill with decode first
+(budget 256) and prefill-first unchunked scheduling (the whole prompt in one step, decodes
+wait). It reports the inter-token latency of the 16 streams while the long prompts are
+being prefilled: p50 / p99 / max, and the time the long prompts took to their first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _engine(chunked: bool, budget: int, **kw):
+    from engine import EngineConfig, LLMEngine
+    return LLMEngine(EngineConfig(model="default", max_num_batched_tokens=budget, chunked_prefill=chunked,
+                                  max_num_seqs=32, enable_prefix_caching=False, **kw))
+
+
+def smoothness(args) -> dict:
+    from engine import SamplingParams
+
+    rng = random.Random(args.seed)
+    text_ids = list(range(1000, 40000))
+    streams = [[rng.choice(text_ids) for _ in range(32)] for _ in range(args.streams)]
+    longs = [[rng.choice(text_ids) for _ in range(args.long_tokens)] for _ in range(args.long_prompts)]
+    results = {}
+    for name, chunked, budget in (("chunked decode-first", True, args.budget),
+                                  ("prefill-first unchunked", False, args.long_tokens + 64)):
+        eng = _engine(chunked, budget)
+        p = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+        for i, s in enumerate(streams):
+            eng.add_request(f"s{i}", s, p)
+        last: dict[str, float] = {}
+        gaps: list[float] = []
+        long_first: dict[str, float] = {}
+        arrived: dict[str, float] = {}
+        step = 0
+        while len(long_first) < len(longs) or step < args.warmup_steps + 5:
+            if step >= args.warmup_steps and (step - args.warmup_steps) % args.arrival_every == 0:
+                i = (step - args.warmup_steps) // args.arrival_every
+                if i < len(longs):
+                    eng.add_request(f"long{i}", longs[i], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+                    arrived[f"long{i}"] = time.perf_counter()
+            outs = eng.step()
+            now = time.perf_counter()
+            for o in outs:
+                if o.request_id.startswith("s") and o.new_token_ids:
+                    if o.request_id in last and arrived:       # measure once long prompts arrive
+                        gaps.append(now - last[o.request_id])
+                    last[o.request_id] = now
+                elif o.request_id.startswith("long") and o.new_token_ids and o.request_id not in long_first:
+                    long_first[o.request_id] = now - arrived[o.request_id]
+            step += 1
+        results[name] = {
+            "itl_p50_ms": 1000 * percentile(gaps, 50), "itl_p99_ms": 1000 * percentile(gaps, 99),
+            "itl_max_ms": 1000 * max(gaps), "itl_samples": len(gaps), "budget": budget,
+            "long_prompt_ttft_s_median": statistics.median(long_first.values()),
+        }
+        r = results[name]
+        print(f"{name:26s} ITL p50 {r['itl_p50_ms']:7.1f} ms  p99 {r['itl_p99_ms']:7.1f} ms  "
+              f"max {r['itl_max_ms']:7.1f} ms  p99/p50 {r['itl_p99_ms'] / r['itl_p50_ms']:.2f}  "
+              f"long-prompt TTFT median {r['long_prompt_ttft_s_median']:.2f} s  (n={len(gaps)})", flush=True)
+    return results
+
+
+def preemption(args) -> dict:
+    """Time to bring back 1k tokens of context: recompute (prefill again) vs swap (copy
+    blocks out to the host pool and back)."""
+    import torch
+
+    from engine import SamplingParams
+    from engine.scheduler_output import SchedulerOutput
+
+    eng = _engine(True, 1024, num_swap_blocks=256)
+    rng = random.Random(args.seed)
+    ctx = [rng.randrange(1000, 40000) for _ in range(1024)]
+    recompute = []
+    for i in range(args.repeats):
+        eng.add_request(f"p{i}", ctx, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        t = time.perf_counter()
+        while eng.has_unfinished():
+            eng.step()
+        recompute.append(time.perf_counter() - t)
+    blocks = list(range(1024 // eng.config.block_size))
+    swap = []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        moved = eng.runner.swap(SchedulerOutput(swap_out=[(b, b) for b in blocks]))
+        moved += eng.runner.swap(SchedulerOutput(swap_in=[(b, b) for b in blocks]))
+        swap.append(time.perf_counter() - t)
+    res = {"context_tokens": 1024, "recompute_s_median": statistics.median(recompute),
+           "swap_out_and_in_s_median": statistics.median(swap), "swap_bytes": moved,
+           "threads": torch.get_num_threads()}
+    print(f"per 1k tokens of context: recompute {res['recompute_s_median'] * 1000:.0f} ms, "
+          f"swap out+in {res['swap_out_and_in_s_median'] * 1000:.1f} ms ({moved / 2**20:.0f} MiB moved)", flush=True)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("which", choices=["smoothness", "preemption"])
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--long-prompts", type=int, default=4)
+    ap.add_argument("--long-tokens", type=int, default=2000)
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--warmup-steps", type=int, default=5)
+    ap.add_argument("--arrival-every", type=int, default=6, help="steps between long-prompt arrivals")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args(argv)
+    res = smoothness(args) if args.which == "smoothness" else preemption(args)
+    out = Path(args.json_out or f"bench/results/{args.which}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
