@@ -53,11 +53,12 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def run_engine(model_dir: str, requests, kv_tokens: int, max_num_seqs: int, max_batched_tokens: int) -> dict:
+def run_engine(model_dir: str, requests, kv_tokens: int, max_num_seqs: int, max_batched_tokens: int,
+               device: str = "cpu", dtype: str = "float32") -> dict:
     """Drive `LLMEngine.step()` over all requests, recording the engine's per-step stats."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
-    cfg = EngineConfig(model=model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE,
+    cfg = EngineConfig(model=model_dir, device=device, dtype=dtype, block_size=BLOCK_SIZE,
                        num_kv_blocks=kv_tokens // BLOCK_SIZE, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_batched_tokens)
     eng = LLMEngine(cfg)
@@ -144,7 +145,10 @@ def run_system(args) -> dict:
     model_dir = _model_dir(args.model, args.model_dir)
     requests = _workload(AutoTokenizer.from_pretrained(model_dir), args)
     if args.system == "engine":
-        result = run_engine(model_dir, requests, args.kv_tokens, args.max_num_seqs, args.max_batched_tokens)
+        result = run_engine(model_dir, requests, args.kv_tokens, args.max_num_seqs, args.max_batched_tokens,
+                            args.device, args.dtype)
+    elif args.device != "cpu":
+        raise SystemExit(f"{args.system} runs on the CPU only; use --systems engine with --device {args.device}")
     else:
         model = baselines.load_hf_model(model_dir)
         rss_loaded = _rss_mib()
@@ -172,7 +176,7 @@ def _spawn(system: str, args, tmp: Path) -> dict:
     out = tmp / f"{system}.json"
     cmd = [sys.executable, "-m", "bench.offline", "--system", system, "--json-out", str(out)]
     for flag in ("num_requests", "seed", "max_prompt", "max_output", "threads", "model", "model_dir",
-                 "max_num_seqs", "max_batched_tokens", "kv_tokens"):
+                 "max_num_seqs", "max_batched_tokens", "kv_tokens", "device", "dtype"):
         if getattr(args, flag) is not None:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     print(f"== {system} ...", file=sys.stderr, flush=True)
@@ -248,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-tokens", type=int, default=24576, help="KV cache capacity in tokens (engine and HF CB)")
     p.add_argument("--model", default="default", help="model name given to engine.models.resolve_model")
     p.add_argument("--model-dir", help="local HF model directory (skips resolve_model)")
+    p.add_argument("--device", default="cpu", help="engine device (the HF baselines run on the CPU)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="engine dtype")
     p.add_argument("--json-out", default="bench/results/offline.json")
     p.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)  # child mode: run one system
     args = p.parse_args(argv)

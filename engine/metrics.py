@@ -20,7 +20,6 @@ PREFIX = "streamgate"
 class EngineMetrics:
     def __init__(self, stats_fn, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
-        self._stats_fn = stats_fn
 
         def hist(name: str, doc: str) -> Histogram:
             return Histogram(f"{PREFIX}_{name}", doc, buckets=_LATENCY_BUCKETS, registry=self.registry)

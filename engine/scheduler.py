@@ -133,11 +133,11 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
         """Swap in and admit, most urgent first, while budget, seats and blocks allow."""
+        if len(self.running) >= self.config.max_num_seqs and not self.config.priority_preemption:
+            return budget                                    # no seat can open this step
         key = lambda s: self.policy.key(s, now)  # noqa: E731
         self.waiting.sort(key=key)
         self.swapped.sort(key=key)
-        if len(self.running) >= self.config.max_num_seqs and not self.config.priority_preemption:
-            return budget                                    # no seat can open this step
         while budget > 0 and (self.waiting or self.swapped):
             if self.policy.dynamic:                          # keys moved with the last admission
                 self.waiting.sort(key=key)

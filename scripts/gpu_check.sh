@@ -12,5 +12,5 @@ assert torch.cuda.is_available(), "no CUDA device visible to torch (is this the 
 print("CUDA:", torch.cuda.get_device_name(0), "torch", torch.__version__)
 PY
 "$PY" -m pytest -q -m cuda -k "cuda" tests/test_parity.py 2>&1 | tee "$OUT/gpu_parity.txt"
-"$PY" -m bench.offline --device cuda --dtype bfloat16 --systems engine,hf-static \
+"$PY" -m bench.offline --device cuda --dtype bfloat16 --systems engine \
     --num-requests 64 --json-out "$OUT/offline_cuda.json" 2>&1 | tee "$OUT/gpu_bench.txt"
