@@ -90,14 +90,14 @@ def test_priority_cuts_queue_time_and_aging_bounds_the_wait(tiny_model):
             reqs.append((f"lo{step}", [8, 6 + step % 5, 7], SamplingParams(max_tokens=4, **GREEDY), {"priority": 1}))
         return reqs
 
-    results = {}
+    results, finished = {}, {}
     for aging in (0.05, 0.0):
         clock = Tick()
         eng = engine(tiny_model, clock, policy="priority", aging_rate=aging, max_num_seqs=2, max_num_batched_tokens=64)
-        results[aging], _ = run_load(eng, clock, arrive, 300)
+        results[aging], finished[aging] = run_load(eng, clock, arrive, 300)
     first = results[0.05]
     lows = [f"lo{s}" for s in range(0, 60, 10)]
-    assert all(rid in first for rid in lows), "a low-priority request starved despite aging"
+    assert all(rid in first and rid in finished[0.05] for rid in lows), "a low-priority request starved despite aging"
     wait = {c: [first[rid] - int(rid[2:]) for rid in first if rid.startswith(c)] for c in ("hi", "lo")}
     assert sum(wait["hi"]) / len(wait["hi"]) < sum(wait["lo"]) / len(wait["lo"])
     assert max(wait["lo"]) <= 80
