@@ -2,6 +2,8 @@
 
     streamgate chat "Why is the sky blue?"      stream an answer to the terminal
     streamgate bench offline [...]              the offline throughput benchmark
+    streamgate bench scheduling smoothness      decode smoothness / preemption cost
+    streamgate bench profile_decode             where a decode step's time goes
 """
 
 from __future__ import annotations
@@ -50,10 +52,10 @@ def chat(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace, rest: list[str]) -> int:
-    if args.which == "offline":
-        from bench.offline import main as offline_main
-        return offline_main(rest) or 0
-    raise SystemExit(f"unknown benchmark {args.which!r}")
+    import importlib
+
+    module = importlib.import_module(f"bench.{args.which}")    # argparse limited the choices
+    return module.main(rest) or 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p_chat.add_argument("--top-p", type=float, default=0.9)
     p_chat.add_argument("--seed", type=int, default=None)
     p_bench = sub.add_parser("bench", help="benchmarks (see bench/)")
-    p_bench.add_argument("which", choices=["offline"])
+    p_bench.add_argument("which", choices=["offline", "scheduling", "profile_decode"])
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
