@@ -66,7 +66,7 @@ class ModelRunner:
     def run(self, batch: SchedulerOutput) -> torch.Tensor:
         """Returns float32 logits [num_sampling_rows, V], one row per sequence that
         reaches its last token this step, in batch order."""
-        input_ids, positions, slots, sample_rows, meta = self._prepare(batch)
+        input_ids, positions, sample_rows, meta = self._prepare(batch)
         start = time.perf_counter()
         logits = self.model(input_ids=input_ids, position_ids=positions, cache=self.kv_cache,
                             use_cache=False, paged=meta, logits_to_keep=sample_rows).logits
@@ -125,7 +125,7 @@ class ModelRunner:
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)      # [1, N]
         positions = torch.tensor([pos], dtype=torch.long, device=dev)      # [1, N]
         sample_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        return input_ids, positions, slot_t, sample_t, meta
+        return input_ids, positions, sample_t, meta
 
     def _slots(self, tables: torch.Tensor) -> torch.Tensor:
         """Block tables [B, nb] -> token slots [B, nb * block_size]."""

@@ -21,9 +21,6 @@ class SequenceStatus(enum.Enum):
         return self is SequenceStatus.FINISHED
 
 
-FINISH_REASONS = ("stop", "length", "abort", "deadline", "error")
-
-
 class Sequence:
     """One request: its tokens, its KV blocks and how far the model has computed it.
 
@@ -81,14 +78,6 @@ class Sequence:
     def is_prefill(self) -> bool:
         """More than one token to compute: a prompt (or a recomputed sequence) catching up."""
         return self.num_uncomputed_tokens > 1
-
-    @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
-    def token_id(self, i: int) -> int:
-        p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
 
     def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
         end = self.num_tokens if end is None else end
