@@ -137,10 +137,10 @@ class LLMEngine:
         """Appends to `outputs` as it goes, so a failure part-way loses no final output."""
         policy = self.scheduler.policy
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            decode = seq.num_uncomputed_tokens == 1 and seq.num_output_tokens > 0
+            prompt_work = seq.computes_prompt
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
-            if not decode:                               # (the scheduler charged the policy)
+            if prompt_work:                              # (the scheduler charged the policy)
                 self._prompt_tokens += n
                 self._served.setdefault(seq.tenant or "", [0, 0])[0] += n
         now = self.clock()
@@ -180,10 +180,6 @@ class LLMEngine:
                 out.error = f"{type(exc).__name__}: {exc}"
                 outputs.append(out)
         return outputs
-
-    def _end(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)
-        self._retire(seq)
 
     def _retire(self, seq: Sequence) -> RequestOutput:
         """Forget a finished sequence; returns its final output (for requests the scheduler

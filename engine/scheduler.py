@@ -171,7 +171,7 @@ class Scheduler:
         does at admission), so the next pick in this same step already sees it; output
         tokens are charged when they are sampled."""
         out.add(seq, n)
-        if seq.num_uncomputed_tokens > 1 or seq.num_output_tokens == 0:
+        if seq.computes_prompt:
             self.policy.on_served(seq, n, 0)
 
     def _fits(self, seq: Sequence, swapping: bool) -> bool:

@@ -75,6 +75,12 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def computes_prompt(self) -> bool:
+        """The tokens left to compute are prompt work (fresh or recomputed), not a decode.
+        Unlike `is_prefill`, true for a prompt's final 1-token chunk too."""
+        return self.num_uncomputed_tokens > 1 or self.num_output_tokens == 0
+
+    @property
     def is_prefill(self) -> bool:
         """More than one token to compute: a prompt (or a recomputed sequence) catching up."""
         return self.num_uncomputed_tokens > 1
