@@ -43,6 +43,12 @@ class _Collector:
         return out
 
 
+def _build_engine(config: EngineConfig):
+    from .llm_engine import LLMEngine      # imports torch: keep it off the event loop too
+
+    return LLMEngine(config)
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, engine=None):
         self.config = config
@@ -60,8 +66,7 @@ class AsyncEngine:
         """Load the model (in a worker thread, so the loop stays responsive) and start stepping."""
         self._loop = asyncio.get_running_loop()
         if self.engine is None:
-            from .llm_engine import LLMEngine
-            self.engine = await asyncio.to_thread(LLMEngine, self.config)
+            self.engine = await asyncio.to_thread(_build_engine, self.config)
         self._running = True
         self._thread = threading.Thread(target=self._run, name="streamgate-engine", daemon=True)
         self._thread.start()

@@ -1,5 +1,7 @@
 """The `streamgate` command.
 
+    streamgate serve [--tenants FILE] [...]     serve chat over HTTP/SSE and WebSocket
+    streamgate keys new TENANT                  print a fresh API key and its tenants-file line
     streamgate chat "Why is the sky blue?"      stream an answer to the terminal
     streamgate bench offline [...]              the offline throughput benchmark
     streamgate bench scheduling smoothness      decode smoothness / preemption cost
@@ -51,6 +53,60 @@ def chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scheduling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", default="fcfs", choices=["fcfs", "priority", "cost", "fair"])
+    p.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"])
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--num-swap-blocks", type=int, default=0)
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def serve(args: argparse.Namespace) -> int:
+    from engine import EngineConfig
+    from tenants import TenantConfigError
+
+    from .app import GatewaySettings, create_app
+    from .logs import configure_logging
+    from .server import serve as run_server
+
+    configure_logging()
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    try:
+        engine = EngineConfig(model=args.model, device=args.device, dtype=dtype, policy=args.policy,
+                              preemption_mode=args.preemption_mode, max_num_seqs=args.max_num_seqs,
+                              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                              num_kv_blocks=args.num_kv_blocks, num_swap_blocks=args.num_swap_blocks,
+                              chunked_prefill=not args.no_chunked_prefill,
+                              enable_prefix_caching=not args.no_prefix_caching)
+        settings = GatewaySettings(engine=engine, tenants_file=args.tenants, ledger_path=args.ledger,
+                                   allowed_origins=tuple(args.allow_origin), drain_grace_s=args.drain_grace,
+                                   max_frame_bytes=args.max_frame_bytes)
+        app = create_app(settings)
+    except (ValueError, TenantConfigError) as exc:
+        print(f"streamgate: {exc}", file=sys.stderr)
+        return 2
+    shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    print(f"streamgate: serving on http://{shown}:{args.port}/  (demo page; API at /v1, health at /health)",
+          file=sys.stderr, flush=True)
+    run_server(app, args.host, args.port, max_frame_bytes=args.max_frame_bytes)
+    return 0
+
+
+def keys(args: argparse.Namespace) -> int:
+    from tenants import hash_key, new_key
+
+    key = new_key()
+    print(f"API key for tenant {args.tenant!r} (shown once; store it in a secret manager):\n\n  {key}\n")
+    print("Add its hash to your tenants file:\n")
+    print(f"[tenants.{args.tenant}]")
+    print(f'api_key_sha256 = ["{hash_key(key)}"]')
+    return 0
+
+
 def bench(args: argparse.Namespace, rest: list[str]) -> int:
     import importlib
 
@@ -70,6 +126,21 @@ def main(argv: list[str] | None = None) -> int:
     p_chat.add_argument("--temperature", type=float, default=0.7)
     p_chat.add_argument("--top-p", type=float, default=0.9)
     p_chat.add_argument("--seed", type=int, default=None)
+    p_serve = sub.add_parser("serve", help="serve chat over HTTP/SSE and WebSocket")
+    p_serve.add_argument("--host", default="127.0.0.1")
+    p_serve.add_argument("--port", type=int, default=8000)
+    p_serve.add_argument("--tenants", default="examples/tenants.toml", help="tenants TOML file (see docs/PROTOCOL.md)")
+    p_serve.add_argument("--ledger", default=None, help="SQLite file for daily token budgets "
+                         "(default ~/.cache/streamgate/usage.sqlite3)")
+    p_serve.add_argument("--allow-origin", action="append", default=[],
+                         help="browser Origin allowed on the WebSocket (repeatable; default: same host only)")
+    p_serve.add_argument("--drain-grace", type=float, default=30.0, help="seconds running streams get on SIGTERM")
+    p_serve.add_argument("--max-frame-bytes", type=int, default=1 << 20)
+    _engine_args(p_serve)
+    _scheduling_args(p_serve)
+    p_keys = sub.add_parser("keys", help="API keys")
+    p_keys.add_argument("action", choices=["new"])
+    p_keys.add_argument("tenant")
     p_bench = sub.add_parser("bench", help="benchmarks (see bench/)")
     p_bench.add_argument("which", choices=["offline", "scheduling", "profile_decode"])
     args, rest = parser.parse_known_args(argv)
@@ -77,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     for noisy in ("httpx", "transformers", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.command in ("serve", "keys") and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "serve":
+        return serve(args)
+    if args.command == "keys":
+        return keys(args)
     if args.command == "chat":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

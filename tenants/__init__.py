@@ -1,1 +1,13 @@
-"""Tenants: API keys, quotas, budgets and usage (not built yet; see the gateway issue)."""
+"""Tenants: who is asking (registry of hashed API keys) and what they may spend (quotas,
+daily budgets in a SQLite ledger). Pure logic with injected clocks; imports neither
+`gateway` nor `engine`."""
+
+from .ledger import Ledger
+from .models import Limits, Tenant
+from .quota import Lease, QuotaExceeded, QuotaManager
+from .registry import Registry, TenantConfigError, hash_key, new_key
+
+__all__ = [
+    "Limits", "Tenant", "Registry", "TenantConfigError", "hash_key", "new_key",
+    "Ledger", "QuotaManager", "QuotaExceeded", "Lease",
+]

@@ -1,0 +1,102 @@
+"""Gateway errors: one class per answer, one table from error to HTTP status and WebSocket
+close code.
+
+    GatewayError                    status  code                      WS
+    ├── BadRequest                  400     invalid_request_error      error event
+    │   └── ContextLengthExceeded   400     context_length_exceeded    error event
+    ├── AuthError                   401     invalid_api_key            close 1008
+    ├── RateLimited                 429     <the limit: requests_per_minute, ...>  error event
+    ├── Overloaded                  503     engine_overloaded          error event
+    ├── Draining                    503     server_draining            error event, close 1012
+    ├── DeadlineExceeded            504     deadline_exceeded          error event
+    └── InternalError               500     internal_error             error event
+
+Every error renders as OpenAI's body `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import math
+
+# WebSocket close codes (RFC 6455 and the IANA registry).
+WS_POLICY_VIOLATION = 1008
+WS_MESSAGE_TOO_BIG = 1009
+WS_INTERNAL_ERROR = 1011
+WS_SERVICE_RESTART = 1012
+WS_TRY_AGAIN_LATER = 1013
+
+
+class GatewayError(Exception):
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class BadRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request_error"
+
+
+class ContextLengthExceeded(BadRequest):
+    code = "context_length_exceeded"
+
+
+class AuthError(GatewayError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class RateLimited(GatewayError):
+    """A tenant quota refused the request. `retry_after` is None when retrying cannot help."""
+
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, message: str, *, reason: str, retry_after: float | None,
+                 headers: dict[str, str] | None = None):
+        headers = dict(headers or {})
+        if retry_after is not None:
+            headers["retry-after"] = str(max(1, math.ceil(retry_after)))
+        super().__init__(message, code=reason, headers=headers)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class Overloaded(GatewayError):
+    status = 503
+    type = "server_error"
+    code = "engine_overloaded"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0):
+        super().__init__(message, headers={"retry-after": str(max(1, math.ceil(retry_after)))})
+        self.retry_after = retry_after
+
+
+class Draining(GatewayError):
+    status = 503
+    type = "server_error"
+    code = "server_draining"
+
+
+class DeadlineExceeded(GatewayError):
+    status = 504
+    type = "timeout_error"
+    code = "deadline_exceeded"
+
+
+class InternalError(GatewayError):
+    pass

@@ -1,0 +1,53 @@
+"""The live scheduler view: aggregate numbers only (no tenant's prompts or text), sent to
+subscribers of the WebSocket `stats.subscribe` message and to `GET /v1/stats` (SSE)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+_ENGINE_FIELDS = ("waiting", "running", "swapped", "kv_blocks_used", "kv_blocks_total", "kv_cache_usage",
+                  "host_blocks_used", "host_blocks_total", "num_batched_tokens", "num_decode_tokens",
+                  "num_prefill_tokens", "num_seqs_scheduled", "num_preemptions", "preemptions_recompute",
+                  "preemptions_swap", "deadline_drops", "deadline_finishes", "rejections",
+                  "prompt_tokens", "generation_tokens", "prefix_cache_hit_rate", "step_time_s")
+
+
+class ItlWindow:
+    """Inter-token gaps seen by the gateway over the last `span_s` seconds (all streams)."""
+
+    def __init__(self, span_s: float = 60.0, clock=time.monotonic, maxlen: int = 50_000):
+        self.span_s = span_s
+        self.clock = clock
+        self.gaps: deque[tuple[float, float]] = deque(maxlen=maxlen)
+        self._lock = threading.Lock()
+
+    def add(self, gap_s: float) -> None:
+        with self._lock:
+            self.gaps.append((self.clock(), gap_s))
+
+    def summary(self, since_s: float) -> dict:
+        """p50 / p99 / max of the gaps in the last `since_s` seconds, in milliseconds."""
+        now = self.clock()
+        with self._lock:
+            while self.gaps and self.gaps[0][0] < now - self.span_s:
+                self.gaps.popleft()
+            recent = sorted(g for t, g in self.gaps if t >= now - since_s)
+        if not recent:
+            return {"count": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
+
+        def pct(q: float) -> float:
+            return round(recent[min(len(recent) - 1, int(q * len(recent)))] * 1000, 1)
+
+        return {"count": len(recent), "p50_ms": pct(0.5), "p99_ms": pct(0.99), "max_ms": round(recent[-1] * 1000, 1)}
+
+
+def snapshot(gw, interval_s: float) -> dict:
+    """One stats message: engine queues and KV, last step's token split, gateway ITL."""
+    stats = gw.engine.stats() if gw.chat.ready else {}
+    engine = {k: stats[k] for k in _ENGINE_FIELDS if k in stats}
+    return {"type": "stats", "time": time.time(), "ready": gw.chat.ready, "draining": gw.chat.draining,
+            "engine": engine, "open_streams": len(gw.chat.active), "itl": gw.chat.itl.summary(interval_s),
+            "policy": gw.settings.engine.policy, "max_num_seqs": gw.settings.engine.max_num_seqs,
+            "max_num_batched_tokens": gw.settings.engine.max_num_batched_tokens}

@@ -1,0 +1,118 @@
+"""The chat request body, shared by HTTP and WebSocket, validated with pydantic so every
+error names its field (`messages.0.role: ...`).
+
+OpenAI fields we cannot honour (n > 1, tools, logprobs, non-text response formats,
+penalties) are refused with a 400 naming the field instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import BadRequest
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, gt=0)
+    max_completion_tokens: int | None = Field(default=None, gt=0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    user: str | None = None
+    # streamgate extensions
+    priority: int | None = None
+    deadline_ms: int | None = Field(default=None, gt=0)
+    # accepted only at their no-op values
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    tools: list | None = None
+    response_format: dict | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return stops
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.n != 1:
+            raise _Unsupported("n", "only n=1 is supported")
+        if self.presence_penalty or self.frequency_penalty:
+            raise _Unsupported("presence_penalty" if self.presence_penalty else "frequency_penalty",
+                               "penalties are not supported")
+        if self.logprobs:
+            raise _Unsupported("logprobs", "logprobs are not supported")
+        if self.tools:
+            raise _Unsupported("tools", "tool calls are not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise _Unsupported("response_format", "only the text response format is supported")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class _Unsupported(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def parse_chat_request(body: object) -> ChatRequest:
+    """Validate a decoded JSON body; raise BadRequest naming the first bad field."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    try:
+        return ChatRequest.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, _Unsupported):
+            raise BadRequest(f"{cause.field}: {cause}", param=cause.field) from None
+        field = ".".join(str(p) for p in err["loc"]) or None
+        message = err["msg"].removeprefix("Value error, ")
+        raise BadRequest(f"{field}: {message}" if field else message, param=field) from None

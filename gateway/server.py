@@ -1,0 +1,51 @@
+"""Running the app under uvicorn with a draining shutdown.
+
+uvicorn's own SIGTERM handling stops at once: it closes the listening socket and cancels
+WebSockets with 1012. `DrainingServer` first lets the gateway drain (new requests get 503
+or close 1012, running streams finish for up to the grace period, the rest are aborted
+with a final event), then lets uvicorn shut down. A second signal exits immediately.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+import uvicorn
+
+log = structlog.get_logger("streamgate.server")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, gateway):
+        super().__init__(config)
+        self.gateway = gateway
+        self._drain_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._drain_task is not None or self._loop is None:
+            self.force_exit = True          # a second signal: stop now
+            self.should_exit = True
+            return
+        log.info("signal.received", signal=int(sig))
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        async def drain_then_exit() -> None:
+            try:
+                await self.gateway.drain()
+            finally:
+                self.should_exit = True
+
+        self._drain_task = asyncio.ensure_future(drain_then_exit())
+
+
+def serve(app, host: str, port: int, *, max_frame_bytes: int, log_config=None) -> None:
+    config = uvicorn.Config(app, host=host, port=port, ws_max_size=max_frame_bytes, log_config=log_config,
+                            timeout_graceful_shutdown=5, ws="websockets-sansio")
+    DrainingServer(config, app.state.gateway).run()

@@ -1,0 +1,144 @@
+"""OpenAI-compatible HTTP: `POST /v1/chat/completions` (SSE stream or one JSON body) and
+`GET /v1/models`. This module only adapts `chat.ChatService` events to OpenAI's format.
+
+A streamed answer's headers are held back until the first token (or the failure) is
+known, so a deadline that passes in the queue is a real 504 and a refused request a real
+429/503; while waiting, a client that hangs up is noticed and its request aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from .auth import bearer_key
+from .chat import Admission, Delta, Done, Failed
+from .errors import BadRequest, GatewayError
+
+
+def error_response(exc: GatewayError, extra_headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers={**(extra_headers or {}), **exc.headers})
+
+
+class _Disconnect:
+    """Watches an HTTP request's receive channel for the client hanging up."""
+
+    def __init__(self, request: Request):
+        self.task = asyncio.ensure_future(self._wait(request.receive))
+
+    @staticmethod
+    async def _wait(receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async def next_event(self, events):
+        """The next pipeline event, or None (and the pipeline closed) if the client left first."""
+        step = asyncio.ensure_future(anext(events))
+        try:
+            await asyncio.wait({step, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:      # the server cancelled this handler: close the pipeline
+            step.cancel()
+            with contextlib.suppress(BaseException):
+                await step
+            await events.aclose()
+            raise
+        if step.done():
+            return step.result()
+        step.cancel()
+        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+            await step
+        await events.aclose()
+        return None
+
+    def close(self) -> None:
+        self.task.cancel()
+
+
+async def chat_completions(request: Request) -> Response:
+    gw = request.app.state.gateway
+    tenant = gw.authenticate(bearer_key(request.headers.get("authorization")))
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest("the request body is not valid JSON") from None
+    stream = isinstance(body, dict) and body.get("stream") is True
+    adm = gw.chat.admit(tenant, body, transport="sse" if stream else "http",
+                        timeout_header=request.headers.get("x-request-timeout"),
+                        request_id=f"chatcmpl-{request.scope['state']['request_id']}")
+    headers = gw.quotas.headers(tenant)
+    events = gw.chat.run(adm)
+    watch = _Disconnect(request)
+    try:
+        first = await watch.next_event(events)
+        if first is None:
+            return Response(status_code=499)
+        if isinstance(first, Failed):
+            return error_response(first.error, headers)
+        if stream:
+            watch.close()       # from here on sse-starlette watches for the hang-up
+            return EventSourceResponse(_chunks(adm, first, events), headers=headers, sep="\n",
+                                       ping=gw.settings.keepalive_s)
+        text, event = [], first
+        while isinstance(event, Delta):
+            text.append(event.text)
+            event = await watch.next_event(events)
+        if event is None:
+            return Response(status_code=499)
+        if isinstance(event, Failed):
+            return error_response(event.error, headers)
+        return JSONResponse(_completion(adm, "".join(text), event), headers=headers)
+    finally:
+        watch.close()
+
+
+def _completion(adm: Admission, text: str, done: Done) -> dict:
+    return {"id": adm.request_id, "object": "chat.completion", "created": adm.created, "model": adm.model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": done.finish_reason}],
+            "usage": done.usage.as_dict()}
+
+
+async def _chunks(adm: Admission, first, events):
+    """SSE `data:` payloads: role chunk, content chunks, the finish chunk, the usage chunk
+    (if asked), `[DONE]`; or an error event, which is terminal (no `[DONE]` after it)."""
+    usage_on = adm.request.include_usage
+    head = {"id": adm.request_id, "object": "chat.completion.chunk", "created": adm.created,
+            "model": adm.model, "system_fingerprint": None}
+
+    def chunk(delta: dict, finish: str | None = None) -> str:
+        body = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        if usage_on:
+            body["usage"] = None
+        return json.dumps(body, ensure_ascii=False)
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        event = first
+        while True:
+            if isinstance(event, Delta):
+                yield chunk({"content": event.text})
+            elif isinstance(event, Done):
+                yield chunk({}, event.finish_reason)
+                if usage_on:
+                    yield json.dumps({**head, "choices": [], "usage": event.usage.as_dict()})
+                yield "[DONE]"
+                return
+            else:
+                yield json.dumps(event.error.body())
+                return
+            event = await anext(events)
+    finally:
+        await events.aclose()
+
+
+async def list_models(request: Request) -> Response:
+    gw = request.app.state.gateway
+    gw.authenticate(bearer_key(request.headers.get("authorization")))
+    return JSONResponse({"object": "list", "data": [
+        {"id": gw.chat.model_name, "object": "model", "created": gw.started_at, "owned_by": "streamgate"}]})

@@ -1,0 +1,230 @@
+"""Quotas: token buckets per minute, concurrency leases and the daily budget.
+
+`reserve` checks max_concurrent, requests_per_minute, tokens_per_minute and daily_tokens,
+in that order, and takes from all of them or from none. The returned Lease is settled
+exactly once when the request ends, however it ends: the slot is released, unused
+tokens go back to the per-minute bucket and what was used is written to the Ledger.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+
+from .ledger import Ledger
+from .models import Tenant
+
+CONCURRENCY_RETRY_S = 1.0
+EPS = 1e-9  # float slack so that exactly-refilled buckets count as full
+
+
+class QuotaExceeded(Exception):
+    """A limit refused the request; `retry_after` is None when a retry can never succeed."""
+
+    def __init__(self, reason: str, message: str, retry_after: float | None,
+                 headers: dict[str, str]):
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after = retry_after
+        self.headers = headers
+
+
+class TokenBucket:
+    """Holds up to `capacity` tokens, refilled continuously at `rate` per second."""
+
+    def __init__(self, capacity: int, rate: float, now: float, tokens: float | None = None):
+        self.capacity = capacity
+        self.rate = rate
+        self.tokens = float(capacity) if tokens is None else tokens
+        self.last = now
+
+    def available(self, now: float) -> float:
+        self.tokens = min(self.capacity, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        return self.tokens
+
+    def wait_for(self, n: float, now: float) -> float | None:
+        """Seconds until `n` tokens are available; None if n exceeds the capacity."""
+        if n > self.capacity:
+            return None
+        return max(0.0, (n - self.available(now)) / self.rate)
+
+    def time_to_full(self, now: float) -> float:
+        return (self.capacity - self.available(now)) / self.rate
+
+
+class _State:
+    """Per-tenant counters; buckets are None while the limit is unlimited."""
+
+    def __init__(self):
+        self.requests: TokenBucket | None = None
+        self.tokens: TokenBucket | None = None
+        self.in_flight = 0
+        self.daily_reserved = 0
+
+
+class Lease:
+    """One admitted request's hold on its tenant's quotas; settle it exactly once."""
+
+    def __init__(self, manager: QuotaManager, tenant: str, reserved_tokens: int):
+        self.tenant = tenant
+        self.reserved_tokens = reserved_tokens
+        self._manager = manager
+        self._lock = threading.Lock()
+        self._settled = False
+
+    @property
+    def settled(self) -> bool:
+        return self._settled
+
+    def settle(self, used_tokens: int) -> bool:
+        """Release the lease and bill `used_tokens`; True the first time, then False."""
+        if used_tokens < 0:
+            raise ValueError(f"used_tokens must be >= 0 (got {used_tokens})")
+        with self._lock:
+            if self._settled:
+                return False
+            self._settled = True
+        self._manager._release(self, used_tokens)
+        return True
+
+    def __repr__(self) -> str:
+        return f"Lease({self.tenant!r}, reserved_tokens={self.reserved_tokens}, settled={self._settled})"
+
+
+class QuotaManager:
+    def __init__(self, ledger: Ledger, clock: Callable[[], float] = time.monotonic):
+        self.ledger = ledger
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._states: dict[str, _State] = {}
+
+    def reserve(self, tenant: Tenant, tokens: int) -> Lease:
+        """Take one request and `tokens` from every limit, or raise QuotaExceeded taking nothing."""
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0 (got {tokens})")
+        lim = tenant.limits
+        with self._lock:
+            now = self.clock()
+            st = self._state(tenant, now)
+
+            def refuse(reason: str, message: str, retry: float | None):
+                when = "it can never fit" if retry is None else f"retry in {retry:.1f} s"
+                return QuotaExceeded(reason, f"{reason}: {message}; {when}", retry,
+                                     self._headers(st, now))
+
+            if lim.max_concurrent is not None and st.in_flight >= lim.max_concurrent:
+                raise refuse("max_concurrent", f"{st.in_flight} requests already in flight "
+                             f"(limit {lim.max_concurrent})", CONCURRENCY_RETRY_S)
+            if st.requests is not None and st.requests.available(now) + EPS < 1:
+                raise refuse("requests_per_minute", f"the limit of {lim.requests_per_minute} "
+                             "requests per minute is used up", st.requests.wait_for(1, now))
+            if st.tokens is not None and st.tokens.available(now) + EPS < tokens:
+                retry = st.tokens.wait_for(tokens, now)
+                left = (f"the limit is {lim.tokens_per_minute} per minute" if retry is None
+                        else f"{math.floor(st.tokens.tokens + EPS)} are left")
+                raise refuse("tokens_per_minute",
+                             f"this request reserves {tokens} tokens but {left}", retry)
+            used = 0
+            if lim.daily_tokens is not None:
+                used = self.ledger.used_today(tenant.name)
+                if used + st.daily_reserved + tokens > lim.daily_tokens:
+                    fits = tokens <= lim.daily_tokens
+                    left = max(0, lim.daily_tokens - used - st.daily_reserved)
+                    detail = (f"{left} of the daily budget of {lim.daily_tokens} are left "
+                              "(resets at 00:00 UTC)" if fits
+                              else f"the whole daily budget is {lim.daily_tokens}")
+                    raise refuse("daily_tokens", f"this request reserves {tokens} tokens but "
+                                 f"{detail}", self.ledger.seconds_to_next_day() if fits else None)
+            if st.requests is not None:
+                st.requests.tokens -= 1
+            if st.tokens is not None:
+                st.tokens.tokens -= tokens
+            st.in_flight += 1
+            st.daily_reserved += tokens
+            return Lease(self, tenant.name, tokens)
+
+    def _release(self, lease: Lease, used_tokens: int) -> None:
+        """Give back the slot and unused tokens, drop the daily hold, bill the ledger."""
+        with self._lock:
+            st = self._states[lease.tenant]
+            st.in_flight -= 1
+            st.daily_reserved -= lease.reserved_tokens
+            if st.tokens is not None:
+                bucket, now = st.tokens, self.clock()
+                # Refund at most what was taken; an overrun is charged, down to empty.
+                bucket.tokens = max(0.0, min(bucket.capacity, bucket.available(now)
+                                             + lease.reserved_tokens - used_tokens))
+            self.ledger.add(lease.tenant, used_tokens)
+
+    def headers(self, tenant: Tenant) -> dict[str, str]:
+        """OpenAI-style x-ratelimit-* headers; limits that are unlimited are omitted."""
+        with self._lock:
+            now = self.clock()
+            return self._headers(self._state(tenant, now), now)
+
+    def in_flight(self, tenant_name: str) -> int:
+        st = self._states.get(tenant_name)
+        return st.in_flight if st else 0
+
+    def snapshot(self, tenant: Tenant) -> dict:
+        """Current counters (None for unlimited buckets), for tests and metrics."""
+        with self._lock:
+            now = self.clock()
+            st = self._state(tenant, now)
+            daily_used = (self.ledger.used_today(tenant.name)
+                          if tenant.limits.daily_tokens is not None else None)
+            return {
+                "in_flight": st.in_flight,
+                "requests_available": st.requests.available(now) if st.requests else None,
+                "tokens_available": st.tokens.available(now) if st.tokens else None,
+                "daily_used": daily_used,
+                "daily_reserved": st.daily_reserved,
+            }
+
+    def _state(self, tenant: Tenant, now: float) -> _State:
+        """The tenant's state, creating it lazily and following limit changes (reloads)."""
+        st = self._states.get(tenant.name)
+        if st is None:
+            st = self._states[tenant.name] = _State()
+        st.requests = _resize(st.requests, tenant.limits.requests_per_minute, now)
+        st.tokens = _resize(st.tokens, tenant.limits.tokens_per_minute, now)
+        return st
+
+    def _headers(self, st: _State, now: float) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for kind, bucket in (("requests", st.requests), ("tokens", st.tokens)):
+            if bucket is not None:
+                out[f"x-ratelimit-limit-{kind}"] = str(bucket.capacity)
+                out[f"x-ratelimit-remaining-{kind}"] = str(math.floor(bucket.available(now) + EPS))
+                out[f"x-ratelimit-reset-{kind}"] = format_duration(bucket.time_to_full(now))
+        return out
+
+
+def _resize(bucket: TokenBucket | None, per_minute: int | None, now: float) -> TokenBucket | None:
+    if per_minute is None:
+        return None
+    if bucket is None:
+        return TokenBucket(per_minute, per_minute / 60.0, now)
+    if bucket.capacity != per_minute:
+        return TokenBucket(per_minute, per_minute / 60.0, now,
+                           tokens=min(per_minute, bucket.available(now)))
+    return bucket
+
+
+def format_duration(seconds: float) -> str:
+    """Go-style duration as OpenAI sends it: '250ms', '1s', '1.5s', '6m0s', '1h2m3s'."""
+    ms = math.ceil(round(max(0.0, seconds) * 1000, 6))
+    if ms == 0:
+        return "0s"
+    if ms < 1000:
+        return f"{ms}ms"
+    hours, rest = divmod(ms, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    secs = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    out = f"{hours}h" if hours else ""
+    if hours or minutes:
+        out += f"{minutes}m"
+    return out + f"{secs}s"
