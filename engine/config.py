@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 POLICIES = ("fcfs", "priority", "cost", "fair")
+BATCHING = ("continuous", "static")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -28,6 +29,7 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
     watermark: float = 0.01               # share of KV blocks kept free at admission
     chunked_prefill: bool = True          # False: prefill-first, unchunked (for comparison)
+    batching: str = "continuous"          # "static": request-level batches (for comparison)
     aging_rate: float = 0.1               # priority classes gained per second of waiting
     preempt_for_priority: bool | None = None  # None: on for policy="priority"
     swap_min_tokens: int = 256            # auto mode: swap sequences at least this long
@@ -53,6 +55,7 @@ class EngineConfig:
         need(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len > 1),
              "max_model_len", "must be None or an int > 1")
         need(self.policy in POLICIES, "policy", f"must be one of {POLICIES}")
+        need(self.batching in BATCHING, "batching", f"must be one of {BATCHING}")
         need(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"must be one of {PREEMPTION_MODES}")
         need(_is_int(self.num_swap_blocks) and self.num_swap_blocks >= 0, "num_swap_blocks", "must be an int >= 0")
         need(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "must be > 0")

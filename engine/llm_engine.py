@@ -192,8 +192,9 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, new_token_ids: list[int], text: str) -> RequestOutput:
         done = seq.status is SequenceStatus.FINISHED
+        queued = None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time
         return RequestOutput(seq.request_id, new_token_ids, text, done, seq.finish_reason if done else None,
-                             seq.num_prompt_tokens, seq.num_output_tokens)
+                             seq.num_prompt_tokens, seq.num_output_tokens, queue_time_s=queued)
 
     # -- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:

@@ -132,7 +132,11 @@ class Scheduler:
                 out.finished.append(seq)
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
-        """Swap in and admit, most urgent first, while budget, seats and blocks allow."""
+        """Swap in and admit, most urgent first, while budget, seats and blocks allow.
+        Static batching (for comparison) admits only until the batch's first token, then
+        runs the batch to completion before the next one starts."""
+        if self.config.batching == "static" and any(s.num_output_tokens > 0 for s in self.running):
+            return budget
         if len(self.running) >= self.config.max_num_seqs and not self.config.priority_preemption:
             return budget                                    # no seat can open this step
         key = lambda s: self.policy.key(s, now)  # noqa: E731

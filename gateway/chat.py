@@ -123,6 +123,7 @@ class ChatService:
             raise
 
     def _admit(self, tenant, body, transport, timeout_header, request_id) -> Admission:
+        arrival = self.clock()
         if self.draining:
             raise Draining("the server is shutting down and accepts no new requests")
         if not self.ready:
@@ -155,10 +156,10 @@ class ChatService:
         else:
             max_tokens = min(room, cap if cap is not None else self.default_max_tokens)
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                seed=req.seed, stop=tuple(req.stop or ()))
+                                seed=req.seed, stop=tuple(req.stop or ()), ignore_eos=req.ignore_eos)
         # A request may lower its urgency (a larger class number) but never raise it.
         priority = tenant.priority if req.priority is None else max(tenant.priority, req.priority)
-        deadline = self._deadline(tenant, req, timeout_header)
+        deadline = self._deadline(tenant, req, timeout_header, arrival)
         rid = request_id or f"chatcmpl-{uuid.uuid4().hex}"
         try:
             self.engine.engine.validate_request(rid, prompt_ids, params, priority, deadline, tenant.weight)
@@ -171,7 +172,7 @@ class ChatService:
             lease = self.quotas.reserve(tenant, n_prompt + max_tokens)
         except QuotaExceeded as exc:
             raise RateLimited(str(exc), reason=exc.reason, retry_after=exc.retry_after, headers=exc.headers) from None
-        return Admission(rid, tenant, req, prompt_ids, params, priority, deadline, lease, transport, self.clock(),
+        return Admission(rid, tenant, req, prompt_ids, params, priority, deadline, lease, transport, arrival,
                          self.model_name)
 
     def _tokenize(self, req: ChatRequest) -> list[int]:
@@ -185,7 +186,8 @@ class ChatService:
             ids = ids["input_ids"]
         return list(ids)
 
-    def _deadline(self, tenant: Tenant, req: ChatRequest, timeout_header: str | None) -> float | None:
+    def _deadline(self, tenant: Tenant, req: ChatRequest, timeout_header: str | None,
+                  arrival: float) -> float | None:
         wanted_ms: float | None = req.deadline_ms
         if timeout_header is not None:
             try:
@@ -199,14 +201,14 @@ class ChatService:
         bound = tenant.limits.deadline_ms
         if bound is not None:
             wanted_ms = bound if wanted_ms is None else min(wanted_ms, bound)
-        return None if wanted_ms is None else self.clock() + wanted_ms / 1000
+        return None if wanted_ms is None else arrival + wanted_ms / 1000
 
     # -- generation --------------------------------------------------------------------------
     async def run(self, adm: Admission) -> AsyncIterator[Delta | Done | Failed]:
         """Stream one admitted request. Ends with exactly one Done or Failed unless the
         consumer leaves first; the lease is settled exactly once either way."""
         usage = Usage(len(adm.prompt_ids), 0)
-        first = last = None
+        first = last = queued = None
         status, outcome = CLIENT_CLOSED, "disconnect"
         self.active[adm.request_id] = adm
         self.metrics.stream_opened(adm.transport)
@@ -226,6 +228,8 @@ class ChatService:
                                     self.itl.add(now - last)
                                 last = now
                                 usage.completion_tokens += len(out.new_token_ids)
+                            if out.queue_time_s is not None:
+                                queued = out.queue_time_s
                             if out.new_text:
                                 yield Delta(out.new_text, len(out.new_token_ids))
                             if out.finished:
@@ -234,7 +238,7 @@ class ChatService:
                     finish, error = "overloaded", exc
                 except ValueError as exc:
                     finish, error = "invalid", exc
-            terminal = self._terminal(adm, finish, error, usage, first)
+            terminal = self._terminal(adm, finish, error, usage, first, queued)
             status = terminal.error.status if isinstance(terminal, Failed) else (
                 CLIENT_CLOSED if finish == "abort" else 200)
             outcome = terminal.error.code if isinstance(terminal, Failed) else finish
@@ -249,15 +253,17 @@ class ChatService:
             end = self.clock()
             if first is not None:
                 self.metrics.observe_ttft(first - adm.arrival)
-            log.info("chat.finished", request_id=adm.request_id, tenant=adm.tenant.name, transport=adm.transport,
+            log.info("chat.finished", completion_id=adm.request_id, tenant=adm.tenant.name, transport=adm.transport,
                      status=status, outcome=outcome, prompt_tokens=usage.prompt_tokens,
                      completion_tokens=usage.completion_tokens, billed_tokens=billed,
                      ttft_ms=None if first is None else round((first - adm.arrival) * 1000, 1),
                      duration_ms=round((end - adm.arrival) * 1000, 1))
 
-    def _terminal(self, adm: Admission, finish: str, error, usage: Usage, first: float | None):
+    def _terminal(self, adm: Admission, finish: str, error, usage: Usage, first: float | None,
+                  queued: float | None):
         now = self.clock()
-        timings = {"ttft_ms": None if first is None else round((first - adm.arrival) * 1000, 2),
+        timings = {"queue_ms": None if queued is None else round(queued * 1000, 2),
+                   "ttft_ms": None if first is None else round((first - adm.arrival) * 1000, 2),
                    "total_ms": round((now - adm.arrival) * 1000, 2)}
         if first is not None and usage.completion_tokens > 1 and now > first:
             timings["tokens_per_s"] = round((usage.completion_tokens - 1) / (now - first), 2)
@@ -267,7 +273,8 @@ class ChatService:
             return Failed(err, usage, timings, before)
 
         if finish == "deadline":
-            when = "before the first token" if before else f"after {usage.completion_tokens} tokens"
+            n = usage.completion_tokens
+            when = "before the first token" if before else f"after {n} token{'s' if n > 1 else ''}"
             return failed(DeadlineExceeded(f"the request's deadline passed {when}"))
         if finish == "abort" and adm.request_id in self._shutdown_ids:
             return failed(Draining(f"the server shut down; the request was stopped after "

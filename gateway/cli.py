@@ -6,6 +6,7 @@
     streamgate bench offline [...]              the offline throughput benchmark
     streamgate bench scheduling smoothness      decode smoothness / preemption cost
     streamgate bench profile_decode             where a decode step's time goes
+    streamgate bench gateway_overhead           in-process vs through the gateway (SSE, WS)
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def _scheduling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--num-swap-blocks", type=int, default=0)
-    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--no-chunked-prefill", action="store_true", help="prefill-first, unchunked (comparison)")
+    p.add_argument("--batching", default="continuous", choices=["continuous", "static"],
+                   help="static: request-level batches (comparison)")
     p.add_argument("--no-prefix-caching", action="store_true")
 
 
@@ -80,7 +83,7 @@ def serve(args: argparse.Namespace) -> int:
                               preemption_mode=args.preemption_mode, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                               num_kv_blocks=args.num_kv_blocks, num_swap_blocks=args.num_swap_blocks,
-                              chunked_prefill=not args.no_chunked_prefill,
+                              chunked_prefill=not args.no_chunked_prefill, batching=args.batching,
                               enable_prefix_caching=not args.no_prefix_caching)
         settings = GatewaySettings(engine=engine, tenants_file=args.tenants, ledger_path=args.ledger,
                                    allowed_origins=tuple(args.allow_origin), drain_grace_s=args.drain_grace,
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p_keys.add_argument("action", choices=["new"])
     p_keys.add_argument("tenant")
     p_bench = sub.add_parser("bench", help="benchmarks (see bench/)")
-    p_bench.add_argument("which", choices=["offline", "scheduling", "profile_decode"])
+    p_bench.add_argument("which", choices=["offline", "scheduling", "profile_decode", "gateway_overhead"])
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)

@@ -55,6 +55,7 @@ class ChatRequest(BaseModel):
     # streamgate extensions
     priority: int | None = None
     deadline_ms: int | None = Field(default=None, gt=0)
+    ignore_eos: bool = False            # as in vLLM: generate exactly max_tokens (benchmarks)
     # accepted only at their no-op values
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -68,8 +68,7 @@ async def chat_completions(request: Request) -> Response:
         raise BadRequest("the request body is not valid JSON") from None
     stream = isinstance(body, dict) and body.get("stream") is True
     adm = gw.chat.admit(tenant, body, transport="sse" if stream else "http",
-                        timeout_header=request.headers.get("x-request-timeout"),
-                        request_id=f"chatcmpl-{request.scope['state']['request_id']}")
+                        timeout_header=request.headers.get("x-request-timeout"))
     headers = gw.quotas.headers(tenant)
     events = gw.chat.run(adm)
     watch = _Disconnect(request)
@@ -126,7 +125,8 @@ async def _chunks(adm: Admission, first, events):
             elif isinstance(event, Done):
                 yield chunk({}, event.finish_reason)
                 if usage_on:
-                    yield json.dumps({**head, "choices": [], "usage": event.usage.as_dict()})
+                    yield json.dumps({**head, "choices": [], "usage": event.usage.as_dict(),
+                                      "timings": event.timings})      # a streamgate extension
                 yield "[DONE]"
                 return
             else:

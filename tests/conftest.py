@@ -21,6 +21,14 @@ def _one_torch_thread():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _json_logs():
+    """The gateway's structlog setup, so its log lines go through logging (captured per test)."""
+    from gateway.logs import configure_logging
+
+    configure_logging()
+
+
 @pytest.fixture
 def all_threads():
     import torch

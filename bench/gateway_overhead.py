@@ -1,0 +1,254 @@
+"""Gateway overhead: one request trace driven in-process through `AsyncEngine`, then through
+the gateway over SSE and over WebSocket (a `streamgate serve` subprocess on loopback).
+
+    python -m bench.gateway_overhead [--requests 64] [--rate 4] [--max-tokens 96] [--idle 16]
+
+Every request decodes greedily for exactly its max_tokens (`ignore_eos`), so each mode does
+the same work. Reported per mode: output tokens/s over the trace's makespan, TTFT
+p50/p99 under the trace, and TTFT p50 of `--idle` sequential one-token requests on an idle
+engine (the gateway's own added latency, without queueing). Targets (issue 4): ≤ 5 % fewer
+tokens/s and ≤ 5 ms more p50 TTFT through the gateway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from .workload import _text
+
+MODES = ("inprocess", "sse", "ws")
+
+
+def make_trace(n: int, rate: float, max_tokens: int, seed: int) -> list[dict]:
+    """n chat requests: prompts of 20–300 words, outputs of max_tokens/4..max_tokens, Poisson arrivals."""
+    rng = random.Random(seed)
+    t, trace = 0.0, []
+    for i in range(n):
+        trace.append({"id": f"r{i}", "at": t, "messages": [{"role": "user", "content": _text(rng, rng.randint(20, 300))}],
+                      "max_tokens": rng.randint(max(1, max_tokens // 4), max_tokens)})
+        t += rng.expovariate(rate) if rate > 0 else 0.0
+    return trace
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+async def _replay(trace: list[dict], one) -> dict:
+    """Start each request at its arrival time; `one(req)` returns (ttft_s, n_tokens)."""
+    start = time.perf_counter()
+
+    async def timed(req):
+        await asyncio.sleep(max(0.0, req["at"] - (time.perf_counter() - start)))
+        return await one(req)
+
+    results = await asyncio.gather(*(timed(r) for r in trace))
+    wall = time.perf_counter() - start
+    ttfts = [r[0] for r in results]
+    tokens = sum(r[1] for r in results)
+    return {"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
+            "ttft_p50_ms": pct(ttfts, 0.5) * 1000, "ttft_p99_ms": pct(ttfts, 0.99) * 1000}
+
+
+async def _idle(n: int, one) -> float:
+    req = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    ttfts = [(await one({**req, "id": f"idle{i}"}))[0] for i in range(n)]
+    return statistics.median(ttfts) * 1000
+
+
+# -- in-process -----------------------------------------------------------------------------------
+async def run_inprocess(args, trace) -> dict:
+    from engine import AsyncEngine, EngineConfig, SamplingParams
+
+    eng = AsyncEngine(EngineConfig(model=args.model))
+    await eng.start()
+    tok = eng.tokenizer
+
+    def ids(messages):
+        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    async def one(req):
+        prompt = ids(req["messages"])
+        t0, first, n = time.perf_counter(), None, 0
+        params = SamplingParams(max_tokens=req["max_tokens"], temperature=0.0, ignore_eos=True)
+        async for out in eng.generate(req["id"], prompt, params):
+            if out.new_token_ids and first is None:
+                first = time.perf_counter()
+            n += len(out.new_token_ids)
+        return first - t0, n
+
+    try:
+        await _idle(2, one)                     # warm-up
+        result = await _replay(trace, one)
+        result["idle_ttft_p50_ms"] = await _idle(args.idle, one)
+    finally:
+        await eng.stop()
+    return result
+
+
+# -- through the gateway --------------------------------------------------------------------------
+async def run_sse(args, trace, url: str, key: str) -> dict:
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600,
+                                 limits=httpx.Limits(max_connections=256)) as client:
+        async def one(req):
+            body = {"messages": req["messages"], "max_tokens": req["max_tokens"], "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            t0, first, n = time.perf_counter(), None, 0
+            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                        first = first or time.perf_counter()
+                    if chunk.get("usage"):
+                        n = chunk["usage"]["completion_tokens"]
+            return first - t0, n
+
+        await _idle(2, one)
+        result = await _replay(trace, one)
+        result["idle_ttft_p50_ms"] = await _idle(args.idle, one)
+    return result
+
+
+async def run_ws(args, trace, url: str, key: str) -> dict:
+    import websockets
+
+    async with websockets.connect(url.replace("http", "ws") + "/v1/chat/ws", max_size=None,
+                                  additional_headers={"Authorization": f"Bearer {key}"}) as ws:
+        await ws.recv()                          # auth.ok
+        waiters: dict[str, asyncio.Queue] = {}
+
+        async def reader():
+            async for frame in ws:
+                msg = json.loads(frame)
+                if msg.get("id") in waiters:
+                    waiters[msg["id"]].put_nowait(msg)
+
+        reading = asyncio.ensure_future(reader())
+
+        async def one(req):
+            q = waiters[req["id"]] = asyncio.Queue()
+            t0, first = time.perf_counter(), None
+            await ws.send(json.dumps({"type": "chat.request", "id": req["id"], "messages": req["messages"],
+                                      "max_tokens": req["max_tokens"], "temperature": 0, "ignore_eos": True}))
+            while True:
+                msg = await q.get()
+                if msg["type"] == "chat.delta":
+                    first = first or time.perf_counter()
+                elif msg["type"] == "chat.done":
+                    return first - t0, msg["usage"]["completion_tokens"]
+                else:
+                    raise RuntimeError(f"request {req['id']} failed: {msg}")
+
+        try:
+            await _idle(2, one)
+            result = await _replay(trace, one)
+            result["idle_ttft_p50_ms"] = await _idle(args.idle, one)
+        finally:
+            reading.cancel()
+    return result
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, tmp: Path) -> tuple[subprocess.Popen, str, str]:
+    from tenants import hash_key, new_key
+
+    key = new_key()
+    (tmp / "tenants.toml").write_text(f'[tenants.bench]\napi_key_sha256 = ["{hash_key(key)}"]\n')
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--model", args.model, "--port", str(port),
+                             "--tenants", str(tmp / "tenants.toml"), "--ledger", str(tmp / "usage.sqlite3")],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp / "server.log", "w"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"server did not start; see {tmp / 'server.log'}:\n"
+                               + (tmp / "server.log").read_text()[-2000:])
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return proc, url, key
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+
+
+def report(results: dict) -> list[str]:
+    base = results["inprocess"]
+    lines = [f"{'mode':10} {'tok/s':>8} {'vs in-process':>14} {'TTFT p50':>10} {'TTFT p99':>10} {'idle TTFT p50':>14} "
+             f"{'added':>8}"]
+    for mode, r in results.items():
+        ratio = r["tokens_per_s"] / base["tokens_per_s"] - 1
+        added = r["idle_ttft_p50_ms"] - base["idle_ttft_p50_ms"]
+        lines.append(f"{mode:10} {r['tokens_per_s']:8.1f} {ratio:+13.1%} {r['ttft_p50_ms']:8.0f}ms {r['ttft_p99_ms']:8.0f}ms "
+                     f"{r['idle_ttft_p50_ms']:12.1f}ms {added:+7.1f}ms")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second (0: all at once)")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--idle", type=int, default=16, help="sequential 1-token requests for the idle TTFT")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--json-out", default="bench/results/gateway_overhead.json")
+    args = p.parse_args(argv)
+    if args.model == "default":
+        from engine.models import resolve_model
+        args.model = resolve_model("default")
+    trace = make_trace(args.requests, args.rate, args.max_tokens, args.seed)
+    modes = [m for m in args.modes.split(",") if m]
+    results = {}
+    if "inprocess" in modes:
+        results["inprocess"] = asyncio.run(run_inprocess(args, trace))
+        print(f"inprocess: {results['inprocess']['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("sse", "ws"):
+            if mode not in modes:
+                continue
+            proc, url, key = start_server(args, Path(tmp))     # a fresh server per mode: same cold state
+            try:
+                runner = run_sse if mode == "sse" else run_ws
+                results[mode] = asyncio.run(runner(args, trace, url, key))
+                print(f"{mode}: {results[mode]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
+    if "inprocess" in results:
+        print("\n".join(report(results)))
+    out = {"args": {k: v for k, v in vars(args).items()}, "results": results, "cpus": os.cpu_count()}
+    Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json_out).write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

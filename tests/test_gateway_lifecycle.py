@@ -1,0 +1,150 @@
+"""How requests end: client disconnects, deadlines before and after the first token,
+loading, and draining on SIGTERM — each frees blocks and leases and bills exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+import websockets
+
+from engine import AsyncEngine
+from gateway.schemas import parse_chat_request
+from tests.live import KEYS, engine_config, serve, wait_until
+
+HELLO = [{"role": "user", "content": "Write a long story about a lighthouse."}]
+AUTH = {"Authorization": f"Bearer {KEYS['acme']}"}
+
+
+def idle(live) -> bool:
+    s = live.engine_stats()
+    return s["running"] == 0 and s["waiting"] == 0 and s["kv_blocks_used"] == 0 and \
+        live.gateway.quotas.in_flight("acme") == 0
+
+
+def sse_lines(live, body: dict, limit: int | None = None) -> list[str]:
+    lines = []
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", json={"stream": True, **body}, headers=AUTH,
+                      timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+                if limit is not None and len(lines) >= limit:
+                    break           # leaving the block closes the connection mid-stream
+    return lines
+
+
+def test_disconnect_mid_stream_aborts_frees_and_bills_what_was_produced(tiny_model, tmp_path):
+    """Closing the HTTP stream aborts the engine request within a step; blocks, slot and lease return."""
+    with serve(tiny_model("llama"), tmp_path) as live:
+        lines = sse_lines(live, {"messages": HELLO, "max_tokens": 1500}, limit=5)
+        assert len(lines) == 5
+        assert wait_until(lambda: idle(live)), live.engine_stats()
+        billed = live.gateway.quotas.ledger.used_today("acme")
+        prompt = len(live.gateway.chat._tokenize(parse_chat_request({"messages": HELLO})))
+        assert prompt + 4 <= billed < prompt + 1500      # at least the 4 content chunks we read
+        metrics = httpx.get(f"{live.url}/metrics").text
+        assert 'streamgate_gateway_requests_total{status="499",tenant="acme",transport="sse"} 1.0' in metrics
+
+
+def test_deadline_before_first_token_is_a_504_and_bills_nothing(tiny_model, tmp_path):
+    """With the only slot busy, a request whose deadline passes in the queue gets 504 deadline_exceeded."""
+    with serve(tiny_model("llama"), tmp_path, engine_kw={"max_num_seqs": 1}) as live:
+        async def scenario():
+            async with websockets.connect(live.ws_url, additional_headers=AUTH) as ws:
+                await ws.recv()
+                await ws.send(json.dumps({"type": "chat.request", "id": 1, "messages": HELLO, "max_tokens": 1500}))
+                assert json.loads(await ws.recv())["type"] == "chat.delta"
+                r = await asyncio.to_thread(httpx.post, f"{live.url}/v1/chat/completions", headers=AUTH,
+                                            json={"messages": HELLO, "stream": True, "deadline_ms": 300}, timeout=30)
+                await ws.send(json.dumps({"type": "chat.cancel", "id": 1}))
+                return r
+        r = asyncio.run(scenario())
+        assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+        assert wait_until(lambda: idle(live))
+        assert live.engine_stats()["deadline_drops"] == 1
+
+
+def test_deadline_after_first_token_is_an_in_stream_error(tiny_model, tmp_path):
+    """A deadline that passes mid-answer ends the stream with a deadline_exceeded error event (no [DONE])."""
+    with serve(tiny_model("llama"), tmp_path) as live:
+        lines = sse_lines(live, {"messages": HELLO, "max_tokens": 1900, "deadline_ms": 400})
+        assert lines[-1] != "[DONE]"
+        assert json.loads(lines[-1])["error"]["code"] == "deadline_exceeded"
+        produced = sum(1 for line in lines[1:-1] if json.loads(line)["choices"][0]["delta"].get("content"))
+        assert produced > 0
+        assert wait_until(lambda: idle(live))
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key=KEYS["acme"], max_retries=0)
+        with pytest.raises(openai.APIError, match="deadline"):
+            for _ in client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=1900, stream=True,
+                                                    extra_headers={"X-Request-Timeout": "0.4"}):
+                pass
+
+
+class GatedEngine(AsyncEngine):
+    """The real engine whose model load waits for a gate, to observe the loading state."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.gate = threading.Event()
+
+    async def start(self):
+        await asyncio.to_thread(self.gate.wait, 30)
+        await super().start()
+
+
+def test_health_is_503_while_the_model_loads(tiny_model, tmp_path):
+    """Before the engine is up: /health 503 'loading' and chat 503; then 200 and chat works."""
+    engine = GatedEngine(engine_config(tiny_model("llama")))
+    with serve(tiny_model("llama"), tmp_path, engine=engine, ready=False) as live:
+        r = httpx.get(f"{live.url}/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        r = httpx.post(f"{live.url}/v1/chat/completions", headers=AUTH, json={"messages": HELLO})
+        assert r.status_code == 503 and r.headers["retry-after"]
+        engine.gate.set()
+        assert wait_until(lambda: httpx.get(f"{live.url}/health").status_code == 200)
+        r = httpx.post(f"{live.url}/v1/chat/completions", headers=AUTH, json={"messages": HELLO, "max_tokens": 3})
+        assert r.status_code == 200
+
+
+def test_sigterm_drains_then_aborts_with_a_final_event(tiny_model, tmp_path):
+    """On SIGTERM: new work gets 503/1012, a short stream finishes, long ones end with server_draining."""
+    with serve(tiny_model("llama"), tmp_path, drain_grace_s=1.0) as live:
+        async def scenario():
+            async with websockets.connect(live.ws_url, additional_headers=AUTH) as ws:
+                await ws.recv()
+                await ws.send(json.dumps({"type": "chat.request", "id": "long", "messages": HELLO,
+                                          "max_tokens": 1900}))
+                assert json.loads(await ws.recv())["type"] == "chat.delta"
+                sse = asyncio.ensure_future(asyncio.to_thread(sse_lines, live, {"messages": HELLO,
+                                                                                "max_tokens": 1900}))
+                await asyncio.sleep(0.2)
+                live.sigterm()
+                await asyncio.sleep(0.2)
+                refused = await asyncio.to_thread(httpx.post, f"{live.url}/v1/chat/completions", headers=AUTH,
+                                                  json={"messages": HELLO, "max_tokens": 2})
+                health = await asyncio.to_thread(httpx.get, f"{live.url}/health")
+                await ws.send(json.dumps({"type": "chat.request", "id": "late", "messages": HELLO}))
+                events = []
+                with pytest.raises(websockets.ConnectionClosed) as closed:
+                    while True:
+                        msg = json.loads(await ws.recv())
+                        if msg["type"] != "chat.delta":
+                            events.append(msg)
+                return refused, health, events, closed.value.rcvd.code, await sse
+        refused, health, events, code, sse = asyncio.run(scenario())
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_draining"
+        assert health.status_code == 503
+        by_id = {e["id"]: e for e in events}
+        assert by_id["late"]["error"]["code"] == "server_draining"
+        assert by_id["long"]["type"] == "error" and by_id["long"]["error"]["code"] == "server_draining"
+        assert code == 1012
+        assert json.loads(sse[-1])["error"]["code"] == "server_draining"
+        live.thread.join(timeout=20)
+        assert not live.thread.is_alive(), "the server did not exit after draining"
+        assert live.gateway.quotas.in_flight("acme") == 0
