@@ -60,6 +60,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running = False
         self.error: BaseException | None = None
+        self._adds_sent = 0              # written by the event loop only
+        self._adds_taken = 0             # written by the engine thread only
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -86,7 +88,12 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        """`LLMEngine.stats()`, with requests still in the command queue counted as waiting."""
+        stats = self.engine.stats()
+        pending = max(0, self._adds_sent - self._adds_taken)
+        stats["waiting"] += pending
+        stats["pending_adds"] = pending
+        return stats
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -102,6 +109,7 @@ class AsyncEngine:
         self.engine.validate_request(request_id, prompt_token_ids, params, priority, deadline, weight)
         self.engine.scheduler.check_capacity(len(prompt_token_ids), count=False)  # rechecked on add
         collector = self._collectors[request_id] = _Collector()
+        self._adds_sent += 1
         self._send(("add", request_id, list(prompt_token_ids), params,
                     dict(priority=priority, tenant=tenant, deadline=deadline, weight=weight)))
         finished = False
@@ -158,7 +166,9 @@ class AsyncEngine:
                 _, rid, prompt, params, kwargs = command
                 try:
                     self.engine.add_request(rid, prompt, params, **kwargs)
+                    self._adds_taken += 1
                 except (ValueError, EngineOverloaded) as exc:   # lost a race with other adds
+                    self._adds_taken += 1
                     self._loop.call_soon_threadsafe(
                         self._dispatch, [RequestOutput(rid, [], "", True, "error", error=str(exc))])
             else:

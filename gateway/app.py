@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -144,8 +145,7 @@ async def stats_stream(request: Request) -> Response:
         interval = 0.5
 
     async def events():
-        import json
-        while True:
+        while not gw.chat.draining:
             yield json.dumps(snapshot(gw, interval))
             await asyncio.sleep(interval)
 

@@ -155,8 +155,11 @@ class ChatService:
             max_tokens = asked
         else:
             max_tokens = min(room, cap if cap is not None else self.default_max_tokens)
+            if limits.tokens_per_minute is not None:       # a default that the tpm bucket can hold
+                max_tokens = max(1, min(max_tokens, limits.tokens_per_minute - n_prompt))
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                seed=req.seed, stop=tuple(req.stop or ()), ignore_eos=req.ignore_eos)
+                                top_k=req.top_k, seed=req.seed, stop=tuple(req.stop or ()),
+                                ignore_eos=req.ignore_eos)
         # A request may lower its urgency (a larger class number) but never raise it.
         priority = tenant.priority if req.priority is None else max(tenant.priority, req.priority)
         deadline = self._deadline(tenant, req, timeout_header, arrival)

@@ -7,6 +7,7 @@
     streamgate bench scheduling smoothness      decode smoothness / preemption cost
     streamgate bench profile_decode             where a decode step's time goes
     streamgate bench gateway_overhead           in-process vs through the gateway (SSE, WS)
+    streamgate bench serve --workload mixed     the serving benchmark (load generator, plots)
 """
 
 from __future__ import annotations
@@ -68,8 +69,20 @@ def _scheduling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
 
 
-def serve(args: argparse.Namespace) -> int:
+def engine_config_from_args(args: argparse.Namespace):
+    """The EngineConfig that `_engine_args` + `_scheduling_args` flags describe."""
     from engine import EngineConfig
+
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    return EngineConfig(model=args.model, device=args.device, dtype=dtype, policy=args.policy,
+                        preemption_mode=args.preemption_mode, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                        num_kv_blocks=args.num_kv_blocks, num_swap_blocks=args.num_swap_blocks,
+                        chunked_prefill=not args.no_chunked_prefill, batching=args.batching,
+                        enable_prefix_caching=not args.no_prefix_caching)
+
+
+def serve(args: argparse.Namespace) -> int:
     from tenants import TenantConfigError
 
     from .app import GatewaySettings, create_app
@@ -77,14 +90,8 @@ def serve(args: argparse.Namespace) -> int:
     from .server import serve as run_server
 
     configure_logging()
-    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     try:
-        engine = EngineConfig(model=args.model, device=args.device, dtype=dtype, policy=args.policy,
-                              preemption_mode=args.preemption_mode, max_num_seqs=args.max_num_seqs,
-                              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                              num_kv_blocks=args.num_kv_blocks, num_swap_blocks=args.num_swap_blocks,
-                              chunked_prefill=not args.no_chunked_prefill, batching=args.batching,
-                              enable_prefix_caching=not args.no_prefix_caching)
+        engine = engine_config_from_args(args)
         settings = GatewaySettings(engine=engine, tenants_file=args.tenants, ledger_path=args.ledger,
                                    allowed_origins=tuple(args.allow_origin), drain_grace_s=args.drain_grace,
                                    max_frame_bytes=args.max_frame_bytes)
@@ -145,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p_keys.add_argument("action", choices=["new"])
     p_keys.add_argument("tenant")
     p_bench = sub.add_parser("bench", help="benchmarks (see bench/)")
-    p_bench.add_argument("which", choices=["offline", "scheduling", "profile_decode", "gateway_overhead"])
+    p_bench.add_argument("which", choices=["offline", "scheduling", "profile_decode", "gateway_overhead", "serve"])
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)

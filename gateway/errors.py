@@ -91,6 +91,10 @@ class Draining(GatewayError):
     type = "server_error"
     code = "server_draining"
 
+    def __init__(self, message: str, *, retry_after: float = 5.0):
+        super().__init__(message, headers={"retry-after": str(max(1, math.ceil(retry_after)))})
+        self.retry_after = retry_after
+
 
 class DeadlineExceeded(GatewayError):
     status = 504

@@ -42,12 +42,13 @@ class ChatRequest(BaseModel):
 
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
-    stream: bool = False
+    stream: bool = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, gt=0)
     max_completion_tokens: int | None = Field(default=None, gt=0)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)     # as in vLLM; 0 = off
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = 1
@@ -61,6 +62,11 @@ class ChatRequest(BaseModel):
     frequency_penalty: float = 0.0
     logprobs: bool = False
     tools: list | None = None
+    tool_choice: object = None
+    functions: list | None = None
+    function_call: object = None
+    logit_bias: dict | None = None
+    top_logprobs: int | None = None
     response_format: dict | None = None
 
     @field_validator("stop")
@@ -82,8 +88,13 @@ class ChatRequest(BaseModel):
                                "penalties are not supported")
         if self.logprobs:
             raise _Unsupported("logprobs", "logprobs are not supported")
-        if self.tools:
-            raise _Unsupported("tools", "tool calls are not supported")
+        for name in ("tools", "tool_choice", "functions", "function_call"):
+            if getattr(self, name) not in (None, [], "none"):
+                raise _Unsupported(name, "tool and function calls are not supported")
+        if self.logit_bias:
+            raise _Unsupported("logit_bias", "logit_bias is not supported")
+        if self.top_logprobs:
+            raise _Unsupported("top_logprobs", "logprobs are not supported")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise _Unsupported("response_format", "only the text response format is supported")
         return self

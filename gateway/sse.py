@@ -66,7 +66,7 @@ async def chat_completions(request: Request) -> Response:
         body = await request.json()
     except (ValueError, UnicodeDecodeError):
         raise BadRequest("the request body is not valid JSON") from None
-    stream = isinstance(body, dict) and body.get("stream") is True
+    stream = isinstance(body, dict) and body.get("stream") is True     # the parser refuses non-booleans
     adm = gw.chat.admit(tenant, body, transport="sse" if stream else "http",
                         timeout_header=request.headers.get("x-request-timeout"))
     headers = gw.quotas.headers(tenant)
@@ -110,10 +110,12 @@ async def _chunks(adm: Admission, first, events):
     head = {"id": adm.request_id, "object": "chat.completion.chunk", "created": adm.created,
             "model": adm.model, "system_fingerprint": None}
 
-    def chunk(delta: dict, finish: str | None = None) -> str:
+    def chunk(delta: dict, finish: str | None = None, num_tokens: int | None = None) -> str:
         body = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
         if usage_on:
             body["usage"] = None
+        if num_tokens is not None:
+            body["num_tokens"] = num_tokens      # a streamgate extension: tokens in this delta
         return json.dumps(body, ensure_ascii=False)
 
     try:
@@ -121,7 +123,7 @@ async def _chunks(adm: Admission, first, events):
         event = first
         while True:
             if isinstance(event, Delta):
-                yield chunk({"content": event.text})
+                yield chunk({"content": event.text}, num_tokens=event.num_tokens)
             elif isinstance(event, Done):
                 yield chunk({}, event.finish_reason)
                 if usage_on:

@@ -19,7 +19,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from .auth import authenticate, bearer_key
 from .chat import Admission, Delta, Done
-from .errors import (WS_MESSAGE_TOO_BIG, WS_POLICY_VIOLATION, WS_SERVICE_RESTART, WS_TRY_AGAIN_LATER, AuthError,
+from .errors import (WS_INTERNAL_ERROR, WS_MESSAGE_TOO_BIG, WS_POLICY_VIOLATION, WS_SERVICE_RESTART, WS_TRY_AGAIN_LATER, AuthError,
                      BadRequest, GatewayError, RateLimited)
 from .live import snapshot
 
@@ -33,14 +33,14 @@ class State(enum.Enum):
 
 
 def origin_allowed(websocket: WebSocket, allowed: tuple[str, ...]) -> bool:
-    """Browsers send Origin; it must be listed, or (no list) match the Host we were reached at.
+    """Browsers send Origin; it must match the Host we were reached at or be listed.
     Non-browser clients send no Origin and are not affected (they authenticate with a key)."""
     origin = websocket.headers.get("origin")
     if origin is None:
         return True
-    if allowed:
-        return "*" in allowed or origin.rstrip("/") in allowed
-    return urlsplit(origin).netloc.lower() == websocket.headers.get("host", "").lower()
+    if urlsplit(origin).netloc.lower() == websocket.headers.get("host", "").lower():
+        return True
+    return "*" in allowed or origin.rstrip("/") in allowed
 
 
 class Connection:
@@ -71,6 +71,9 @@ class Connection:
         drain_watch = asyncio.ensure_future(self._close_when_drained())
         try:
             await self._receive_loop()
+        except Exception:
+            log.exception("ws.fault")
+            await self.close(WS_INTERNAL_ERROR, "internal server error")
         finally:
             self.gw.open_sockets -= 1
             self.gw.metrics.websockets.dec()
@@ -157,7 +160,11 @@ class Connection:
                 f"at most {self.gw.settings.max_requests_per_socket} requests may run at once on one socket",
                 reason="requests_per_socket", retry_after=None))
         body = {k: v for k, v in msg.items() if k not in ("type", "id")}
-        timeout = msg.get("timeout_s")
+        timeout = body.pop("timeout_s", None)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 < timeout < float("inf")):
+            return await self.send_error(cid, BadRequest(
+                f"timeout_s: must be a positive number of seconds (got {timeout!r})", param="timeout_s"))
         try:
             adm = self.gw.chat.admit(self.tenant, body, transport="ws",
                                      timeout_header=None if timeout is None else str(timeout))
@@ -171,7 +178,8 @@ class Connection:
             async with contextlib.aclosing(events):
                 async for event in events:
                     if isinstance(event, Delta):
-                        await self.send({"type": "chat.delta", "id": cid, "text": event.text})
+                        await self.send({"type": "chat.delta", "id": cid, "text": event.text,
+                                         "num_tokens": event.num_tokens})
                     elif isinstance(event, Done):
                         await self.send({"type": "chat.done", "id": cid, "finish_reason": event.finish_reason,
                                          "usage": event.usage.as_dict(), "timings": event.timings})

@@ -83,6 +83,7 @@ def capture(url: str, out: Path, load: int) -> None:
         page.press("#prompt", "Enter")
         expect(page.get_by_test_id("finish-reason")).to_have_count(1)
         page.wait_for_timeout(1500)         # a few more stats ticks after the answer
+        page.locator("#prompt").blur()
         page.screenshot(path=str(out / "demo-chat.png"))
         print(f"wrote {out / 'demo-chat.png'}")
 
@@ -99,6 +100,8 @@ def capture(url: str, out: Path, load: int) -> None:
             if time.monotonic() - start > 10 and busy and mixed:
                 break
             page.wait_for_timeout(100)
+        page.locator("#prompt").blur()
+        page.locator("#load-running").scroll_into_view_if_needed()
         page.screenshot(path=str(out / "demo-scheduler.png"))
         print(f"wrote {out / 'demo-scheduler.png'}")
         page.click("#load-stop")

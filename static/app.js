@@ -9,7 +9,7 @@ const DEMO_KEY = "sg-demo-localhost-only";      // examples/tenants.toml, tenant
 const KEY_STORAGE = "streamgate.apiKey";
 const STATS_INTERVAL_MS = 500;
 
-// -- banner (errors, with a countdown when the server says when to retry) --------------------------------------
+// -- banner (errors, with a countdown when the server says when to retry) -------------------
 const banner = {
   timer: null,
   show(text, kind = "error", retryAfter = null, onExpire = null) {
@@ -17,17 +17,22 @@ const banner = {
     const node = $("banner");
     node.dataset.kind = kind;
     node.hidden = false;
-    if (retryAfter == null) { node.textContent = text; return; }
+    node.textContent = text;
+    if (retryAfter == null) return;
+    // The ticking number is hidden from screen readers (an alert would re-announce it every
+    // second); they hear the wait once, and "You can retry now" when it is over.
     const end = performance.now() + retryAfter * 1000;
+    const wait = Math.ceil(retryAfter);
+    const once = el("span", "visually-hidden", ` You can retry in ${wait} second${wait === 1 ? "" : "s"}.`);
+    const shown = el("span", "countdown");
+    shown.setAttribute("aria-hidden", "true");
+    node.append(once, shown);
     const tick = () => {
       const left = Math.ceil((end - performance.now()) / 1000);
-      if (left <= 0) {
-        clearInterval(this.timer);
-        node.textContent = `${text} You can retry now.`;
-        if (onExpire) onExpire();
-        return;
-      }
-      node.textContent = `${text} Retry in ${left} s.`;
+      if (left > 0) { shown.textContent = ` Retry in ${left} s.`; return; }
+      clearInterval(this.timer);
+      node.textContent = `${text} You can retry now.`;
+      if (onExpire) onExpire();
     };
     tick();
     this.timer = setInterval(tick, 250);
@@ -71,8 +76,7 @@ function addBubble(role, text) {
 function scrollMessages(force) {
   const list = $("messages");
   const nearBottom = list.scrollHeight - list.scrollTop - list.clientHeight < 60;
-  if (force || nearBottom) list.scrollTop = list.scrollHeight;
-  if (force || nearBottom) list.lastElementChild?.scrollIntoView({ block: "nearest" });
+  if (force || nearBottom) list.scrollTop = list.scrollHeight;     // the list scrolls, not the page
 }
 
 function updateChatButtons() {
@@ -87,6 +91,7 @@ function send() {
   const id = `chat-${++chat.seq}`;
   const messages = [...chat.history, { role: "user", content: text }];
   const request = { type: "chat.request", id, messages, ...readSettings() };
+  const tSend = performance.now();
   if (!main.send(request)) {
     banner.show("Not connected to the server yet; wait for “Connected” and send again.");
     return;
@@ -99,7 +104,7 @@ function send() {
   answer.item.dataset.testid = "answer";
   const node = document.createTextNode("");
   answer.content.append(node);
-  chat.pending = { id, userText: text, ...answer, node, tSend: performance.now(), tFirst: null };
+  chat.pending = { id, userText: text, ...answer, node, tSend, tFirst: null };
   updateChatButtons();
 }
 
@@ -146,6 +151,7 @@ function onChatDone(msg) {
     ["Speed", rate == null ? "–" : `${rate.toFixed(1)} tok/s`, "rate"],
     ["Tokens", String(tokens), "tokens"],
     ["Finish", msg.finish_reason, "finish-reason", `finish-${msg.finish_reason}`],
+    ...(timings.queue_ms != null ? [["Queued", fmtMs(timings.queue_ms), "queue"]] : []),
   ], msg.finish_reason === "deadline" ? { kind: "deadline", text: "The deadline passed." } : null);
   const answerText = p.node.data;
   chat.history.push({ role: "user", content: p.userText }, { role: "assistant", content: answerText });
@@ -186,6 +192,10 @@ function onMainMessage(msg) {
     case "socket.closed":
       if (chat.pending) finishAnswer(null, { kind: "error", text: "The connection closed before the answer ended." });
       if (msg.code === 1008) banner.show(`The server refused the connection: ${msg.reason || "policy violation"}`);
+      else if (msg.code === 1012) banner.show("The server is restarting (close 1012); the page reconnects by itself.", "notice");
+      else if (msg.code === 1013) {
+        banner.show(`The server is overloaded (close 1013${msg.reason ? `: ${msg.reason}` : ""}); the page reconnects by itself.`, "notice");
+      }
       return;
     default:
       return;
@@ -200,7 +210,7 @@ function setConnState(state, text) {
 
 const main = new Channel({
   onReady: () => {
-    if ($("banner").dataset.kind !== "warn") banner.hide();
+    if ($("banner").dataset.kind !== "warn") banner.hide();      // a rate-limit countdown outlives a reconnect
     main.send({ type: "stats.subscribe", interval_ms: STATS_INTERVAL_MS });
   },
   onMessage: onMainMessage,

@@ -19,9 +19,11 @@ const LOAD_SIZES = [0, 1, 3, 0, 8, 2, 16, 1];   // filler repeats (≈ 55 tokens
 
 const load = { target: 0, running: new Set(), next: 0, done: 0, errors: 0, active: false };
 
+// The request number comes first so that no two prompts share a prefix: the prefix cache
+// would otherwise skip most of the prefill this load is meant to show.
 function loadPrompt(k) {
   const repeats = LOAD_SIZES[k % LOAD_SIZES.length];
-  return `${FILLER.repeat(repeats)}${LOAD_TOPICS[k % LOAD_TOPICS.length]}`;
+  return `Request ${k}. ${FILLER.repeat(repeats)}${LOAD_TOPICS[k % LOAD_TOPICS.length]}`;
 }
 
 export function renderLoad() {

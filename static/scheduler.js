@@ -49,6 +49,12 @@ export function renderStats(s) {
   drawChart();
 }
 
+function axisLabel(ms) {
+  if (ms === 0) return "0";
+  if (ms >= 1000) return `${+(ms / 1000).toFixed(2)} s`;
+  return `${ms >= 10 ? Math.round(ms) : +ms.toFixed(1)} ms`;
+}
+
 function niceCeil(v) {
   if (v <= 0) return 10;
   const mag = 10 ** Math.floor(Math.log10(v));
@@ -68,7 +74,7 @@ export function drawChart() {
   const ctx = canvas.getContext("2d");
   ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
   ctx.clearRect(0, 0, w, h);
-  const left = 48, right = 8, top = 8, bottom = 20;
+  const left = 52, right = 10, top = 8, bottom = 20;
   const pw = w - left - right, ph = h - top - bottom;
   const values = itlPoints.flatMap((p) => [p.p50, p.p99]).filter((v) => v != null);
   const ymax = niceCeil(Math.max(1, ...values));
@@ -77,7 +83,8 @@ export function drawChart() {
   const y = (v) => top + ph * (1 - v / ymax);
 
   ctx.font = "11px system-ui, sans-serif";
-  ctx.fillStyle = "#4d5560";
+  const css = getComputedStyle(document.documentElement);
+  ctx.fillStyle = css.getPropertyValue("--muted").trim();
   ctx.strokeStyle = "#dde1e6";
   ctx.lineWidth = 1;
   ctx.textAlign = "right";
@@ -86,23 +93,29 @@ export function drawChart() {
     const v = (ymax * i) / 4;
     const yy = Math.round(y(v)) + 0.5;
     ctx.beginPath(); ctx.moveTo(left, yy); ctx.lineTo(left + pw, yy); ctx.stroke();
-    ctx.fillText(`${v >= 10 ? Math.round(v) : v.toFixed(1)} ms`, left - 4, yy);
+    ctx.fillText(axisLabel(v), left - 4, yy);
   }
-  ctx.textAlign = "center";
   ctx.textBaseline = "top";
-  for (const ago of [60, 30, 0]) ctx.fillText(ago ? `-${ago}s` : "now", left + pw * (1 - ago / 60), top + ph + 4);
+  for (const [ago, align] of [[60, "left"], [30, "center"], [0, "right"]]) {
+    ctx.textAlign = align;
+    ctx.fillText(ago ? `−${ago} s` : "now", left + pw * (1 - ago / 60), top + ph + 4);
+  }
 
-  for (const [key, color] of [["p99", "#b5400b"], ["p50", "#1f6fb2"]]) {
+  for (const key of ["p99", "p50"]) {
+    const color = css.getPropertyValue(`--${key}`).trim();
     ctx.strokeStyle = color;
     ctx.fillStyle = color;
     ctx.lineWidth = 2;
     ctx.beginPath();
     let drawing = false;
-    for (const p of itlPoints) {
-      if (p[key] == null) { drawing = false; continue; }
-      if (drawing) ctx.lineTo(x(p.t), y(p[key]));
-      else { ctx.moveTo(x(p.t), y(p[key])); drawing = true; }
-    }
+    itlPoints.forEach((p, i) => {
+      if (p[key] == null) { drawing = false; return; }
+      const px = x(p.t), py = y(p[key]);
+      if (drawing) ctx.lineTo(px, py);
+      else ctx.moveTo(px, py);
+      drawing = true;
+      if (itlPoints[i - 1]?.[key] == null && itlPoints[i + 1]?.[key] == null) ctx.fillRect(px - 2, py - 2, 4, 4);
+    });
     ctx.stroke();
   }
   const last = [...itlPoints].reverse().find((p) => p.p50 != null);

@@ -68,6 +68,7 @@ export class Channel {
       const why = ev.code === 1012 ? "Server restarting"
         : ev.code === 1013 ? `Server overloaded${ev.reason ? ` (${ev.reason})` : ""}`
         : ev.code === 1009 ? "A message was too large"
+        : ev.code === 1011 ? "Server error"
         : "Connection lost";
       this.onState("retrying", `${why}; reconnecting in ${(delay / 1000).toFixed(1)} s…`);
       this.timer = setTimeout(() => this._open(), delay);

@@ -86,12 +86,18 @@ def test_raw_sse_headers_keepalives_and_done(live):
     assert all(p["object"] == "chat.completion.chunk" for p in payloads)
 
 
-def test_invalid_json_body_is_a_400(live):
-    """A body that is not JSON gets an OpenAI error body, not a crash."""
+def test_invalid_json_body_and_unsupported_fields_are_400s(live):
+    """A body that is not JSON, a non-boolean stream or an unsupported field gets a 400 naming it."""
     r = httpx.post(f"{live.url}/v1/chat/completions", content=b"{nope",
                    headers={"Authorization": f"Bearer {KEYS['acme']}"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert r.headers["x-request-id"]
+    r = httpx.post(f"{live.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEYS['acme']}"},
+                   json={"messages": MESSAGES, "stream": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+    r = httpx.post(f"{live.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEYS['acme']}"},
+                   json={"messages": MESSAGES, "logit_bias": {"1": 5}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
 
 
 def test_models_health_and_metrics(live):

@@ -83,6 +83,9 @@ async def test_bad_json_and_unknown_types_leave_the_socket_usable(live):
         await ws.send(json.dumps({"type": "chat.request", "id": "t", "messages": HELLO, "temperature": -1}))
         err = await recv(ws)
         assert err["id"] == "t" and err["error"]["param"] == "temperature"
+        await ws.send(json.dumps({"type": "chat.request", "id": "u", "messages": HELLO, "timeout_s": "soon"}))
+        err = await recv(ws)
+        assert err["id"] == "u" and err["error"]["param"] == "timeout_s"
         await ws.send(json.dumps({"type": "ping"}))
         assert await recv(ws) == {"type": "pong"}
 

@@ -1,0 +1,84 @@
+"""The serving benchmark end to end on a tiny model: `python -m bench.serve` starts its own
+gateway, replays a tiny workload over the WebSocket and writes its JSON and plots."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+TINY = """
+name = "tiny"
+seed = 0
+num_requests = 5
+duration_s = 10
+rate = 20
+
+[slo]
+ttft_ms = 5000
+tpot_ms = 1000
+
+[[tenants]]
+name = "a"
+rate = 10
+
+[[tenants]]
+name = "b"
+rate = 10
+priority = 1
+
+[[mix]]
+name = "chat"
+weight = 2
+prompt_words = [5, 20]
+max_tokens = [3, 6]
+
+[[mix]]
+name = "document"
+weight = 1
+prompt_words = [60, 120]
+max_tokens = [3, 3]
+long = true
+"""
+
+
+def _run(tmp_path, model: str, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+    (tmp_path / "tiny.toml").write_text(TINY)
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, "-m", "bench.serve", "--workload", str(tmp_path / "tiny.toml"), "--model", model,
+           "--json-out", str(out), "--plots-dir", str(tmp_path / "plots"), "--time-limit", "60", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())
+
+
+def test_serve_bench_writes_results_and_plots(tiny_model, tmp_path):
+    """Every request succeeds with exactly max_tokens tokens (ignore_eos); the JSON has the
+    summary, per-request timings and stats samples; every plot is a non-empty PNG."""
+    proc, res = _run(tmp_path, tiny_model("llama"))
+    (run,) = res["runs"]
+    s = run["summary"]
+    assert s["requests"] == s["ok"] == len(run["requests"]) > 0 and s["failures"] == {}
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "queue_ms"):
+        assert set(s[key]) >= {"p50", "p90", "p99", "max"}
+    assert s["ttft_ms"]["p50"] > 0 and s["output_tps"] > 0 and 0 <= s["goodput"]["fraction"] <= 1
+    assert abs(sum(t["share"] for t in s["tenants"].values()) - 1) < 1e-9
+    for r in run["requests"]:
+        assert r["output_tokens"] == r["max_tokens"] and r["finish"] == "length"
+        assert r["send"] <= r["deltas"][0][0] <= r["end"] and r["queue_s"] is not None
+    assert run["stats"] and {"waiting", "running", "kv_cache_usage", "num_preemptions"} <= set(run["stats"][0])
+    pngs = sorted((tmp_path / "plots").glob("*.png"))
+    assert {p.name for p in pngs} == {"tiny-latency_cdf.png", "tiny-ws-itl_time.png", "tiny-ws-tenant_tokens.png"}
+    assert all(p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size > 1000 for p in pngs)
+    assert "TTFT" in proc.stdout and " ms" in proc.stdout
+
+
+def test_serve_bench_compare_presets(tiny_model, tmp_path):
+    """`--compare static,chunked` runs each preset on its own server and prints them side by side."""
+    proc, res = _run(tmp_path, tiny_model("llama"), "--compare", "static,chunked", "--no-plots",
+                     "--num-requests", "3")
+    assert [r["label"] for r in res["runs"]] == ["static", "chunked"]
+    assert res["runs"][0]["flags"] == ["--batching", "static"] and res["runs"][1]["flags"] == []
+    assert all(r["summary"]["ok"] == r["summary"]["requests"] == 3 for r in res["runs"])
+    header = proc.stdout.splitlines()[1]
+    assert "static" in header and "chunked" in header
