@@ -129,42 +129,51 @@ async def run_sse(args, trace, url: str, key: str) -> dict:
     return result
 
 
-async def run_ws(args, trace, url: str, key: str) -> dict:
+async def run_ws(args, trace, url: str, key: str, sockets: int = 4) -> dict:
+    """Requests are spread over a few sockets (the gateway runs at most 32 per socket)."""
     import websockets
 
-    async with websockets.connect(url.replace("http", "ws") + "/v1/chat/ws", max_size=None,
-                                  additional_headers={"Authorization": f"Bearer {key}"}) as ws:
+    waiters: dict[str, asyncio.Queue] = {}
+    conns = [await websockets.connect(url.replace("http", "ws") + "/v1/chat/ws", max_size=None,
+                                      additional_headers={"Authorization": f"Bearer {key}"})
+             for _ in range(sockets)]
+
+    async def reader(ws):
         await ws.recv()                          # auth.ok
-        waiters: dict[str, asyncio.Queue] = {}
+        async for frame in ws:
+            msg = json.loads(frame)
+            if msg.get("id") in waiters:
+                waiters[msg["id"]].put_nowait(msg)
 
-        async def reader():
-            async for frame in ws:
-                msg = json.loads(frame)
-                if msg.get("id") in waiters:
-                    waiters[msg["id"]].put_nowait(msg)
+    readers = [asyncio.ensure_future(reader(ws)) for ws in conns]
+    count = 0
 
-        reading = asyncio.ensure_future(reader())
+    async def one(req):
+        nonlocal count
+        ws = conns[count % sockets]
+        count += 1
+        q = waiters[req["id"]] = asyncio.Queue()
+        t0, first = time.perf_counter(), None
+        await ws.send(json.dumps({"type": "chat.request", "id": req["id"], "messages": req["messages"],
+                                  "max_tokens": req["max_tokens"], "temperature": 0, "ignore_eos": True}))
+        while True:
+            msg = await q.get()
+            if msg["type"] == "chat.delta":
+                first = first or time.perf_counter()
+            elif msg["type"] == "chat.done":
+                return first - t0, msg["usage"]["completion_tokens"]
+            else:
+                raise RuntimeError(f"request {req['id']} failed: {msg}")
 
-        async def one(req):
-            q = waiters[req["id"]] = asyncio.Queue()
-            t0, first = time.perf_counter(), None
-            await ws.send(json.dumps({"type": "chat.request", "id": req["id"], "messages": req["messages"],
-                                      "max_tokens": req["max_tokens"], "temperature": 0, "ignore_eos": True}))
-            while True:
-                msg = await q.get()
-                if msg["type"] == "chat.delta":
-                    first = first or time.perf_counter()
-                elif msg["type"] == "chat.done":
-                    return first - t0, msg["usage"]["completion_tokens"]
-                else:
-                    raise RuntimeError(f"request {req['id']} failed: {msg}")
-
-        try:
-            await _idle(2, one)
-            result = await _replay(trace, one)
-            result["idle_ttft_p50_ms"] = await _idle(args.idle, one)
-        finally:
-            reading.cancel()
+    try:
+        await _idle(2, one)
+        result = await _replay(trace, one)
+        result["idle_ttft_p50_ms"] = await _idle(args.idle, one)
+    finally:
+        for task in readers:
+            task.cancel()
+        for ws in conns:
+            await ws.close()
     return result
 
 

@@ -109,9 +109,10 @@ def long_windows(recs: list[dict]) -> list[tuple[float, float]]:
 
 
 def gaps_in_windows(recs: list[dict], ms: list[dict], windows) -> list[float]:
-    """ITL gaps of the other requests that end inside any window."""
+    """ITL gaps of the other requests that overlap any window (a stall that spans a whole
+    prefill ends after it, and must still count)."""
     return [g for r, m in zip(recs, ms) if not r["long"] for t, g, _ in m["gaps"]
-            if any(a <= t <= b for a, b in windows)]
+            if any(a <= t and t - g <= b for a, b in windows)]
 
 
 def stats_summary(samples: list[dict]) -> dict:

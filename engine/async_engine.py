@@ -60,8 +60,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running = False
         self.error: BaseException | None = None
-        self._adds_sent = 0              # written by the event loop only
-        self._adds_taken = 0             # written by the engine thread only
+        # Adds sent but not yet queued by the engine thread: each counter has one writer.
+        self._adds_sent = self._adds_taken = 0            # requests (loop / engine thread)
+        self._tokens_sent = self._tokens_taken = 0        # their prompt tokens
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -107,9 +108,10 @@ class AsyncEngine:
         if request_id in self._collectors:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.engine.validate_request(request_id, prompt_token_ids, params, priority, deadline, weight)
-        self.engine.scheduler.check_capacity(len(prompt_token_ids), count=False)  # rechecked on add
+        self.check_capacity(len(prompt_token_ids))       # rechecked on add
         collector = self._collectors[request_id] = _Collector()
         self._adds_sent += 1
+        self._tokens_sent += len(prompt_token_ids)
         self._send(("add", request_id, list(prompt_token_ids), params,
                     dict(priority=priority, tenant=tenant, deadline=deadline, weight=weight)))
         finished = False
@@ -119,13 +121,21 @@ class AsyncEngine:
                 finished = out.finished
                 yield out
         finally:
-            if finished:
+            if finished or (collector.output is not None and collector.output.finished):
+                # (the second case: cancelled in the same loop pass as the final output landed)
                 self._collectors.pop(request_id, None)
             else:
                 # The id stays taken until the engine's final output for it arrives, so a
                 # reused id can never receive this request's abort.
                 collector.detached = True
                 self._send(("abort", request_id))
+
+    def check_capacity(self, num_tokens: int) -> None:
+        """Raise EngineOverloaded if a request of `num_tokens` would pass a queue limit,
+        counting requests still on their way to the engine thread."""
+        self.engine.scheduler.check_capacity(num_tokens, count=False,
+                                             pending_requests=max(0, self._adds_sent - self._adds_taken),
+                                             pending_tokens=max(0, self._tokens_sent - self._tokens_taken))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are freed by the next step. Unknown ids are ignored."""
@@ -166,11 +176,12 @@ class AsyncEngine:
                 _, rid, prompt, params, kwargs = command
                 try:
                     self.engine.add_request(rid, prompt, params, **kwargs)
-                    self._adds_taken += 1
-                except (ValueError, EngineOverloaded) as exc:   # lost a race with other adds
-                    self._adds_taken += 1
+                except (ValueError, EngineOverloaded) as exc:   # should not happen: pre-checked
                     self._loop.call_soon_threadsafe(
                         self._dispatch, [RequestOutput(rid, [], "", True, "error", error=str(exc))])
+                finally:        # after the add: a pre-check in between counts it twice, never zero times
+                    self._adds_taken += 1
+                    self._tokens_taken += len(prompt)
             else:
                 self.engine.abort(command[1])
 

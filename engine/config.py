@@ -31,7 +31,7 @@ class EngineConfig:
     chunked_prefill: bool = True          # False: prefill-first, unchunked (for comparison)
     batching: str = "continuous"          # "static": request-level batches (for comparison)
     aging_rate: float = 0.1               # priority classes gained per second of waiting
-    preempt_for_priority: bool | None = None  # None: on for policy="priority"
+    preempt_for_priority: bool | None = None  # None: on for "priority"; "fair" opts in (seat share)
     swap_min_tokens: int = 256            # auto mode: swap sequences at least this long
     max_queued_requests: int = 4096       # beyond this add_request raises EngineOverloaded
     max_queued_tokens: int = 4 * 1024 * 1024
@@ -73,7 +73,9 @@ class EngineConfig:
 
     @property
     def priority_preemption(self) -> bool:
-        return self.policy == "priority" if self.preempt_for_priority is None else self.preempt_for_priority
+        if self.preempt_for_priority is None:
+            return self.policy == "priority"
+        return self.preempt_for_priority
 
 
 @dataclass(frozen=True)
@@ -110,10 +112,12 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0 (got {self.temperature!r})")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (got {self.top_p!r})")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (got {self.top_k!r})")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None (got {self.seed!r})")
+        if not _is_int(self.top_k) or not 0 <= self.top_k < 2**31:
+            raise ValueError(f"top_k must be an integer in [0, 2**31) (got {self.top_k!r})")
+        if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**63):
+            raise ValueError(f"seed must be a 64-bit integer or None (got {self.seed!r})")
+        if self.max_tokens >= 2**31:
+            raise ValueError(f"max_tokens must be < 2**31 (got {self.max_tokens!r})")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings (got {self.stop!r})")
         limit = vocab_size if vocab_size is not None else float("inf")

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from .block_manager import BlockManager
@@ -71,12 +72,12 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids: the prompt has {len(prompt_token_ids)} tokens but the "
                              f"context is {self.max_model_len} (max_model_len), including at least one output token")
         params.validate(self.vocab_size)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer (got {priority!r})")
-        if deadline is not None and not isinstance(deadline, (int, float)):
-            raise ValueError(f"deadline must be a time.monotonic() value or None (got {deadline!r})")
-        if not isinstance(weight, (int, float)) or not weight > 0:
-            raise ValueError(f"weight must be > 0 (got {weight!r})")
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -2**31 <= priority < 2**31:
+            raise ValueError(f"priority must be a 32-bit integer (got {priority!r})")
+        if deadline is not None and (not isinstance(deadline, (int, float)) or not math.isfinite(deadline)):
+            raise ValueError(f"deadline must be a finite time.monotonic() value or None (got {deadline!r})")
+        if not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+            raise ValueError(f"weight must be a finite number > 0 (got {weight!r})")
         blocks = self.block_manager.blocks_for(len(prompt_token_ids) + 1)
         usable = self.block_manager.num_blocks - self.scheduler.watermark_blocks
         if blocks > usable:

@@ -16,6 +16,7 @@ more urgent sequence for a less urgent one" compares.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 
 from .config import EngineConfig
@@ -39,6 +40,12 @@ class Policy:
 
     def victim_key(self, seq: Sequence, now: float) -> tuple:
         return (self.urgency(seq, now), -seq.num_computed_tokens)
+
+    def may_preempt(self, victim: Sequence, newcomer: Sequence, now: float, running: list[Sequence]) -> bool:
+        """Whether `newcomer` may take `victim`'s seat at admission (with preemption on):
+        only a strictly less urgent class, and only one that aging has not already lifted
+        above the newcomer (else an aged request would be preempted forever)."""
+        return victim.priority > newcomer.priority and self.key(victim, now) > self.key(newcomer, now)
 
     # Hooks for stateful policies (fair); no-ops elsewhere.
     def on_add(self, seq: Sequence, backlogged: Callable[[], set[str | None]]) -> None:
@@ -116,6 +123,23 @@ class FairPolicy(Policy):
             active = [self.counters.get(t, 0.0) for t in tenants]
             floor = min(active) if active else max(self.counters.values(), default=0.0)
             self.counters[seq.tenant] = max(self.counters.get(seq.tenant, 0.0), floor)
+
+    def may_preempt(self, victim: Sequence, newcomer: Sequence, now: float, running: list[Sequence]) -> bool:
+        """Seats are shared by weight too: a tenant holding fewer seats than its weighted
+        share of `max_num_seqs` may take one from a tenant holding more than its own. VTC
+        orders the queue but cannot open a seat; without this, a tenant arriving while a
+        flooder holds every seat waits for one of the flooder's requests to finish. Both
+        sides stay within their shares, so a seat never moves back and forth."""
+        if victim.tenant == newcomer.tenant:
+            return False
+        seats = Counter(s.tenant for s in running)
+        present = set(seats) | {newcomer.tenant}
+        total = sum(self.weights.get(t, 1.0) for t in present)
+
+        def share(tenant) -> float:
+            return self.config.max_num_seqs * self.weights.get(tenant, 1.0) / total
+
+        return seats[newcomer.tenant] + 1 <= share(newcomer.tenant) and seats[victim.tenant] - 1 >= share(victim.tenant)
 
     def on_served(self, seq: Sequence, prompt_tokens: int, output_tokens: int) -> None:
         cost = self.INPUT_COST * prompt_tokens + self.OUTPUT_COST * output_tokens

@@ -47,15 +47,18 @@ class Scheduler:
         self.last_output = SchedulerOutput()
 
     # -- queues ---------------------------------------------------------------------------
-    def check_capacity(self, num_tokens: int, count: bool = True) -> None:
+    def check_capacity(self, num_tokens: int, count: bool = True, pending_requests: int = 0,
+                       pending_tokens: int = 0) -> None:
         """Raise EngineOverloaded if one more request of `num_tokens` would pass a queue limit.
-        `count=False` only looks (for a pre-check from another thread)."""
+        `count=False` only looks (for a pre-check from another thread, which also counts the
+        `pending_*` requests it has sent that the engine has not queued yet)."""
         cfg = self.config
-        if len(self.waiting) >= cfg.max_queued_requests:
+        waiting = len(self.waiting) + pending_requests
+        if waiting >= cfg.max_queued_requests:
             self.counters.rejections += count
-            raise EngineOverloaded(f"engine overloaded: {len(self.waiting)} requests already queued "
+            raise EngineOverloaded(f"engine overloaded: {waiting} requests already queued "
                                    f"(max_queued_requests={cfg.max_queued_requests})", limit="max_queued_requests")
-        queued = sum(s.num_tokens for s in list(self.waiting))
+        queued = sum(s.num_tokens for s in list(self.waiting)) + pending_tokens
         if queued + num_tokens > cfg.max_queued_tokens:
             self.counters.rejections += count
             raise EngineOverloaded(f"engine overloaded: {queued} tokens already queued "
@@ -185,16 +188,14 @@ class Scheduler:
         return self.bm.can_swap_in(seq, reserve) if swapping else self.bm.can_allocate(seq, reserve)
 
     def _make_room(self, seq: Sequence, swapping: bool, out: SchedulerOutput, now: float) -> bool:
-        """Whether `seq` can start now; with priority preemption on, a request of a more
-        urgent class may preempt running sequences of a less urgent class to get in."""
+        """Whether `seq` can start now; with preemption at admission on, it may preempt
+        running sequences the policy lets it displace (a less urgent class under `priority`,
+        a tenant holding more than its share of seats under `fair`)."""
         if self._fits(seq, swapping):
             return True
         if not self.config.priority_preemption:
             return False
-        # Only a strictly less urgent class, and only victims that aging has not already
-        # lifted above the newcomer (else an aged request would be preempted forever).
-        mine = self.policy.key(seq, now)
-        lower = [s for s in self.running if s.priority > seq.priority and self.policy.key(s, now) > mine]
+        lower = [s for s in self.running if self.policy.may_preempt(s, seq, now, self.running)]
         lower.sort(key=lambda s: self.policy.victim_key(s, now), reverse=True)
         # Preempt only if giving up all of them would be enough: never lose work for nothing.
         need = self.bm.blocks_for(seq.num_tokens) if swapping else self.bm.blocks_needed(seq)

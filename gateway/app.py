@@ -121,6 +121,8 @@ async def health(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     if gw.load_error is not None:
         return JSONResponse({"status": "error", "detail": f"model failed to load: {gw.load_error}"}, 503)
+    if gw.engine.error is not None:
+        return JSONResponse({"status": "error", "detail": f"the engine failed: {gw.engine.error!r}"}, 503)
     if gw.chat.draining:
         return JSONResponse({"status": "draining"}, 503)
     if not gw.chat.ready:

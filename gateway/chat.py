@@ -26,8 +26,8 @@ from tenants import Lease, QuotaExceeded, QuotaManager, Tenant
 
 from .live import ItlWindow
 from .errors import (BadRequest, ContextLengthExceeded, DeadlineExceeded, Draining, GatewayError,
-                     InternalError, Overloaded, RateLimited)
-from .schemas import ChatRequest, parse_chat_request
+                     InternalError, Overloaded, RateLimited, Unavailable)
+from .schemas import MAX_DEADLINE_MS, ChatRequest, parse_chat_request
 
 log = structlog.get_logger("streamgate.gateway")
 
@@ -128,6 +128,8 @@ class ChatService:
             raise Draining("the server is shutting down and accepts no new requests")
         if not self.ready:
             raise Overloaded("the model is still loading", retry_after=5.0)
+        if self.engine.error is not None:
+            raise Unavailable(f"the engine failed ({type(self.engine.error).__name__}); the server needs a restart")
         req = parse_chat_request(body)
         if req.model not in (None, "", self.model_name, "default"):
             raise BadRequest(f"model: unknown model {req.model!r}; this server serves {self.model_name!r}",
@@ -166,7 +168,7 @@ class ChatService:
         rid = request_id or f"chatcmpl-{uuid.uuid4().hex}"
         try:
             self.engine.engine.validate_request(rid, prompt_ids, params, priority, deadline, tenant.weight)
-            self.engine.engine.scheduler.check_capacity(n_prompt, count=False)
+            self.engine.check_capacity(n_prompt)
         except EngineOverloaded as exc:
             raise Overloaded(f"the engine is overloaded ({exc}); retry later", retry_after=exc.retry_after) from None
         except ValueError as exc:
@@ -197,9 +199,9 @@ class ChatService:
                 seconds = float(timeout_header)
             except ValueError:
                 seconds = math.nan
-            if not seconds > 0 or math.isinf(seconds):
-                raise BadRequest(f"X-Request-Timeout: must be a positive number of seconds (got {timeout_header!r})",
-                                 param="X-Request-Timeout")
+            if not 0 < seconds <= MAX_DEADLINE_MS / 1000:
+                raise BadRequest(f"X-Request-Timeout: must be a number of seconds in (0, 86400] "
+                                 f"(got {timeout_header!r})", param="X-Request-Timeout")
             wanted_ms = seconds * 1000 if wanted_ms is None else min(wanted_ms, seconds * 1000)
         bound = tenant.limits.deadline_ms
         if bound is not None:
@@ -241,6 +243,8 @@ class ChatService:
                     finish, error = "overloaded", exc
                 except ValueError as exc:
                     finish, error = "invalid", exc
+                except RuntimeError as exc:                 # the engine thread is gone
+                    finish, error = "error", exc
             terminal = self._terminal(adm, finish, error, usage, first, queued)
             status = terminal.error.status if isinstance(terminal, Failed) else (
                 CLIENT_CLOSED if finish == "abort" else 200)
@@ -290,6 +294,15 @@ class ChatService:
         if finish == "error":
             return failed(InternalError(f"the engine failed this request: {error}"))
         return Done(finish, usage, timings)
+
+    def release(self, adm: Admission) -> None:
+        """For an admission whose stream never started (its consumer vanished first):
+        return the lease unbilled. A no-op when `run()` already settled it."""
+        if adm.lease.settle(0):
+            self.metrics.request_done(adm.tenant.name, adm.transport, CLIENT_CLOSED)
+            log.info("chat.finished", completion_id=adm.request_id, tenant=adm.tenant.name,
+                     transport=adm.transport, status=CLIENT_CLOSED, outcome="never_started",
+                     prompt_tokens=len(adm.prompt_ids), completion_tokens=0, billed_tokens=0)
 
     async def cancel(self, adm: Admission) -> None:
         """Stop a request on the client's behalf; its stream ends with finish_reason 'abort'."""

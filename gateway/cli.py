@@ -67,6 +67,9 @@ def _scheduling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batching", default="continuous", choices=["continuous", "static"],
                    help="static: request-level batches (comparison)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--preempt-at-admission", default="auto", choices=["auto", "on", "off"],
+                   help="let an arrival preempt running sequences (auto: on for --policy priority; "
+                        "with fair: by seat share)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -79,7 +82,8 @@ def engine_config_from_args(args: argparse.Namespace):
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         num_kv_blocks=args.num_kv_blocks, num_swap_blocks=args.num_swap_blocks,
                         chunked_prefill=not args.no_chunked_prefill, batching=args.batching,
-                        enable_prefix_caching=not args.no_prefix_caching)
+                        enable_prefix_caching=not args.no_prefix_caching,
+                        preempt_for_priority={"auto": None, "on": True, "off": False}[args.preempt_at_admission])
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ close code.
     ├── RateLimited                 429     <the limit: requests_per_minute, ...>  error event
     ├── Overloaded                  503     engine_overloaded          error event
     ├── Draining                    503     server_draining            error event, close 1012
+    ├── Unavailable                 503     engine_unavailable         error event
     ├── DeadlineExceeded            504     deadline_exceeded          error event
     └── InternalError               500     internal_error             error event
 
@@ -94,6 +95,14 @@ class Draining(GatewayError):
     def __init__(self, message: str, *, retry_after: float = 5.0):
         super().__init__(message, headers={"retry-after": str(max(1, math.ceil(retry_after)))})
         self.retry_after = retry_after
+
+
+class Unavailable(GatewayError):
+    """The engine thread failed; nothing can be served until a restart."""
+
+    status = 503
+    type = "server_error"
+    code = "engine_unavailable"
 
 
 class DeadlineExceeded(GatewayError):

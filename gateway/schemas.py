@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import BadRequest
 
+MAX_DEADLINE_MS = 86_400_000        # one day
+
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -44,18 +46,18 @@ class ChatRequest(BaseModel):
     messages: list[Message] = Field(min_length=1)
     stream: bool = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, gt=0)
-    max_completion_tokens: int | None = Field(default=None, gt=0)
+    max_tokens: int | None = Field(default=None, gt=0, lt=2**31)
+    max_completion_tokens: int | None = Field(default=None, gt=0, lt=2**31)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)     # as in vLLM; 0 = off
-    seed: int | None = None
+    top_k: int = Field(default=0, ge=0, lt=2**31)     # as in vLLM; 0 = off
+    seed: int | None = Field(default=None, ge=-2**63, lt=2**63)
     stop: str | list[str] | None = None
     n: int = 1
     user: str | None = None
     # streamgate extensions
-    priority: int | None = None
-    deadline_ms: int | None = Field(default=None, gt=0)
+    priority: int | None = Field(default=None, ge=-2**31, lt=2**31)
+    deadline_ms: int | None = Field(default=None, gt=0, le=MAX_DEADLINE_MS)
     ignore_eos: bool = False            # as in vLLM: generate exactly max_tokens (benchmarks)
     # accepted only at their no-op values
     presence_penalty: float = 0.0

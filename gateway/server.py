@@ -21,6 +21,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.gateway = gateway
         self._drain_task: asyncio.Task | None = None
+        self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets=None) -> None:
@@ -28,10 +29,11 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig, frame) -> None:
-        if self._drain_task is not None or self._loop is None:
+        if self._draining or self._loop is None:
             self.force_exit = True          # a second signal: stop now
             self.should_exit = True
             return
+        self._draining = True
         log.info("signal.received", signal=int(sig))
         self._loop.call_soon_threadsafe(self._start_drain)
 

@@ -72,6 +72,7 @@ async def chat_completions(request: Request) -> Response:
     headers = gw.quotas.headers(tenant)
     events = gw.chat.run(adm)
     watch = _Disconnect(request)
+    handed_off = False
     try:
         first = await watch.next_event(events)
         if first is None:
@@ -80,8 +81,9 @@ async def chat_completions(request: Request) -> Response:
             return error_response(first.error, headers)
         if stream:
             watch.close()       # from here on sse-starlette watches for the hang-up
-            return EventSourceResponse(_chunks(adm, first, events), headers=headers, sep="\n",
-                                       ping=gw.settings.keepalive_s)
+            handed_off = True
+            return _EventStream(events, _chunks(adm, first, events), headers=headers, sep="\n",
+                                ping=gw.settings.keepalive_s)
         text, event = [], first
         while isinstance(event, Delta):
             text.append(event.text)
@@ -93,6 +95,23 @@ async def chat_completions(request: Request) -> Response:
         return JSONResponse(_completion(adm, "".join(text), event), headers=headers)
     finally:
         watch.close()
+        if not handed_off:
+            await events.aclose()       # settle now, not when the generator is collected
+
+
+class _EventStream(EventSourceResponse):
+    """Closes the pipeline when the response ends, even if it was cancelled before its
+    body was first iterated (then `_chunks`' own `finally` never runs)."""
+
+    def __init__(self, events, content, **kw):
+        super().__init__(content, **kw)
+        self.events = events
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.events.aclose()
 
 
 def _completion(adm: Admission, text: str, done: Done) -> dict:

@@ -63,14 +63,15 @@ class Connection:
             return await self.close(WS_SERVICE_RESTART, "server is shutting down")
         if self.gw.open_sockets >= settings.max_sockets:
             return await self.close(WS_TRY_AGAIN_LATER, "too many connections; retry later")
-        header_key = bearer_key(self.ws.headers.get("authorization"))
-        if header_key is not None and not await self._auth(header_key):
-            return
-        self.gw.open_sockets += 1
+        self.gw.open_sockets += 1           # before any await, so the limit holds
         self.gw.metrics.websockets.inc()
         drain_watch = asyncio.ensure_future(self._close_when_drained())
         try:
-            await self._receive_loop()
+            header_key = bearer_key(self.ws.headers.get("authorization"))
+            if header_key is None or await self._auth(header_key):
+                await self._receive_loop()
+        except _Gone:
+            pass                            # the client left while we were answering
         except Exception:
             log.exception("ws.fault")
             await self.close(WS_INTERNAL_ERROR, "internal server error")
@@ -83,6 +84,9 @@ class Connection:
             for task in tasks:
                 task.cancel()       # closes each pipeline: engine abort + lease settled
             await asyncio.gather(*tasks, return_exceptions=True)
+            for adm, _ in list(self.streams.values()):     # tasks cancelled before they ever ran
+                self.gw.chat.release(adm)
+            self.streams.clear()
 
     async def _receive_loop(self) -> None:
         limit = self.gw.settings.max_frame_bytes
@@ -159,7 +163,7 @@ class Connection:
             return await self.send_error(cid, RateLimited(
                 f"at most {self.gw.settings.max_requests_per_socket} requests may run at once on one socket",
                 reason="requests_per_socket", retry_after=None))
-        body = {k: v for k, v in msg.items() if k not in ("type", "id")}
+        body = {k: v for k, v in msg.items() if k not in ("type", "id", "stream", "stream_options")}
         timeout = body.pop("timeout_s", None)
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not 0 < timeout < float("inf")):
@@ -185,18 +189,19 @@ class Connection:
                                          "usage": event.usage.as_dict(), "timings": event.timings})
                     else:
                         await self.send_error(cid, event.error)
-        except (WebSocketDisconnect, RuntimeError, OSError):
+        except _Gone:
             pass        # the socket went away; aclosing ended the pipeline (abort + settle)
         finally:
             self.streams.pop(_key(cid), None)
 
     def _subscribe(self, interval_ms) -> None:
-        interval = min(10.0, max(0.1, float(interval_ms) / 1000 if isinstance(interval_ms, (int, float)) else 0.5))
+        ok = isinstance(interval_ms, (int, float)) and not isinstance(interval_ms, bool) and 0 < interval_ms < 1e7
+        interval = min(10.0, max(0.1, interval_ms / 1000)) if ok else 0.5
         if self.stats_task is not None:
             self.stats_task.cancel()
 
         async def push() -> None:
-            with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+            with contextlib.suppress(_Gone):
                 while True:
                     await self.send(snapshot(self.gw, interval))
                     await asyncio.sleep(interval)
@@ -212,9 +217,14 @@ class Connection:
 
     # -- output ------------------------------------------------------------------------------
     async def send(self, payload: dict) -> None:
+        """Send one frame; raises _Gone if the socket is closed or closing."""
         async with self._send_lock:
-            if self.ws.application_state is WebSocketState.CONNECTED:
+            if self.ws.application_state is not WebSocketState.CONNECTED:
+                raise _Gone()
+            try:
                 await self.ws.send_text(json.dumps(payload, ensure_ascii=False))
+            except (WebSocketDisconnect, RuntimeError, OSError) as exc:
+                raise _Gone() from exc
 
     async def send_error(self, cid, exc: GatewayError) -> None:
         error = exc.body()["error"]
@@ -230,6 +240,10 @@ class Connection:
             if self.ws.application_state is WebSocketState.CONNECTED:
                 with contextlib.suppress(RuntimeError, OSError):
                     await self.ws.close(code=code, reason=reason[:120])
+
+
+class _Gone(Exception):
+    """The socket is closed: stop sending on it."""
 
 
 def _key(cid) -> str:

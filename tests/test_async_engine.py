@@ -153,3 +153,26 @@ async def test_a_request_id_is_reusable_only_after_its_abort_lands(aeng):
             assert "already in use" in str(exc)
             await asyncio.sleep(0.01)
     assert finals == ["length"] and len(toks) == 5
+
+
+async def test_burst_past_the_queue_limit_is_refused_up_front_never_mid_stream(tiny_model):
+    """Adds still on their way to the engine thread count against the queue limit, so a
+    burst is refused by generate() with EngineOverloaded and no accepted request errors."""
+    from engine import EngineOverloaded
+
+    eng = AsyncEngine(EngineConfig(model=tiny_model("llama"), max_num_seqs=1, max_queued_requests=2))
+    await eng.start()
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+        async def one(i):
+            try:
+                return await collect(eng, f"b{i}", [5, 6, 7, 8], params)
+            except EngineOverloaded:
+                return "refused"
+        results = await asyncio.gather(*(one(i) for i in range(8)))
+    finally:
+        await eng.stop()
+    served = [r for r in results if r != "refused"]
+    assert 2 <= len(served) < 8
+    assert all(finals == ["length"] for _, _, finals in served)

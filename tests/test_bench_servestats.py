@@ -106,13 +106,13 @@ def test_tenant_shares_sum_to_one(items):
 
 
 def test_long_prefill_window_selects_other_requests_gaps():
-    """ITL 'during long prefill' keeps the short requests' gaps that end between a long
-    request's send and its first token."""
+    """ITL 'during long prefill' keeps the short requests' gaps that overlap a long
+    request's time from send to first token, including a stall that spans past its end."""
     long = rec(send=1.0, deltas=[(2.0, 1), (2.5, 1)], long=True)
-    short = rec(deltas=[(0.5, 1), (0.9, 1), (1.5, 1), (3.0, 1)])
+    short = rec(deltas=[(0.5, 1), (0.9, 1), (1.5, 1), (3.0, 1), (3.2, 1)])
     ms = [ss.request_metrics(r) for r in (long, short)]
     assert ss.long_windows([long, short]) == [(1.0, 2.0)]
-    assert [round(g, 6) for g in ss.gaps_in_windows([long, short], ms, [(1.0, 2.0)])] == [0.6]
+    assert [round(g, 6) for g in ss.gaps_in_windows([long, short], ms, [(1.0, 2.0)])] == [0.6, 1.5]
 
 
 def test_stats_summary_counts_preemptions_during_the_run():

@@ -124,3 +124,34 @@ def test_per_request_caps_priority_and_deadline_clamped_to_the_tenant(tiny_model
         r = httpx.post(f"{live.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEYS['batch']}",
                        "X-Request-Timeout": "soon"}, json={"messages": HELLO})
         assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Timeout"
+
+
+def test_out_of_range_numbers_are_400s_naming_the_field(tiny_model, tmp_path):
+    """Huge priority, seed or timeout values are refused with the field named (they must
+    never reach the engine thread)."""
+    with serve(tiny_model("llama"), tmp_path) as live:
+        for body, param in (({"priority": 10**309}, "priority"), ({"seed": 2**64}, "seed"),
+                            ({"top_k": 2**40}, "top_k"), ({"deadline_ms": 10**12}, "deadline_ms")):
+            r = chat(live, **body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        r = httpx.post(f"{live.url}/v1/chat/completions", json={"messages": HELLO},
+                       headers={"Authorization": f"Bearer {KEYS['acme']}", "X-Request-Timeout": "1e400"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Timeout"
+        assert chat(live).status_code == 200          # the engine is still fine
+
+
+def test_release_returns_a_never_started_lease_once(tiny_model, tmp_path):
+    """An admission whose stream never ran is released unbilled, exactly once."""
+    with serve(tiny_model("llama"), tmp_path, registry=tenants(acme={"max_concurrent": 1})) as live:
+        service, tenant = live.gateway.chat, live.gateway.registry.tenants["acme"]
+
+        async def admit_and_release():
+            adm = service.admit(tenant, {"messages": HELLO}, transport="ws")
+            busy = live.gateway.quotas.in_flight("acme")
+            service.release(adm)
+            service.release(adm)
+            return busy
+        assert live.call(admit_and_release) == 1
+        assert live.gateway.quotas.in_flight("acme") == 0
+        assert live.gateway.quotas.ledger.used_today("acme") == 0
+        assert chat(live).status_code == 200

@@ -161,6 +161,39 @@ def test_fair_policy_keeps_backlogged_tenants_within_the_vtc_bound(tiny_model, w
         assert 1.7 <= a / b <= 2.3, f"service split {a / b:.2f}, want ~2"
 
 
+def test_fair_newcomer_takes_a_seat_from_a_tenant_above_its_share(tiny_model):
+    """fair with preemption at admission: with both seats held by tenant a, tenant b's
+    arrival preempts one of a's sequences and starts at once (each tenant's share is one
+    seat); a second b request then waits, as b is at its share; a's outputs stay exact."""
+    clock = Tick()
+    eng = engine(tiny_model, clock, policy="fair", max_num_seqs=2, max_num_batched_tokens=16,
+                 preempt_for_priority=True)
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    prompts = {f"a{i}": [9, 9, i + 1] for i in range(2)}
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, params, tenant="a")
+    outputs = {rid: [] for rid in prompts}
+    for _ in range(5):
+        for o in eng.step():
+            outputs[o.request_id].extend(o.new_token_ids)
+    eng.add_request("b0", [5, 6, 7], SamplingParams(max_tokens=30, **GREEDY), tenant="b")
+    eng.add_request("b1", [5, 6, 8], SamplingParams(max_tokens=3, **GREEDY), tenant="b")
+    outs = {o.request_id: o for o in eng.step()}
+    assert outs["b0"].new_token_ids and "b1" not in outs
+    for o in outs.values():
+        outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert eng.stats()["num_preemptions"] == 1
+    running = sorted(s.tenant for s in eng.scheduler.running)
+    assert running == ["a", "b"]
+    while eng.has_unfinished():
+        for o in eng.step():
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert len(outputs["b0"]) == 30 and len(outputs["b1"]) == 3
+    ref = load_reference(tiny_model("llama"))
+    for rid, p in prompts.items():
+        assert_greedy_parity(ref, p, outputs[rid], 1e-4)
+
+
 def test_fcfs_lets_a_flooding_tenant_take_over(tiny_model):
     """The contrast: under fcfs the tenant sending 4x the requests gets far more service."""
     clock = Tick()
