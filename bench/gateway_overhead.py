@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import random
+import resource
 import signal
 import socket
 import statistics
@@ -49,9 +50,20 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-async def _replay(trace: list[dict], one) -> dict:
-    """Start each request at its arrival time; `one(req)` returns (ttft_s, n_tokens)."""
+def _cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system) used so far by this process, or by process `pid`."""
+    if pid is None:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _replay(trace: list[dict], one, server_pid: int | None = None) -> dict:
+    """Start each request at its arrival time; `one(req)` returns (ttft_s, n_tokens).
+    Also records the CPU seconds this (client) process and the server used meanwhile."""
     start = time.perf_counter()
+    cpu0, srv0 = _cpu_s(), (_cpu_s(server_pid) if server_pid else None)
 
     async def timed(req):
         await asyncio.sleep(max(0.0, req["at"] - (time.perf_counter() - start)))
@@ -61,8 +73,12 @@ async def _replay(trace: list[dict], one) -> dict:
     wall = time.perf_counter() - start
     ttfts = [r[0] for r in results]
     tokens = sum(r[1] for r in results)
-    return {"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
-            "ttft_p50_ms": pct(ttfts, 0.5) * 1000, "ttft_p99_ms": pct(ttfts, 0.99) * 1000}
+    out = {"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
+           "ttft_p50_ms": pct(ttfts, 0.5) * 1000, "ttft_p99_ms": pct(ttfts, 0.99) * 1000,
+           "client_cpu_s": _cpu_s() - cpu0}
+    if server_pid:
+        out["server_cpu_s"] = _cpu_s(server_pid) - srv0
+    return out
 
 
 async def _idle(n: int, one) -> float:
@@ -103,7 +119,7 @@ async def run_inprocess(args, trace) -> dict:
 
 
 # -- through the gateway --------------------------------------------------------------------------
-async def run_sse(args, trace, url: str, key: str) -> dict:
+async def run_sse(args, trace, url: str, key: str, pid: int | None = None) -> dict:
     headers = {"Authorization": f"Bearer {key}"}
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600,
                                  limits=httpx.Limits(max_connections=256)) as client:
@@ -124,12 +140,12 @@ async def run_sse(args, trace, url: str, key: str) -> dict:
             return first - t0, n
 
         await _idle(2, one)
-        result = await _replay(trace, one)
+        result = await _replay(trace, one, pid)
         result["idle_ttft_p50_ms"] = await _idle(args.idle, one)
     return result
 
 
-async def run_ws(args, trace, url: str, key: str, sockets: int = 4) -> dict:
+async def run_ws(args, trace, url: str, key: str, pid: int | None = None, sockets: int = 4) -> dict:
     """Requests are spread over a few sockets (the gateway runs at most 32 per socket)."""
     import websockets
 
@@ -167,7 +183,7 @@ async def run_ws(args, trace, url: str, key: str, sockets: int = 4) -> dict:
 
     try:
         await _idle(2, one)
-        result = await _replay(trace, one)
+        result = await _replay(trace, one, pid)
         result["idle_ttft_p50_ms"] = await _idle(args.idle, one)
     finally:
         for task in readers:
@@ -209,12 +225,13 @@ def start_server(args, tmp: Path) -> tuple[subprocess.Popen, str, str]:
 def report(results: dict) -> list[str]:
     base = results["inprocess"]
     lines = [f"{'mode':10} {'tok/s':>8} {'vs in-process':>14} {'TTFT p50':>10} {'TTFT p99':>10} {'idle TTFT p50':>14} "
-             f"{'added':>8}"]
+             f"{'added':>8} {'client CPU':>11} {'server CPU':>11}"]
     for mode, r in results.items():
         ratio = r["tokens_per_s"] / base["tokens_per_s"] - 1
         added = r["idle_ttft_p50_ms"] - base["idle_ttft_p50_ms"]
         lines.append(f"{mode:10} {r['tokens_per_s']:8.1f} {ratio:+13.1%} {r['ttft_p50_ms']:8.0f}ms {r['ttft_p99_ms']:8.0f}ms "
-                     f"{r['idle_ttft_p50_ms']:12.1f}ms {added:+7.1f}ms")
+                     f"{r['idle_ttft_p50_ms']:12.1f}ms {added:+7.1f}ms {r['client_cpu_s']:10.1f}s "
+                     f"{r.get('server_cpu_s', float('nan')):10.1f}s")
     return lines
 
 
@@ -245,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             proc, url, key = start_server(args, Path(tmp))     # a fresh server per mode: same cold state
             try:
                 runner = run_sse if mode == "sse" else run_ws
-                results[mode] = asyncio.run(runner(args, trace, url, key))
+                results[mode] = asyncio.run(runner(args, trace, url, key, proc.pid))
                 print(f"{mode}: {results[mode]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
             finally:
                 proc.send_signal(signal.SIGTERM)
