@@ -288,7 +288,7 @@ class ChatService:
                                    f"{usage.completion_tokens} tokens"))
         if finish == "overloaded":
             return failed(Overloaded(f"the engine is overloaded ({error}); retry later",
-                                     retry_after=getattr(error, "retry_after", 1.0)))
+                                     retry_after=error.retry_after))
         if finish == "invalid":
             return failed(BadRequest(str(error)))
         if finish == "error":

@@ -28,18 +28,25 @@ WS_TRY_AGAIN_LATER = 1013
 
 
 class GatewayError(Exception):
+    """`retry_after` (seconds) becomes a whole-second Retry-After header and the WebSocket
+    error's `retry_after`; None means retrying cannot help (or is not advised)."""
+
     status = 500
     type = "server_error"
     code = "internal_error"
+    default_retry_after: float | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, retry_after: float | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
         if code is not None:
             self.code = code
         self.headers = dict(headers or {})
+        self.retry_after = self.default_retry_after if retry_after is None else retry_after
+        if self.retry_after is not None:
+            self.headers["retry-after"] = str(max(1, math.ceil(self.retry_after)))
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -69,32 +76,22 @@ class RateLimited(GatewayError):
 
     def __init__(self, message: str, *, reason: str, retry_after: float | None,
                  headers: dict[str, str] | None = None):
-        headers = dict(headers or {})
-        if retry_after is not None:
-            headers["retry-after"] = str(max(1, math.ceil(retry_after)))
-        super().__init__(message, code=reason, headers=headers)
+        super().__init__(message, code=reason, headers=headers, retry_after=retry_after)
         self.reason = reason
-        self.retry_after = retry_after
 
 
 class Overloaded(GatewayError):
     status = 503
     type = "server_error"
     code = "engine_overloaded"
-
-    def __init__(self, message: str, *, retry_after: float = 1.0):
-        super().__init__(message, headers={"retry-after": str(max(1, math.ceil(retry_after)))})
-        self.retry_after = retry_after
+    default_retry_after = 1.0
 
 
 class Draining(GatewayError):
     status = 503
     type = "server_error"
     code = "server_draining"
-
-    def __init__(self, message: str, *, retry_after: float = 5.0):
-        super().__init__(message, headers={"retry-after": str(max(1, math.ceil(retry_after)))})
-        self.retry_after = retry_after
+    default_retry_after = 5.0
 
 
 class Unavailable(GatewayError):

@@ -228,9 +228,8 @@ class Connection:
 
     async def send_error(self, cid, exc: GatewayError) -> None:
         error = exc.body()["error"]
-        retry_after = getattr(exc, "retry_after", None)
-        if retry_after is not None:
-            error["retry_after"] = round(retry_after, 3)
+        if exc.retry_after is not None:
+            error["retry_after"] = round(exc.retry_after, 3)
         await self.send({"type": "error", "id": cid, "error": error})
 
     async def close(self, code: int, reason: str) -> None:

@@ -6,17 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tenants import Ledger, Limits, QuotaExceeded, QuotaManager, Tenant
-
-
-class FakeClock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
+from tests.test_tenants_quota import FakeClock
 
 
 LIMITS = Limits(max_concurrent=2, requests_per_minute=3, tokens_per_minute=300, daily_tokens=250)
