@@ -18,8 +18,6 @@ import json
 import os
 import random
 import resource
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from . import server
 from .workload import _text
 
 MODES = ("inprocess", "sse", "ws")
@@ -193,33 +192,14 @@ async def run_ws(args, trace, url: str, key: str, pid: int | None = None, socket
     return result
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args, tmp: Path) -> tuple[subprocess.Popen, str, str]:
     from tenants import hash_key, new_key
 
     key = new_key()
     (tmp / "tenants.toml").write_text(f'[tenants.bench]\napi_key_sha256 = ["{hash_key(key)}"]\n')
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--model", args.model, "--port", str(port),
-                             "--tenants", str(tmp / "tenants.toml"), "--ledger", str(tmp / "usage.sqlite3")],
-                            stdout=subprocess.DEVNULL, stderr=open(tmp / "server.log", "w"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"server did not start; see {tmp / 'server.log'}:\n"
-                               + (tmp / "server.log").read_text()[-2000:])
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return proc, url, key
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
+    proc, url = server.launch(["--model", args.model, "--tenants", str(tmp / "tenants.toml"),
+                               "--ledger", str(tmp / "usage.sqlite3")], tmp / "server.log")
+    return proc, url, key
 
 
 def report(results: dict) -> list[str]:
@@ -265,8 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[mode] = asyncio.run(runner(args, trace, url, key, proc.pid))
                 print(f"{mode}: {results[mode]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
             finally:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=60)
+                server.stop(proc)
     if "inprocess" in results:
         print("\n".join(report(results)))
     out = {"args": {k: v for k, v in vars(args).items()}, "results": results, "cpus": os.cpu_count()}

@@ -36,16 +36,13 @@ import json
 import os
 import re
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from . import servestats
+from . import server, servestats
 from .drivers import InprocDriver, SseDriver, WsDriver, run_hf_offline
 from .loadgen import Req, WorkloadError, load_workload, make_requests, new_record, replay
 
@@ -75,12 +72,6 @@ def parse_presets(spec: str | None) -> list[tuple[str, list[str]]]:
 
 
 # -- a server of our own --------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def write_tenants(wl, path: Path) -> dict[str, str]:
     """A tenants file with a fresh key per workload tenant (no quotas); returns the keys."""
     from tenants import hash_key, new_key
@@ -96,40 +87,16 @@ def write_tenants(wl, path: Path) -> dict[str, str]:
 
 
 def start_server(model: str, flags: list[str], wl, tmp: Path, timeout_s: float = 300.0):
-    """`python -m gateway.cli serve` on a free loopback port; returns (process, url, keys)."""
-    import httpx
-
+    """A fresh `streamgate serve` for one run; returns (process, url, keys)."""
     keys = write_tenants(wl, tmp / "tenants.toml")
-    port = _free_port()
-    log = tmp / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--model", model, "--tenants", str(tmp / "tenants.toml"), "--ledger", str(tmp / "usage.sqlite3"),
-           "--drain-grace", "2", *flags]
-    print(f"starting: {shlex.join(cmd[1:])}", file=sys.stderr, flush=True)
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_server(proc)
-            raise RuntimeError(f"the server did not start ({shlex.join(flags)}); its log:\n"
-                               + log.read_text()[-3000:])
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return proc, url, keys
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
+    log = tmp / f"server-{time.monotonic_ns()}.log"
+    proc, url = server.launch(["--model", model, "--tenants", str(tmp / "tenants.toml"),
+                               "--ledger", str(tmp / "usage.sqlite3"), "--drain-grace", "2", *flags],
+                              log, timeout_s=timeout_s)
+    return proc, url, keys
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+stop_server = server.stop
 
 
 def engine_config(model: str, flags: list[str]):

@@ -91,10 +91,13 @@ class AsyncEngine:
     def stats(self) -> dict:
         """`LLMEngine.stats()`, with requests still in the command queue counted as waiting."""
         stats = self.engine.stats()
-        pending = max(0, self._adds_sent - self._adds_taken)
-        stats["waiting"] += pending
-        stats["pending_adds"] = pending
+        stats["waiting"] += self._pending_adds
+        stats["pending_adds"] = self._pending_adds
         return stats
+
+    @property
+    def _pending_adds(self) -> int:
+        return max(0, self._adds_sent - self._adds_taken)
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -134,7 +137,7 @@ class AsyncEngine:
         """Raise EngineOverloaded if a request of `num_tokens` would pass a queue limit,
         counting requests still on their way to the engine thread."""
         self.engine.scheduler.check_capacity(num_tokens, count=False,
-                                             pending_requests=max(0, self._adds_sent - self._adds_taken),
+                                             pending_requests=self._pending_adds,
                                              pending_tokens=max(0, self._tokens_sent - self._tokens_taken))
 
     async def abort(self, request_id: str) -> None:

@@ -3,7 +3,6 @@ subscribers of the WebSocket `stats.subscribe` message and to `GET /v1/stats` (S
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 
@@ -15,25 +14,23 @@ _ENGINE_FIELDS = ("waiting", "running", "swapped", "kv_blocks_used", "kv_blocks_
 
 
 class ItlWindow:
-    """Inter-token gaps seen by the gateway over the last `span_s` seconds (all streams)."""
+    """Inter-token gaps seen by the gateway over the last `span_s` seconds (all streams).
+    Used from the event loop only."""
 
     def __init__(self, span_s: float = 60.0, clock=time.monotonic, maxlen: int = 50_000):
         self.span_s = span_s
         self.clock = clock
         self.gaps: deque[tuple[float, float]] = deque(maxlen=maxlen)
-        self._lock = threading.Lock()
 
     def add(self, gap_s: float) -> None:
-        with self._lock:
-            self.gaps.append((self.clock(), gap_s))
+        self.gaps.append((self.clock(), gap_s))
 
     def summary(self, since_s: float) -> dict:
         """p50 / p99 / max of the gaps in the last `since_s` seconds, in milliseconds."""
         now = self.clock()
-        with self._lock:
-            while self.gaps and self.gaps[0][0] < now - self.span_s:
-                self.gaps.popleft()
-            recent = sorted(g for t, g in self.gaps if t >= now - since_s)
+        while self.gaps and self.gaps[0][0] < now - self.span_s:
+            self.gaps.popleft()
+        recent = sorted(g for t, g in self.gaps if t >= now - since_s)
         if not recent:
             return {"count": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
 

@@ -11,57 +11,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 from playwright.sync_api import expect, sync_playwright
+
+from bench import server
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 QUESTION = "Explain continuous batching in two sentences."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(port: int, tmp: Path) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--tenants",
-           str(ROOT / "examples" / "tenants.toml"), "--ledger", str(tmp / "usage.sqlite3")]
-    log = tmp / "server.log"
-    with open(log, "w") as sink:      # a file, not a pipe: nobody reads the log while it runs
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"streamgate serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the server did not become ready within 300 s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def number(page, element_id: str) -> int:
@@ -121,13 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        proc = start_server(port, Path(tmp))
+        proc, url = server.launch(["--tenants", str(ROOT / "examples" / "tenants.toml"),
+                                   "--ledger", str(Path(tmp) / "usage.sqlite3")], Path(tmp) / "server.log", cwd=ROOT)
         try:
-            capture(f"http://127.0.0.1:{port}/", out, args.load)
+            capture(f"{url}/", out, args.load)
         finally:
-            stop_server(proc)
+            server.stop(proc)
     return 0
 
 
