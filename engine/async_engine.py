@@ -2,9 +2,15 @@
 
 The engine thread runs `LLMEngine.step()` in a loop. Requests and aborts reach it through
 a thread-safe command queue that it drains before each step; each step's outputs come
-back to the event loop in one `call_soon_threadsafe`. Every request has a one-slot
-collector that merges outputs when its consumer falls behind, so the engine never waits
-on a consumer and a slow consumer simply gets bigger deltas.
+back to the event loop in one `call_soon_threadsafe`, together with an immutable stats
+snapshot the engine thread took right after the step (as vLLM ships `scheduler_stats`
+with its outputs): the event loop never reads the scheduler's lists. Every request has a
+one-slot collector that merges outputs when its consumer falls behind, so the engine
+never waits on a consumer and a slow consumer simply gets bigger deltas.
+
+The public surface the gateway uses: `start`/`stop`, `ready`, `error`, `max_model_len`,
+`tokenizer`, `validate`, `generate`, `abort`, `stats()` (the latest snapshot) and
+`metrics_registry` (Prometheus, read from the snapshot at scrape time).
 """
 
 from __future__ import annotations
@@ -13,10 +19,14 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from types import MappingProxyType
+
+from prometheus_client import CollectorRegistry
 
 from .config import EngineConfig, SamplingParams
 from .errors import EngineOverloaded
+from .metrics import _StatsCollector
 from .sequence import RequestOutput
 
 log = logging.getLogger("streamgate.engine")
@@ -25,12 +35,13 @@ log = logging.getLogger("streamgate.engine")
 class _Collector:
     """One request's mailbox: holds at most one (merged) output."""
 
-    __slots__ = ("output", "event", "detached")
+    __slots__ = ("output", "event", "detached", "on_final")
 
-    def __init__(self) -> None:
+    def __init__(self, on_final: Callable[[RequestOutput], None] | None) -> None:
         self.output: RequestOutput | None = None
         self.event = asyncio.Event()
         self.detached = False    # the consumer left; kept until the engine confirms the end
+        self.on_final = on_final
 
     def put(self, out: RequestOutput) -> None:
         self.output = out if self.output is None else self.output.merge(out)
@@ -49,6 +60,33 @@ def _build_engine(config: EngineConfig):
     return LLMEngine(config)
 
 
+async def _in_daemon_thread(fn, *args):
+    """`fn(*args)` on a daemon thread. Unlike `asyncio.to_thread`, a cancelled wait leaves
+    nothing for the interpreter to join at exit, so a shutdown during a model load is
+    not held up by the load."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def work() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:
+            result, error = None, exc
+        loop.call_soon_threadsafe(_resolve, future, result, error)
+
+    threading.Thread(target=work, name="streamgate-load", daemon=True).start()
+    return await future
+
+
+def _resolve(future: asyncio.Future, result, error) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, engine=None):
         self.config = config
@@ -59,6 +97,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running = False
+        self._snapshot: MappingProxyType = MappingProxyType({})
+        self._computed: dict[str, int] = {}   # engine thread only: most prompt tokens computed, per request
+        self.metrics_registry = CollectorRegistry(auto_describe=True)
         self.error: BaseException | None = None
         # Adds sent but not yet queued by the engine thread: each counter has one writer.
         self._adds_sent = self._adds_taken = 0            # requests (loop / engine thread)
@@ -69,7 +110,11 @@ class AsyncEngine:
         """Load the model (in a worker thread, so the loop stays responsive) and start stepping."""
         self._loop = asyncio.get_running_loop()
         if self.engine is None:
-            self.engine = await asyncio.to_thread(_build_engine, self.config)
+            self.engine = await _in_daemon_thread(_build_engine, self.config)
+        self._snapshot = MappingProxyType(self.engine.stats())       # the thread is not running yet
+        m = self.engine.metrics
+        for collector in (m.queue_time, m.ttft, m.itl, m.tpot, m.e2e, _StatsCollector(self.stats)):
+            self.metrics_registry.register(collector)
         self._running = True
         self._thread = threading.Thread(target=self._run, name="streamgate-engine", daemon=True)
         self._thread.start()
@@ -81,18 +126,29 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
-        for rid, collector in list(self._collectors.items()):
-            collector.put(RequestOutput(rid, [], "", True, "abort", error="engine stopped"))
+        self._dispatch([RequestOutput(rid, [], "", True, "abort", error="engine stopped")
+                        for rid in list(self._collectors)], None)
+
+    @property
+    def ready(self) -> bool:
+        """Started, stepping and not failed."""
+        return self._running and self.error is None
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
     def stats(self) -> dict:
-        """`LLMEngine.stats()`, with requests still in the command queue counted as waiting."""
-        stats = self.engine.stats()
-        stats["waiting"] += self._pending_adds
-        stats["pending_adds"] = self._pending_adds
+        """The engine thread's latest snapshot (`LLMEngine.stats()` taken after a step),
+        with requests still in the command queue counted as waiting."""
+        stats = dict(self._snapshot)
+        if stats:
+            stats["waiting"] += self._pending_adds
+            stats["pending_adds"] = self._pending_adds
         return stats
 
     @property
@@ -100,19 +156,37 @@ class AsyncEngine:
         return max(0, self._adds_sent - self._adds_taken)
 
     # -- requests ---------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       priority: int = 0, tenant: str | None = None, deadline: float | None = None,
-                       weight: float = 1.0) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Bad input raises ValueError and a full queue raises
-        EngineOverloaded, both before anything is queued. Leaving the iterator early (break,
-        cancellation, disconnect) aborts the request."""
-        if not self._running:
-            raise RuntimeError("AsyncEngine is not running (call start())")
+    def validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                 priority: int = 0, deadline: float | None = None, weight: float = 1.0) -> None:
+        """Raise ValueError (bad input, naming the field) or EngineOverloaded (a queue
+        limit) for a request that `generate` would refuse; changes nothing."""
         if request_id in self._collectors:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.engine.validate_request(request_id, prompt_token_ids, params, priority, deadline, weight)
-        self.check_capacity(len(prompt_token_ids))       # rechecked on add
-        collector = self._collectors[request_id] = _Collector()
+        self.check_capacity(len(prompt_token_ids))
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                       priority: int = 0, tenant: str | None = None, deadline: float | None = None,
+                       weight: float = 1.0, validated: bool = False,
+                       on_final: Callable[[RequestOutput], None] | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Bad input raises ValueError and a full queue raises
+        EngineOverloaded, both before anything is queued (`validated=True`: the caller ran
+        `validate` already; only the queue limits are checked again). Leaving the iterator
+        early (break, cancellation, disconnect) aborts the request.
+
+        `on_final(output)` is called on the event loop exactly once for a queued request,
+        with its final output (which carries the engine's token counts), even if the
+        consumer left before it arrived."""
+        if not self._running:
+            raise RuntimeError("AsyncEngine is not running (call start())")
+        if validated:
+            if request_id in self._collectors:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self.check_capacity(len(prompt_token_ids))
+        else:
+            self.validate(request_id, prompt_token_ids, params, priority=priority, deadline=deadline,
+                          weight=weight)
+        collector = self._collectors[request_id] = _Collector(on_final)
         self._adds_sent += 1
         self._tokens_sent += len(prompt_token_ids)
         self._send(("add", request_id, list(prompt_token_ids), params,
@@ -154,45 +228,73 @@ class AsyncEngine:
         engine = self.engine
         while self._running:
             try:
-                self._drain_commands()
+                changed = self._drain_commands()
                 if not engine.has_unfinished():
+                    if changed:
+                        self._publish([])
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
                 outputs = engine.step()
+                self._publish(outputs)
             except BaseException as exc:            # a bug outside the per-batch guard
                 log.exception("engine thread crashed")
                 self.error = exc
                 self._running = False
                 self._loop.call_soon_threadsafe(self._fail_all, f"{type(exc).__name__}: {exc}")
                 return
-            if outputs:
-                self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
-    def _drain_commands(self) -> None:
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs and a fresh stats snapshot to the event loop (engine thread).
+
+        A request's final output is stamped with the most prompt tokens the engine ever
+        held computed for it: freeing its blocks (abort, deadline, preemption) zeroes the
+        sequence's own count, and billing needs the work that was done."""
+        for rid, seq in self.engine.seqs.items():
+            done = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+            if done > self._computed.get(rid, 0):
+                self._computed[rid] = done
+        for out in outputs:
+            if out.finished:
+                out.num_computed_prompt_tokens = max(out.num_computed_prompt_tokens,
+                                                     self._computed.pop(out.request_id, 0))
+        self._loop.call_soon_threadsafe(self._dispatch, outputs, MappingProxyType(self.engine.stats()))
+
+    def _drain_commands(self) -> bool:
+        """Apply queued adds and aborts; True if there were any."""
+        changed = False
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return changed
+            changed = True
             if command[0] == "add":
                 _, rid, prompt, params, kwargs = command
                 try:
                     self.engine.add_request(rid, prompt, params, **kwargs)
                 except (ValueError, EngineOverloaded) as exc:   # should not happen: pre-checked
                     self._loop.call_soon_threadsafe(
-                        self._dispatch, [RequestOutput(rid, [], "", True, "error", error=str(exc))])
+                        self._dispatch, [RequestOutput(rid, [], "", True, "error", error=str(exc))], None)
                 finally:        # after the add: a pre-check in between counts it twice, never zero times
                     self._adds_taken += 1
                     self._tokens_taken += len(prompt)
             else:
                 self.engine.abort(command[1])
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], snapshot: MappingProxyType | None) -> None:
+        if snapshot is not None:
+            self._snapshot = snapshot
         for out in outputs:
             collector = self._collectors.get(out.request_id)
             if collector is None:
                 continue
+            if out.finished and collector.on_final is not None:
+                on_final, collector.on_final = collector.on_final, None
+                try:
+                    on_final(out)
+                except Exception:
+                    log.exception("on_final callback failed for %s", out.request_id)
             if collector.detached:
                 if out.finished:
                     del self._collectors[out.request_id]
@@ -200,5 +302,5 @@ class AsyncEngine:
                 collector.put(out)
 
     def _fail_all(self, message: str) -> None:
-        for rid, collector in list(self._collectors.items()):
-            collector.put(RequestOutput(rid, [], "", True, "error", error=message))
+        self._dispatch([RequestOutput(rid, [], "", True, "error", error=message)
+                        for rid in list(self._collectors)], None)

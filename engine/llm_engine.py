@@ -195,7 +195,8 @@ class LLMEngine:
         done = seq.status is SequenceStatus.FINISHED
         queued = None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time
         return RequestOutput(seq.request_id, new_token_ids, text, done, seq.finish_reason if done else None,
-                             seq.num_prompt_tokens, seq.num_output_tokens, queue_time_s=queued)
+                             seq.num_prompt_tokens, seq.num_output_tokens, queue_time_s=queued,
+                             num_computed_prompt_tokens=min(seq.num_computed_tokens, seq.num_prompt_tokens))
 
     # -- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:

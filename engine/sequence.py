@@ -113,10 +113,12 @@ class RequestOutput:
     num_output_tokens: int = 0
     error: str | None = None
     queue_time_s: float | None = None   # arrival to first scheduled; set once it is known
+    num_computed_prompt_tokens: int = 0   # prompt tokens whose KV the engine holds (billing)
 
     def merge(self, later: "RequestOutput") -> "RequestOutput":
         """Fold a later output into this one (for consumers that fall behind)."""
         return RequestOutput(self.request_id, self.new_token_ids + later.new_token_ids,
                              self.new_text + later.new_text, later.finished, later.finish_reason,
                              later.num_prompt_tokens, later.num_output_tokens, later.error or self.error,
-                             later.queue_time_s if later.queue_time_s is not None else self.queue_time_s)
+                             later.queue_time_s if later.queue_time_s is not None else self.queue_time_s,
+                             later.num_computed_prompt_tokens)
