@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -29,12 +28,13 @@ from engine import EngineConfig
 from tenants import Ledger, QuotaManager, Registry
 
 from .auth import authenticate, bearer_key
-from .chat import ChatService
-from .errors import GatewayError, InternalError
-from .live import snapshot
+from .errors import GatewayError, InternalError, TooManyConnections
+from .limits import Slots
+from .live import StatsHub, interval_class
 from .logs import RequestContext
 from .metrics import GatewayMetrics
 from .sse import chat_completions, error_response, list_models
+from .streaming import ChatService
 from .ws import chat_socket
 
 log = structlog.get_logger("streamgate.app")
@@ -59,8 +59,15 @@ class GatewaySettings:
     model_name: str | None = None           # the name /v1/models reports; None: from engine.model
     allowed_origins: tuple[str, ...] = ()   # browser Origins allowed on the WebSocket; (): same host only
     max_frame_bytes: int = 1 << 20
-    max_sockets: int = 1024
+    max_body_bytes: int = 1 << 20           # HTTP request bodies; larger ones get 413 unread
+    max_sockets: int = 1024                 # authenticated WebSockets, all tenants
+    max_unauthenticated_sockets: int = 64   # sockets that have not authenticated yet (their own pool)
+    max_sockets_per_tenant: int = 64
     max_requests_per_socket: int = 32
+    max_stats_streams_per_tenant: int = 4   # GET /v1/stats streams + WebSocket subscriptions
+    ws_auth_timeout_s: float = 5.0          # a socket must authenticate within this or is closed 1008
+    ws_idle_timeout_s: float = 300.0        # no frame and nothing running for this long: closed 1000
+    tokenize_workers: int = 2               # threads rendering chat templates and tokenizing
     drain_grace_s: float = 30.0
     keepalive_s: float = 15.0
     default_max_tokens: int = 1024          # when neither the request nor the tenant sets one
@@ -85,9 +92,12 @@ class Gateway:
         name = settings.model_name or ("SmolLM2-135M-Instruct" if settings.engine.model == "default"
                                        else Path(settings.engine.model).name or settings.engine.model)
         self.chat = ChatService(self.engine, self.quotas, self.metrics, model_name=name,
-                                default_max_tokens=settings.default_max_tokens)
+                                default_max_tokens=settings.default_max_tokens,
+                                tokenize_workers=settings.tokenize_workers)
         self.started_at = int(time.time())
-        self.open_sockets = 0
+        self.sockets = Slots()              # WebSocket places: ws.UNAUTHENTICATED, AUTHENTICATED, tenant:<name>
+        self.stats_slots = Slots()          # stats streams per tenant
+        self.stats = StatsHub(self)
         self.drain_started = asyncio.Event()
         self.load_error: BaseException | None = None
 
@@ -96,9 +106,10 @@ class Gateway:
 
     async def load(self) -> None:
         try:
-            if self.engine.engine is None or not getattr(self.engine, "_running", False):
+            if not self.engine.ready:
                 await self.engine.start()
-            self.chat.on_engine_started()
+            await asyncio.to_thread(self.chat.on_engine_started)
+            self.chat.ready = True
             log.info("engine.ready", model=self.chat.model_name, max_model_len=self.chat.max_model_len)
         except Exception as exc:
             self.load_error = exc
@@ -112,6 +123,8 @@ class Gateway:
         log.info("drain.done")
 
     async def close(self) -> None:
+        self.stats.close()
+        self.chat.close()
         await self.engine.stop()
         if self.ledger is not None:
             self.ledger.close()
@@ -132,26 +145,47 @@ async def health(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    engine = gw.engine.engine
-    registries = [engine.metrics.registry] if gw.chat.ready else []
+    registries = [gw.engine.metrics_registry] if gw.chat.ready else []
     return Response(gw.metrics.render(*registries), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def stats_stream(request: Request) -> Response:
-    """`GET /v1/stats`: the live scheduler view as SSE (aggregate numbers only)."""
+    """`GET /v1/stats`: the live scheduler view as SSE (aggregate numbers only). Each stream
+    holds one of its tenant's `max_stats_streams_per_tenant` places."""
     gw: Gateway = request.app.state.gateway
-    gw.authenticate(bearer_key(request.headers.get("authorization")))
+    tenant = gw.authenticate(bearer_key(request.headers.get("authorization")))
     try:
-        interval = min(10.0, max(0.1, float(request.query_params.get("interval_ms", 500)) / 1000))
+        interval_ms = float(request.query_params.get("interval_ms", 500))
     except ValueError:
-        interval = 0.5
+        interval_ms = 500.0
+    cap = gw.settings.max_stats_streams_per_tenant
+    if not gw.stats_slots.take(tenant.name, cap):
+        raise TooManyConnections(f"tenant {tenant.name!r} has {cap} stats streams open; close one first")
+    sub = gw.stats.subscribe(interval_class(interval_ms))
 
     async def events():
-        while not gw.chat.draining:
-            yield json.dumps(snapshot(gw, interval))
-            await asyncio.sleep(interval)
+        try:
+            while not gw.chat.draining:
+                yield await sub.next()
+        finally:
+            gw.stats.unsubscribe(sub)
 
-    return EventSourceResponse(events(), sep="\n", ping=gw.settings.keepalive_s)
+    return _StatsResponse(lambda: gw.stats_slots.give(tenant.name), events(), sep="\n",
+                          ping=gw.settings.keepalive_s)
+
+
+class _StatsResponse(EventSourceResponse):
+    """Gives the stream's place back however the response ends."""
+
+    def __init__(self, on_close, content, **kw):
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 async def _gateway_error(request: Request, exc: GatewayError) -> Response:

@@ -8,6 +8,7 @@
     streamgate bench profile_decode             where a decode step's time goes
     streamgate bench gateway_overhead           in-process vs through the gateway (SSE, WS)
     streamgate bench serve --workload mixed     the serving benchmark (load generator, plots)
+    streamgate bench isolation                  one tenant attacks, another streams (issue 10)
 """
 
 from __future__ import annotations
@@ -98,7 +99,13 @@ def serve(args: argparse.Namespace) -> int:
         engine = engine_config_from_args(args)
         settings = GatewaySettings(engine=engine, tenants_file=args.tenants, ledger_path=args.ledger,
                                    allowed_origins=tuple(args.allow_origin), drain_grace_s=args.drain_grace,
-                                   max_frame_bytes=args.max_frame_bytes)
+                                   max_frame_bytes=args.max_frame_bytes, max_body_bytes=args.max_body_bytes,
+                                   max_sockets=args.max_sockets,
+                                   max_unauthenticated_sockets=args.max_unauthenticated_sockets,
+                                   max_sockets_per_tenant=args.max_sockets_per_tenant,
+                                   max_stats_streams_per_tenant=args.max_stats_streams,
+                                   ws_auth_timeout_s=args.ws_auth_timeout, ws_idle_timeout_s=args.ws_idle_timeout,
+                                   tokenize_workers=args.tokenize_workers)
         app = create_app(settings)
     except (ValueError, TenantConfigError) as exc:
         print(f"streamgate: {exc}", file=sys.stderr)
@@ -106,8 +113,28 @@ def serve(args: argparse.Namespace) -> int:
     shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     print(f"streamgate: serving on http://{shown}:{args.port}/  (demo page; API at /v1, health at /health)",
           file=sys.stderr, flush=True)
-    run_server(app, args.host, args.port, max_frame_bytes=args.max_frame_bytes)
+    run_server(app, args.host, args.port, max_frame_bytes=args.max_frame_bytes,
+               limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive)
     return 0
+
+
+def _limit_args(p: argparse.ArgumentParser) -> None:
+    """What one client may cost the server (docs/PROTOCOL.md, "Limits")."""
+    p.add_argument("--max-frame-bytes", type=int, default=1 << 20, help="largest WebSocket frame (close 1009)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest HTTP request body (413)")
+    p.add_argument("--max-sockets", type=int, default=1024, help="authenticated WebSockets, all tenants")
+    p.add_argument("--max-unauthenticated-sockets", type=int, default=64,
+                   help="WebSockets still authenticating (a separate pool)")
+    p.add_argument("--max-sockets-per-tenant", type=int, default=64)
+    p.add_argument("--max-stats-streams", type=int, default=4, help="stats streams per tenant (SSE + WebSocket)")
+    p.add_argument("--ws-auth-timeout", type=float, default=5.0, help="seconds a WebSocket has to authenticate")
+    p.add_argument("--ws-idle-timeout", type=float, default=300.0,
+                   help="seconds a WebSocket may stay open with no frame and nothing running")
+    p.add_argument("--tokenize-workers", type=int, default=2, help="threads for chat templates and tokenizing")
+    p.add_argument("--limit-concurrency", type=int, default=None,
+                   help="uvicorn: connections + tasks past which new ones get 503 (default: no limit)")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="uvicorn: seconds an idle keep-alive HTTP connection stays open")
 
 
 def keys(args: argparse.Namespace) -> int:
@@ -149,14 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("--allow-origin", action="append", default=[],
                          help="browser Origin allowed on the WebSocket (repeatable; default: same host only)")
     p_serve.add_argument("--drain-grace", type=float, default=30.0, help="seconds running streams get on SIGTERM")
-    p_serve.add_argument("--max-frame-bytes", type=int, default=1 << 20)
+    _limit_args(p_serve)
     _engine_args(p_serve)
     _scheduling_args(p_serve)
     p_keys = sub.add_parser("keys", help="API keys")
     p_keys.add_argument("action", choices=["new"])
     p_keys.add_argument("tenant")
     p_bench = sub.add_parser("bench", help="benchmarks (see bench/)")
-    p_bench.add_argument("which", choices=["offline", "scheduling", "profile_decode", "gateway_overhead", "serve"])
+    p_bench.add_argument("which", choices=["offline", "scheduling", "profile_decode", "gateway_overhead", "serve",
+                                                  "isolation"])
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)

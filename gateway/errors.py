@@ -1,18 +1,24 @@
-"""Gateway errors: one class per answer, one table from error to HTTP status and WebSocket
-close code.
+"""Gateway errors: one class per answer. The table from error to HTTP status, error code
+and WebSocket close code lives on the classes (`status`, `code`, `ws_close`); `ws.py`
+reads close codes from here. `ws_close` is None where a WebSocket answers with an
+`error` event and stays open (the error concerns one request, not the connection).
 
     GatewayError                    status  code                      WS
     ├── BadRequest                  400     invalid_request_error      error event
-    │   └── ContextLengthExceeded   400     context_length_exceeded    error event
+    │   ├── ContextLengthExceeded   400     context_length_exceeded    error event
+    │   └── PayloadTooLarge         413     request_too_large          close 1009
+    ├── PolicyViolation             400     policy_violation           close 1008
     ├── AuthError                   401     invalid_api_key            close 1008
     ├── RateLimited                 429     <the limit: requests_per_minute, ...>  error event
+    ├── TooManyConnections          429     too_many_connections       close 1013
     ├── Overloaded                  503     engine_overloaded          error event
     ├── Draining                    503     server_draining            error event, close 1012
     ├── Unavailable                 503     engine_unavailable         error event
     ├── DeadlineExceeded            504     deadline_exceeded          error event
-    └── InternalError               500     internal_error             error event
+    └── InternalError               500     internal_error             error event, close 1011
 
-Every error renders as OpenAI's body `{"error": {"message", "type", "param", "code"}}`.
+A socket that times out idle closes with 1000 (a normal closure). Every error renders as
+OpenAI's body `{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ WS_MESSAGE_TOO_BIG = 1009
 WS_INTERNAL_ERROR = 1011
 WS_SERVICE_RESTART = 1012
 WS_TRY_AGAIN_LATER = 1013
+WS_NORMAL_CLOSURE = 1000
 
 
 class GatewayError(Exception):
@@ -34,6 +41,7 @@ class GatewayError(Exception):
     status = 500
     type = "server_error"
     code = "internal_error"
+    ws_close: int | None = WS_INTERNAL_ERROR
     default_retry_after: float | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
@@ -56,16 +64,35 @@ class BadRequest(GatewayError):
     status = 400
     type = "invalid_request_error"
     code = "invalid_request_error"
+    ws_close = None
 
 
 class ContextLengthExceeded(BadRequest):
     code = "context_length_exceeded"
 
 
+class PayloadTooLarge(BadRequest):
+    """A body or frame over the configured cap; it was not read further."""
+
+    status = 413
+    code = "request_too_large"
+    ws_close = WS_MESSAGE_TOO_BIG
+
+
+class PolicyViolation(GatewayError):
+    """A WebSocket broke the protocol's rules (e.g. did not authenticate in time)."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "policy_violation"
+    ws_close = WS_POLICY_VIOLATION
+
+
 class AuthError(GatewayError):
     status = 401
     type = "invalid_request_error"
     code = "invalid_api_key"
+    ws_close = WS_POLICY_VIOLATION
 
 
 class RateLimited(GatewayError):
@@ -73,6 +100,7 @@ class RateLimited(GatewayError):
 
     status = 429
     type = "rate_limit_error"
+    ws_close = None
 
     def __init__(self, message: str, *, reason: str, retry_after: float | None,
                  headers: dict[str, str] | None = None):
@@ -80,17 +108,31 @@ class RateLimited(GatewayError):
         self.reason = reason
 
 
+class TooManyConnections(GatewayError):
+    """A connection cap (server-wide, unauthenticated, per tenant, stats subscribers)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "too_many_connections"
+    ws_close = WS_TRY_AGAIN_LATER
+    default_retry_after = 1.0
+
+
 class Overloaded(GatewayError):
     status = 503
     type = "server_error"
     code = "engine_overloaded"
+    ws_close = None
     default_retry_after = 1.0
 
 
 class Draining(GatewayError):
+    """Per request an error event; for the socket itself, close 1012."""
+
     status = 503
     type = "server_error"
     code = "server_draining"
+    ws_close = WS_SERVICE_RESTART
     default_retry_after = 5.0
 
 
@@ -100,12 +142,14 @@ class Unavailable(GatewayError):
     status = 503
     type = "server_error"
     code = "engine_unavailable"
+    ws_close = None
 
 
 class DeadlineExceeded(GatewayError):
     status = 504
     type = "timeout_error"
     code = "deadline_exceeded"
+    ws_close = None
 
 
 class InternalError(GatewayError):

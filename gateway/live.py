@@ -1,8 +1,16 @@
 """The live scheduler view: aggregate numbers only (no tenant's prompts or text), sent to
-subscribers of the WebSocket `stats.subscribe` message and to `GET /v1/stats` (SSE)."""
+subscribers of the WebSocket `stats.subscribe` message and to `GET /v1/stats` (SSE).
+
+`StatsHub` makes the cost independent of the number of listeners: one task computes each
+snapshot once per tick (per interval class) and hands the same JSON text to every
+subscriber that is due; a subscriber that falls behind just gets the latest one.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import bisect
+import json
 import time
 from collections import deque
 
@@ -48,3 +56,69 @@ def snapshot(gw, interval_s: float) -> dict:
             "engine": engine, "open_streams": len(gw.chat.active), "itl": gw.chat.itl.summary(interval_s),
             "policy": gw.settings.engine.policy, "max_num_seqs": gw.settings.engine.max_num_seqs,
             "max_num_batched_tokens": gw.settings.engine.max_num_batched_tokens}
+
+
+INTERVALS_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)     # a requested interval rounds up to one of these
+
+
+def interval_class(interval_ms: object, default_s: float = 0.5) -> float:
+    ok = isinstance(interval_ms, (int, float)) and not isinstance(interval_ms, bool) and 0 < interval_ms < 1e7
+    if not ok:
+        return default_s
+    i = bisect.bisect_left(INTERVALS_S, interval_ms / 1000 - 1e-9)
+    return INTERVALS_S[min(i, len(INTERVALS_S) - 1)]
+
+
+class Subscriber:
+    """One listener's mailbox: the latest stats text, replaced if not yet taken."""
+
+    def __init__(self, interval_s: float, due: float):
+        self.interval_s = interval_s
+        self.due = due
+        self.latest: str | None = None
+        self.ready = asyncio.Event()
+
+    def offer(self, text: str) -> None:
+        self.latest = text
+        self.ready.set()
+
+    async def next(self) -> str:
+        await self.ready.wait()
+        self.ready.clear()
+        return self.latest
+
+
+class StatsHub:
+    TICK_S = INTERVALS_S[0]
+
+    def __init__(self, gw, clock=time.monotonic):
+        self.gw = gw
+        self.clock = clock
+        self.subscribers: set[Subscriber] = set()
+        self._task: asyncio.Task | None = None
+
+    def subscribe(self, interval_s: float) -> Subscriber:
+        sub = Subscriber(interval_s, self.clock())
+        self.subscribers.add(sub)
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+        return sub
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        self.subscribers.discard(sub)
+
+    async def _run(self) -> None:
+        while self.subscribers:
+            now, texts = self.clock(), {}
+            for sub in list(self.subscribers):
+                if now + 1e-3 >= sub.due:
+                    text = texts.get(sub.interval_s)
+                    if text is None:
+                        text = texts[sub.interval_s] = json.dumps(snapshot(self.gw, sub.interval_s))
+                    sub.offer(text)
+                    sub.due = max(sub.due + sub.interval_s, now)
+            await asyncio.sleep(self.TICK_S)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()

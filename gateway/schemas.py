@@ -7,6 +7,7 @@ penalties) are refused with a 400 naming the field instead of being silently ign
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -71,6 +72,14 @@ class ChatRequest(BaseModel):
     top_logprobs: int | None = None
     response_format: dict | None = None
 
+    @field_validator("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "n",
+                     "priority", "deadline_ms", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, v):
+        if isinstance(v, bool):        # pydantic would read true as 1
+            raise ValueError("must be a number, not a boolean")
+        return v
+
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
@@ -114,6 +123,31 @@ class _Unsupported(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
+
+
+_SECONDS = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
+
+
+def timeout_from_header(value: str | None) -> float | None:
+    """`X-Request-Timeout`: plain decimal seconds in (0, 86400] (no signs, exponents,
+    underscores, inf or nan), or None when absent."""
+    if value is None:
+        return None
+    seconds = float(value) if _SECONDS.fullmatch(value.strip()) else 0.0
+    if not 0 < seconds <= MAX_DEADLINE_MS / 1000:
+        raise BadRequest(f"X-Request-Timeout: must be a number of seconds in (0, 86400] (got {value[:40]!r})",
+                         param="X-Request-Timeout")
+    return seconds
+
+
+def timeout_from_field(value: object, param: str = "timeout_s") -> float | None:
+    """A WebSocket request's `timeout_s`: a JSON number of seconds in (0, 86400], or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_DEADLINE_MS / 1000:
+        raise BadRequest(f"{param}: must be a number of seconds in (0, 86400] (got {str(value)[:40]!r})",
+                         param=param)
+    return float(value)
 
 
 def parse_chat_request(body: object) -> ChatRequest:

@@ -47,7 +47,14 @@ class DrainingServer(uvicorn.Server):
         self._drain_task = asyncio.ensure_future(drain_then_exit())
 
 
-def serve(app, host: str, port: int, *, max_frame_bytes: int, log_config=None) -> None:
+def serve(app, host: str, port: int, *, max_frame_bytes: int, log_config=None, limit_concurrency: int | None = None,
+          timeout_keep_alive: float = 5, ws_ping_interval: float | None = 20.0,
+          ws_ping_timeout: float | None = 20.0) -> None:
+    """`limit_concurrency`: connections + tasks past which uvicorn answers 503 at once;
+    `timeout_keep_alive`: seconds an idle HTTP keep-alive connection stays open;
+    `ws_ping_*`: protocol pings that close dead WebSockets."""
     config = uvicorn.Config(app, host=host, port=port, ws_max_size=max_frame_bytes, log_config=log_config,
-                            timeout_graceful_shutdown=5, ws="websockets-sansio")
+                            timeout_graceful_shutdown=5, ws="websockets-sansio", limit_concurrency=limit_concurrency,
+                            timeout_keep_alive=timeout_keep_alive, ws_ping_interval=ws_ping_interval,
+                            ws_ping_timeout=ws_ping_timeout)
     DrainingServer(config, app.state.gateway).run()

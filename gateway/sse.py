@@ -13,16 +13,42 @@ import contextlib
 import json
 
 from sse_starlette import EventSourceResponse
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from .admission import Admission
 from .auth import bearer_key
-from .chat import Admission, Delta, Done, Failed
-from .errors import BadRequest, GatewayError
+from .errors import BadRequest, GatewayError, PayloadTooLarge
+from .schemas import timeout_from_header
+from .streaming import CLIENT_CLOSED, Delta, Done, Failed
 
 
 def error_response(exc: GatewayError, extra_headers: dict | None = None) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers={**(extra_headers or {}), **exc.headers})
+
+
+def parse_json(data: bytes | str) -> object:
+    """Decode a JSON body or frame; any failure (including nesting too deep for the
+    decoder) is a 400 `invalid_json`."""
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise BadRequest("the request body is not valid JSON", code="invalid_json") from None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, read chunk by chunk and cut off past `limit` bytes (413). A client that
+    hangs up while sending raises ClientDisconnect."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"the request body is {declared} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the request body is larger than the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class _Disconnect:
@@ -63,12 +89,12 @@ async def chat_completions(request: Request) -> Response:
     gw = request.app.state.gateway
     tenant = gw.authenticate(bearer_key(request.headers.get("authorization")))
     try:
-        body = await request.json()
-    except (ValueError, UnicodeDecodeError):
-        raise BadRequest("the request body is not valid JSON") from None
+        body = parse_json(await read_body(request, gw.settings.max_body_bytes))
+    except ClientDisconnect:
+        return Response(status_code=CLIENT_CLOSED)      # nobody is left to read it
     stream = isinstance(body, dict) and body.get("stream") is True     # the parser refuses non-booleans
-    adm = gw.chat.admit(tenant, body, transport="sse" if stream else "http",
-                        timeout_header=request.headers.get("x-request-timeout"))
+    timeout_s = timeout_from_header(request.headers.get("x-request-timeout"))
+    adm = await gw.chat.admit(tenant, body, transport="sse" if stream else "http", timeout_s=timeout_s)
     headers = gw.quotas.headers(tenant)
     events = gw.chat.run(adm)
     watch = _Disconnect(request)
@@ -76,7 +102,7 @@ async def chat_completions(request: Request) -> Response:
     try:
         first = await watch.next_event(events)
         if first is None:
-            return Response(status_code=499)
+            return Response(status_code=CLIENT_CLOSED)
         if isinstance(first, Failed):
             return error_response(first.error, headers)
         if stream:
@@ -89,7 +115,7 @@ async def chat_completions(request: Request) -> Response:
             text.append(event.text)
             event = await watch.next_event(events)
         if event is None:
-            return Response(status_code=499)
+            return Response(status_code=CLIENT_CLOSED)
         if isinstance(event, Failed):
             return error_response(event.error, headers)
         return JSONResponse(_completion(adm, "".join(text), event), headers=headers)

@@ -1,9 +1,13 @@
 """The WebSocket protocol at `/v1/chat/ws` (DESIGN.md, docs/PROTOCOL.md). This module
-only adapts `chat.ChatService` events to JSON frames; several requests share one socket,
+only adapts `ChatService` events to JSON frames; several requests share one socket,
 told apart by the client's `id`.
 
-Connection states: AUTHENTICATING → OPEN → CLOSED. Before `auth` (or a valid
-Authorization header) only `auth` and `ping` are allowed; anything else closes with 1008.
+Connection states: CONNECTING → AUTHENTICATING → OPEN → CLOSED, changed only through
+`_to()`, which raises on any other transition. Before `auth` (or a valid Authorization
+header) only `auth` and `ping` are allowed, and only for `ws_auth_timeout_s`. A socket
+holds one place among the unauthenticated ones until it authenticates, then one among
+the authenticated ones and one of its tenant's; unauthenticated sockets never take the
+places of authenticated ones. Close codes come from the error classes (gateway/errors.py).
 """
 
 from __future__ import annotations
@@ -17,19 +21,33 @@ from urllib.parse import urlsplit
 import structlog
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from .admission import Admission
 from .auth import authenticate, bearer_key
-from .chat import Admission, Delta, Done
-from .errors import (WS_INTERNAL_ERROR, WS_MESSAGE_TOO_BIG, WS_POLICY_VIOLATION, WS_SERVICE_RESTART, WS_TRY_AGAIN_LATER, AuthError,
-                     BadRequest, GatewayError, RateLimited)
-from .live import snapshot
+from .errors import (WS_NORMAL_CLOSURE, AuthError, BadRequest, Draining, GatewayError, InternalError,
+                     PayloadTooLarge, PolicyViolation, RateLimited, TooManyConnections)
+from .live import interval_class
+from .schemas import timeout_from_field
+from .sse import parse_json
+from .streaming import Delta, Done
 
 log = structlog.get_logger("streamgate.ws")
 
+MAX_ID_CHARS = 128
+UNAUTHENTICATED = "unauthenticated"
+AUTHENTICATED = "authenticated"
+
 
 class State(enum.Enum):
+    CONNECTING = "connecting"
     AUTHENTICATING = "authenticating"
     OPEN = "open"
     CLOSED = "closed"
+
+
+_NEXT = {State.CONNECTING: {State.AUTHENTICATING, State.CLOSED},
+         State.AUTHENTICATING: {State.OPEN, State.CLOSED},
+         State.OPEN: {State.CLOSED},
+         State.CLOSED: set()}
 
 
 def origin_allowed(websocket: WebSocket, allowed: tuple[str, ...]) -> bool:
@@ -40,30 +58,46 @@ def origin_allowed(websocket: WebSocket, allowed: tuple[str, ...]) -> bool:
         return True
     if urlsplit(origin).netloc.lower() == websocket.headers.get("host", "").lower():
         return True
-    return "*" in allowed or origin.rstrip("/") in allowed
+    return "*" in allowed or origin.rstrip("/").lower() in {a.rstrip("/").lower() for a in allowed}
+
+
+def valid_id(cid: object) -> bool:
+    """A request id is a printable string of 1-128 characters (no lone surrogates, which
+    no frame could carry) or an integer a JSON client can represent exactly."""
+    if isinstance(cid, str):
+        return 0 < len(cid) <= MAX_ID_CHARS and cid.isprintable()
+    return isinstance(cid, int) and not isinstance(cid, bool) and abs(cid) < 2**53
 
 
 class Connection:
     def __init__(self, websocket: WebSocket, gw):
         self.ws = websocket
         self.gw = gw
-        self.state = State.AUTHENTICATING
+        self.state = State.CONNECTING
         self.tenant = None
+        self.places: list[str] = []         # what this socket holds in gw.sockets
         self.streams: dict[str, tuple[Admission, asyncio.Task]] = {}
         self.stats_task: asyncio.Task | None = None
         self._send_lock = asyncio.Lock()
 
+    def _to(self, state: State) -> None:
+        if state not in _NEXT[self.state]:
+            raise RuntimeError(f"illegal WebSocket transition {self.state.value} -> {state.value}")
+        self.state = state
+
     async def serve(self) -> None:
         settings = self.gw.settings
         if not origin_allowed(self.ws, settings.allowed_origins):
-            await self.ws.close(code=WS_POLICY_VIOLATION, reason="origin not allowed")   # before accept: HTTP 403
+            self._to(State.CLOSED)
+            await self.ws.close(code=PolicyViolation.ws_close, reason="origin not allowed")  # before accept: 403
             return
         await self.ws.accept()
+        self._to(State.AUTHENTICATING)
         if self.gw.chat.draining:
-            return await self.close(WS_SERVICE_RESTART, "server is shutting down")
-        if self.gw.open_sockets >= settings.max_sockets:
-            return await self.close(WS_TRY_AGAIN_LATER, "too many connections; retry later")
-        self.gw.open_sockets += 1           # before any await, so the limit holds
+            return await self.close(Draining("server is shutting down"))
+        if not self.gw.sockets.take(UNAUTHENTICATED, settings.max_unauthenticated_sockets):
+            return await self.close(TooManyConnections("too many unauthenticated connections; retry later"))
+        self.places.append(UNAUTHENTICATED)
         self.gw.metrics.websockets.inc()
         drain_watch = asyncio.ensure_future(self._close_when_drained())
         try:
@@ -72,15 +106,19 @@ class Connection:
                 await self._receive_loop()
         except _Gone:
             pass                            # the client left while we were answering
-        except Exception:
-            log.exception("ws.fault")
-            await self.close(WS_INTERNAL_ERROR, "internal server error")
+        except Exception as exc:
+            log.error("ws.fault", error=type(exc).__name__)     # no payloads in logs
+            await self.close(InternalError("internal server error"))
         finally:
-            self.gw.open_sockets -= 1
+            for place in self.places:
+                self.gw.sockets.give(place)
+            self.places.clear()
             self.gw.metrics.websockets.dec()
-            self.state = State.CLOSED
+            if self.state is not State.CLOSED:
+                self._to(State.CLOSED)
             drain_watch.cancel()
-            tasks = [task for _, task in self.streams.values()] + ([self.stats_task] if self.stats_task else [])
+            self._unsubscribe()
+            tasks = [task for _, task in self.streams.values()]
             for task in tasks:
                 task.cancel()       # closes each pipeline: engine abort + lease settled
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -89,10 +127,20 @@ class Connection:
             self.streams.clear()
 
     async def _receive_loop(self) -> None:
-        limit = self.gw.settings.max_frame_bytes
+        settings, loop = self.gw.settings, asyncio.get_running_loop()
+        auth_by = loop.time() + settings.ws_auth_timeout_s
         while self.state is not State.CLOSED:
+            authenticating = self.state is State.AUTHENTICATING
+            wait = auth_by - loop.time() if authenticating else settings.ws_idle_timeout_s
             try:
-                message = await self.ws.receive()
+                message = await asyncio.wait_for(self.ws.receive(), timeout=max(0.0, wait))
+            except asyncio.TimeoutError:
+                if authenticating:
+                    return await self.close(PolicyViolation(
+                        f"authenticate within {settings.ws_auth_timeout_s:g} s: send {{\"type\": \"auth\"}}"))
+                if not self.streams and self.stats_task is None:
+                    return await self.close(None, f"idle for {settings.ws_idle_timeout_s:g} s")
+                continue
             except (WebSocketDisconnect, RuntimeError):
                 return
             if message["type"] == "websocket.disconnect":
@@ -100,20 +148,22 @@ class Connection:
             text = message.get("text")
             if text is None:
                 data = message.get("bytes") or b""
-                if len(data) > limit:
-                    return await self.close(WS_MESSAGE_TOO_BIG, f"frame larger than {limit} bytes")
+                if len(data) > settings.max_frame_bytes:
+                    return await self.close(PayloadTooLarge(f"frame larger than {settings.max_frame_bytes} bytes"))
                 await self.send_error(None, BadRequest("binary frames are not supported; send JSON text frames"))
                 continue
-            if len(text) > limit and len(text.encode()) > limit:
-                return await self.close(WS_MESSAGE_TOO_BIG, f"frame larger than {limit} bytes")
+            if len(text) > settings.max_frame_bytes and len(text.encode()) > settings.max_frame_bytes:
+                return await self.close(PayloadTooLarge(f"frame larger than {settings.max_frame_bytes} bytes"))
             await self._handle(text)
 
     async def _handle(self, text: str) -> None:
         try:
-            msg = json.loads(text)
-        except ValueError:
+            msg = parse_json(text)
+        except BadRequest:
             return await self.send_error(None, BadRequest("the frame is not valid JSON", code="invalid_json"))
         kind = msg.get("type") if isinstance(msg, dict) else None
+        cid = msg.get("id") if isinstance(msg, dict) else None
+        cid = cid if valid_id(cid) else None
         if kind == "ping":
             return await self.send({"type": "pong"})
         if kind == "auth":
@@ -123,39 +173,49 @@ class Connection:
             await self._auth(key if isinstance(key, str) else None)
             return
         if self.state is State.AUTHENTICATING:
-            return await self.close(WS_POLICY_VIOLATION, "authenticate first: send {\"type\": \"auth\", \"api_key\": ...}")
+            return await self.close(PolicyViolation("authenticate first: send {\"type\": \"auth\", \"api_key\": ...}"))
         if kind == "chat.request":
             return await self._chat(msg)
         if kind == "chat.cancel":
-            entry = self.streams.get(_key(msg.get("id")))
+            entry = self.streams.get(_key(cid)) if cid is not None else None
             if entry is not None:
                 await self.gw.chat.cancel(entry[0])
             return
         if kind == "stats.subscribe":
-            return self._subscribe(msg.get("interval_ms", 500))
+            return await self._subscribe(msg.get("interval_ms", 500))
         if kind == "stats.unsubscribe":
-            if self.stats_task is not None:
-                self.stats_task.cancel()
-                self.stats_task = None
-            return
-        await self.send_error(msg.get("id") if isinstance(msg, dict) else None,
-                              BadRequest(f"type: unknown message type {kind!r}", param="type"))
+            return self._unsubscribe()
+        await self.send_error(cid, BadRequest(f"type: unknown message type {str(kind)[:40]!r}", param="type"))
 
     async def _auth(self, key: str | None) -> bool:
+        settings, sockets = self.gw.settings, self.gw.sockets
         try:
-            self.tenant = authenticate(self.gw.registry, key)
+            tenant = authenticate(self.gw.registry, key)
         except AuthError as exc:
-            await self.close(WS_POLICY_VIOLATION, exc.message)
+            await self.close(exc)
             return False
-        self.state = State.OPEN
-        await self.send({"type": "auth.ok", "tenant": self.tenant.name})
+        per_tenant = f"tenant:{tenant.name}"
+        if not sockets.take(per_tenant, settings.max_sockets_per_tenant):
+            await self.close(TooManyConnections(f"tenant {tenant.name!r} has {settings.max_sockets_per_tenant} "
+                                                "sockets open; close one first"))
+            return False
+        if not sockets.take(AUTHENTICATED, settings.max_sockets):
+            sockets.give(per_tenant)
+            await self.close(TooManyConnections("too many connections; retry later"))
+            return False
+        sockets.give(UNAUTHENTICATED)
+        self.places = [AUTHENTICATED, per_tenant]
+        self.tenant = tenant
+        self._to(State.OPEN)
+        await self.send({"type": "auth.ok", "tenant": tenant.name})
         return True
 
     async def _chat(self, msg: dict) -> None:
         cid = msg.get("id")
-        if not isinstance(cid, (str, int)) or isinstance(cid, bool) or not 0 < len(str(cid)) <= 128:
-            return await self.send_error(None, BadRequest("id: a chat.request needs an id (string, 1-128 chars)",
-                                                          param="id"))
+        if not valid_id(cid):
+            return await self.send_error(None, BadRequest(
+                f"id: a chat.request needs an id: a printable string of 1-{MAX_ID_CHARS} characters or an integer",
+                param="id"))
         if _key(cid) in self.streams:
             return await self.send_error(cid, BadRequest(f"id: request {cid!r} is still running on this socket",
                                                          param="id", code="duplicate_id"))
@@ -163,66 +223,91 @@ class Connection:
             return await self.send_error(cid, RateLimited(
                 f"at most {self.gw.settings.max_requests_per_socket} requests may run at once on one socket",
                 reason="requests_per_socket", retry_after=None))
-        body = {k: v for k, v in msg.items() if k not in ("type", "id", "stream", "stream_options")}
-        timeout = body.pop("timeout_s", None)
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not 0 < timeout < float("inf")):
-            return await self.send_error(cid, BadRequest(
-                f"timeout_s: must be a positive number of seconds (got {timeout!r})", param="timeout_s"))
+        body = {k: v for k, v in msg.items() if k not in ("type", "id", "stream", "stream_options", "timeout_s")}
         try:
-            adm = self.gw.chat.admit(self.tenant, body, transport="ws",
-                                     timeout_header=None if timeout is None else str(timeout))
+            timeout_s = timeout_from_field(msg.get("timeout_s"))
+            adm = await self.gw.chat.admit(self.tenant, body, transport="ws", timeout_s=timeout_s)
         except GatewayError as exc:
             return await self.send_error(cid, exc)
+        if self.state is State.CLOSED:      # the socket closed while the prompt was tokenized
+            return self.gw.chat.release(adm)
         self.streams[_key(cid)] = (adm, asyncio.ensure_future(self._stream(cid, adm)))
 
     async def _stream(self, cid, adm: Admission) -> None:
         events = self.gw.chat.run(adm)
+        ended = False
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
                     if isinstance(event, Delta):
                         await self.send({"type": "chat.delta", "id": cid, "text": event.text,
                                          "num_tokens": event.num_tokens})
-                    elif isinstance(event, Done):
+                        continue
+                    ended = True
+                    if isinstance(event, Done):
                         await self.send({"type": "chat.done", "id": cid, "finish_reason": event.finish_reason,
                                          "usage": event.usage.as_dict(), "timings": event.timings})
                     else:
                         await self.send_error(cid, event.error)
         except _Gone:
             pass        # the socket went away; aclosing ended the pipeline (abort + settle)
+        except Exception as exc:
+            log.error("ws.stream_fault", completion_id=adm.request_id, error=type(exc).__name__)
+            if not ended:
+                with contextlib.suppress(_Gone):
+                    await self.send_error(cid, InternalError("the request failed inside the gateway"))
         finally:
             self.streams.pop(_key(cid), None)
 
-    def _subscribe(self, interval_ms) -> None:
-        ok = isinstance(interval_ms, (int, float)) and not isinstance(interval_ms, bool) and 0 < interval_ms < 1e7
-        interval = min(10.0, max(0.1, interval_ms / 1000)) if ok else 0.5
+    async def _subscribe(self, interval_ms) -> None:
+        """One subscription per socket; it holds one of the tenant's stats places."""
         if self.stats_task is not None:
-            self.stats_task.cancel()
+            self.stats_task.cancel()        # a new interval: the place is kept
+        elif not self.gw.stats_slots.take(self.tenant.name, self.gw.settings.max_stats_streams_per_tenant):
+            return await self.send_error(None, TooManyConnections(
+                f"tenant {self.tenant.name!r} has {self.gw.settings.max_stats_streams_per_tenant} stats streams open"))
+        sub = self.gw.stats.subscribe(interval_class(interval_ms))
 
         async def push() -> None:
-            with contextlib.suppress(_Gone):
-                while True:
-                    await self.send(snapshot(self.gw, interval))
-                    await asyncio.sleep(interval)
+            try:
+                with contextlib.suppress(_Gone):
+                    while True:
+                        await self.send_text(await sub.next())
+            finally:
+                self.gw.stats.unsubscribe(sub)
 
         self.stats_task = asyncio.ensure_future(push())
+
+    def _unsubscribe(self) -> None:
+        if self.stats_task is not None:
+            self.stats_task.cancel()
+            self.stats_task = None
+            self.gw.stats_slots.give(self.tenant.name)
 
     async def _close_when_drained(self) -> None:
         """When the server drains, close with 1012 once this socket's requests have ended."""
         await self.gw.drain_started.wait()
         while self.streams:
             await asyncio.sleep(0.05)
-        await self.close(WS_SERVICE_RESTART, "server is shutting down")
+        await self.close(Draining("server is shutting down"))
 
     # -- output ------------------------------------------------------------------------------
     async def send(self, payload: dict) -> None:
-        """Send one frame; raises _Gone if the socket is closed or closing."""
+        """Send one frame; raises _Gone if the socket is closed or closing. Text that UTF-8
+        cannot carry (a lone surrogate) is sent \\u-escaped instead of failing the frame."""
+        text = json.dumps(payload, ensure_ascii=False)
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            text = json.dumps(payload)
+        await self.send_text(text)
+
+    async def send_text(self, text: str) -> None:
         async with self._send_lock:
             if self.ws.application_state is not WebSocketState.CONNECTED:
                 raise _Gone()
             try:
-                await self.ws.send_text(json.dumps(payload, ensure_ascii=False))
+                await self.ws.send_text(text)
             except (WebSocketDisconnect, RuntimeError, OSError) as exc:
                 raise _Gone() from exc
 
@@ -232,13 +317,18 @@ class Connection:
             error["retry_after"] = round(exc.retry_after, 3)
         await self.send({"type": "error", "id": cid, "error": error})
 
-    async def close(self, code: int, reason: str) -> None:
-        self.state = State.CLOSED
+    async def close(self, exc: GatewayError | None, reason: str = "") -> None:
+        """Close with the error's close code (None: a normal closure, 1000)."""
+        code = WS_NORMAL_CLOSURE if exc is None else exc.ws_close
+        reason = reason if exc is None else exc.message
+        if self.state is State.CLOSED:
+            return
+        self._to(State.CLOSED)
         log.info("ws.close", code=code, reason=reason)
         async with self._send_lock:
             if self.ws.application_state is WebSocketState.CONNECTED:
                 with contextlib.suppress(RuntimeError, OSError):
-                    await self.ws.close(code=code, reason=reason[:120])
+                    await self.ws.close(code=code, reason=reason.encode()[:120].decode(errors="ignore"))
 
 
 class _Gone(Exception):
@@ -246,7 +336,7 @@ class _Gone(Exception):
 
 
 def _key(cid) -> str:
-    return str(cid)
+    return str(cid) if isinstance(cid, str) else f"#{cid}"
 
 
 async def chat_socket(websocket: WebSocket) -> None:

@@ -1,7 +1,9 @@
 """Quotas: token buckets per minute, concurrency leases and the daily budget.
 
 `reserve` checks max_concurrent, requests_per_minute, tokens_per_minute and daily_tokens,
-in that order, and takes from all of them or from none. The returned Lease is settled
+in that order, and takes from all of them or from none. The gateway does it in two steps:
+`begin` (slot and request, before any work for the request) and `Lease.reserve_tokens`
+(once the prompt is tokenized). The returned Lease is settled
 exactly once when the request ends, however it ends: the slot is released, unused
 tokens go back to the per-minute bucket and what was used is written to the Ledger.
 """
@@ -68,8 +70,9 @@ class _State:
 class Lease:
     """One admitted request's hold on its tenant's quotas; settle it exactly once."""
 
-    def __init__(self, manager: QuotaManager, tenant: str, reserved_tokens: int):
-        self.tenant = tenant
+    def __init__(self, manager: QuotaManager, tenant: Tenant, reserved_tokens: int):
+        self.tenant = tenant.name
+        self._tenant = tenant
         self.reserved_tokens = reserved_tokens
         self._manager = manager
         self._lock = threading.Lock()
@@ -78,6 +81,13 @@ class Lease:
     @property
     def settled(self) -> bool:
         return self._settled
+
+    def reserve_tokens(self, tokens: int) -> None:
+        """Add `tokens` to this lease from tokens_per_minute and daily_tokens, or raise
+        QuotaExceeded adding nothing (the lease keeps its slot: settle it)."""
+        if self._settled:
+            raise RuntimeError("the lease is already settled")
+        self._manager._reserve_more(self, self._tenant, tokens)
 
     def settle(self, used_tokens: int) -> bool:
         """Release the lease and bill `used_tokens`; True the first time, then False."""
@@ -105,46 +115,78 @@ class QuotaManager:
         """Take one request and `tokens` from every limit, or raise QuotaExceeded taking nothing."""
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0 (got {tokens})")
-        lim = tenant.limits
         with self._lock:
             now = self.clock()
             st = self._state(tenant, now)
+            self._check_request(tenant, st, now)
+            self._check_tokens(tenant, st, now, tokens)
+            self._take_request(st)
+            self._take_tokens(st, tokens)
+            return Lease(self, tenant, tokens)
 
-            def refuse(reason: str, message: str, retry: float | None):
-                when = "it can never fit" if retry is None else f"retry in {retry:.1f} s"
-                return QuotaExceeded(reason, f"{reason}: {message}; {when}", retry,
-                                     self._headers(st, now))
+    def begin(self, tenant: Tenant) -> Lease:
+        """Take a concurrency slot and one request from requests_per_minute, before any
+        work is done for the request, so a flood of expensive requests runs into its own
+        tenant's limits first. Reserve its tokens later with `Lease.reserve_tokens`."""
+        with self._lock:
+            now = self.clock()
+            st = self._state(tenant, now)
+            self._check_request(tenant, st, now)
+            self._take_request(st)
+            return Lease(self, tenant, 0)
 
-            if lim.max_concurrent is not None and st.in_flight >= lim.max_concurrent:
-                raise refuse("max_concurrent", f"{st.in_flight} requests already in flight "
-                             f"(limit {lim.max_concurrent})", CONCURRENCY_RETRY_S)
-            if st.requests is not None and st.requests.available(now) + EPS < 1:
-                raise refuse("requests_per_minute", f"the limit of {lim.requests_per_minute} "
-                             "requests per minute is used up", st.requests.wait_for(1, now))
-            if st.tokens is not None and st.tokens.available(now) + EPS < tokens:
-                retry = st.tokens.wait_for(tokens, now)
-                left = (f"the limit is {lim.tokens_per_minute} per minute" if retry is None
-                        else f"{math.floor(st.tokens.tokens + EPS)} are left")
-                raise refuse("tokens_per_minute",
-                             f"this request reserves {tokens} tokens but {left}", retry)
-            used = 0
-            if lim.daily_tokens is not None:
-                used = self.ledger.used_today(tenant.name)
-                if used + st.daily_reserved + tokens > lim.daily_tokens:
-                    fits = tokens <= lim.daily_tokens
-                    left = max(0, lim.daily_tokens - used - st.daily_reserved)
-                    detail = (f"{left} of the daily budget of {lim.daily_tokens} are left "
-                              "(resets at 00:00 UTC)" if fits
-                              else f"the whole daily budget is {lim.daily_tokens}")
-                    raise refuse("daily_tokens", f"this request reserves {tokens} tokens but "
-                                 f"{detail}", self.ledger.seconds_to_next_day() if fits else None)
-            if st.requests is not None:
-                st.requests.tokens -= 1
-            if st.tokens is not None:
-                st.tokens.tokens -= tokens
-            st.in_flight += 1
-            st.daily_reserved += tokens
-            return Lease(self, tenant.name, tokens)
+    def _reserve_more(self, lease: Lease, tenant: Tenant, tokens: int) -> None:
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0 (got {tokens})")
+        with self._lock:
+            now = self.clock()
+            st = self._state(tenant, now)
+            self._check_tokens(tenant, st, now, tokens)
+            self._take_tokens(st, tokens)
+            lease.reserved_tokens += tokens
+
+    def _refuse(self, st: _State, now: float, reason: str, message: str, retry: float | None) -> QuotaExceeded:
+        when = "it can never fit" if retry is None else f"retry in {retry:.1f} s"
+        return QuotaExceeded(reason, f"{reason}: {message}; {when}", retry, self._headers(st, now))
+
+    def _check_request(self, tenant: Tenant, st: _State, now: float) -> None:
+        lim = tenant.limits
+        if lim.max_concurrent is not None and st.in_flight >= lim.max_concurrent:
+            raise self._refuse(st, now, "max_concurrent", f"{st.in_flight} requests already in flight "
+                               f"(limit {lim.max_concurrent})", CONCURRENCY_RETRY_S)
+        if st.requests is not None and st.requests.available(now) + EPS < 1:
+            raise self._refuse(st, now, "requests_per_minute", f"the limit of {lim.requests_per_minute} "
+                               "requests per minute is used up", st.requests.wait_for(1, now))
+
+    def _check_tokens(self, tenant: Tenant, st: _State, now: float, tokens: int) -> None:
+        lim = tenant.limits
+        if st.tokens is not None and st.tokens.available(now) + EPS < tokens:
+            retry = st.tokens.wait_for(tokens, now)
+            left = (f"the limit is {lim.tokens_per_minute} per minute" if retry is None
+                    else f"{math.floor(st.tokens.tokens + EPS)} are left")
+            raise self._refuse(st, now, "tokens_per_minute", f"this request reserves {tokens} tokens but {left}",
+                               retry)
+        if lim.daily_tokens is not None:
+            used = self.ledger.used_today(tenant.name)
+            if used + st.daily_reserved + tokens > lim.daily_tokens:
+                fits = tokens <= lim.daily_tokens
+                left = max(0, lim.daily_tokens - used - st.daily_reserved)
+                detail = (f"{left} of the daily budget of {lim.daily_tokens} are left "
+                          "(resets at 00:00 UTC)" if fits else f"the whole daily budget is {lim.daily_tokens}")
+                raise self._refuse(st, now, "daily_tokens", f"this request reserves {tokens} tokens but {detail}",
+                                   self.ledger.seconds_to_next_day() if fits else None)
+
+    @staticmethod
+    def _take_request(st: _State) -> None:
+        if st.requests is not None:
+            st.requests.tokens -= 1
+        st.in_flight += 1
+
+    @staticmethod
+    def _take_tokens(st: _State, tokens: int) -> None:
+        if st.tokens is not None:
+            st.tokens.tokens -= tokens
+        st.daily_reserved += tokens
 
     def _release(self, lease: Lease, used_tokens: int) -> None:
         """Give back the slot and unused tokens, drop the daily hold, bill the ledger."""

@@ -13,7 +13,6 @@ import pytest
 import websockets
 
 from engine import AsyncEngine
-from gateway.schemas import parse_chat_request
 from tests.live import KEYS, engine_config, serve, wait_until
 
 HELLO = [{"role": "user", "content": "Write a long story about a lighthouse."}]
@@ -46,7 +45,8 @@ def test_disconnect_mid_stream_aborts_frees_and_bills_what_was_produced(tiny_mod
         assert len(lines) == 5
         assert wait_until(lambda: idle(live)), live.engine_stats()
         billed = live.gateway.quotas.ledger.used_today("acme")
-        prompt = len(live.gateway.chat._tokenize(parse_chat_request({"messages": HELLO})))
+        tok = live.gateway.chat.admitter.tokenizers
+        prompt = len(tok.encode(tok.render(HELLO)))
         assert prompt + 4 <= billed < prompt + 1500      # at least the 4 content chunks we read
         metrics = httpx.get(f"{live.url}/metrics").text
         assert 'streamgate_gateway_requests_total{status="499",tenant="acme",transport="sse"} 1.0' in metrics

@@ -111,15 +111,15 @@ def test_per_request_caps_priority_and_deadline_clamped_to_the_tenant(tiny_model
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
         chat_service, tenant = live.gateway.chat, reg.tenants["batch"]
 
-        async def admit(body, header=None):
-            adm = chat_service.admit(tenant, body, transport="http", timeout_header=header)
+        async def admit(body, timeout_s=None):
+            adm = await chat_service.admit(tenant, body, transport="http", timeout_s=timeout_s)
             adm.lease.settle(0)
             return adm
         adm = live.call(admit, {"messages": HELLO, "priority": 0, "deadline_ms": 60_000})
         assert adm.priority == 2                        # cannot raise urgency above class 2
         assert adm.params.max_tokens == 8               # the tenant cap is the default
         assert adm.deadline - adm.arrival <= 5.0 + 1e-6  # the tenant bound wins
-        adm = live.call(admit, {"messages": HELLO, "priority": 5}, "1.5")
+        adm = live.call(admit, {"messages": HELLO, "priority": 5}, 1.5)
         assert adm.priority == 5 and abs(adm.deadline - adm.arrival - 1.5) < 1e-6
         r = httpx.post(f"{live.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEYS['batch']}",
                        "X-Request-Timeout": "soon"}, json={"messages": HELLO})
@@ -146,7 +146,7 @@ def test_release_returns_a_never_started_lease_once(tiny_model, tmp_path):
         service, tenant = live.gateway.chat, live.gateway.registry.tenants["acme"]
 
         async def admit_and_release():
-            adm = service.admit(tenant, {"messages": HELLO}, transport="ws")
+            adm = await service.admit(tenant, {"messages": HELLO}, transport="ws")
             busy = live.gateway.quotas.in_flight("acme")
             service.release(adm)
             service.release(adm)

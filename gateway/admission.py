@@ -1,0 +1,204 @@
+"""Admission: parse → take the tenant's slot and request → render and tokenize off the
+event loop → clamp to the tenant's limits → deadline → reserve tokens.
+
+Nothing here does work on the event loop that grows with the prompt: the chat template
+and the tokenizer run in a small thread pool (`Tokenizers`), each tenant at most
+`per_tenant` jobs at a time, and a prompt that cannot fit is refused after rendering by a
+bound that needs no tokenizing (`Tokenizers.min_tokens`). The request counts against the
+tenant's `max_concurrent` and `requests_per_minute` before any of that work starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from engine import EngineOverloaded, SamplingParams
+from tenants import Lease, QuotaExceeded, QuotaManager, Tenant
+
+from .errors import BadRequest, ContextLengthExceeded, Overloaded, RateLimited
+from .schemas import ChatRequest, parse_chat_request
+
+
+@dataclass
+class Admission:
+    request_id: str
+    tenant: Tenant
+    request: ChatRequest
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    deadline: float | None      # absolute, on the engine's clock (time.monotonic)
+    lease: Lease
+    transport: str
+    arrival: float
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    cancelled: bool = False
+
+
+class Tokenizers:
+    """Chat template + tokenizer on `workers` threads, at most `per_tenant` jobs per tenant.
+
+    A job whose caller gives up (client gone) keeps its tenant's place until the thread
+    finishes, so hanging up and retrying cannot pile work into the pool."""
+
+    def __init__(self, tokenizer, *, workers: int = 2, per_tenant: int = 1):
+        self.tokenizer = tokenizer
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="streamgate-tokenize")
+        self.per_tenant = per_tenant
+        self.tenant_slots: dict[str, asyncio.Semaphore] = {}
+        self.max_token_chars = max_token_chars(tokenizer)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of `text`: no token stands for more than
+        `max_token_chars` characters. 0 (no bound) for a tokenizer with a normalizer,
+        which could shorten the text first."""
+        return 0 if self.max_token_chars is None else -(-len(text) // self.max_token_chars)
+
+    async def run(self, tenant: str, fn, *args):
+        loop = asyncio.get_running_loop()
+        slot = self.tenant_slots.setdefault(tenant, asyncio.Semaphore(self.per_tenant))
+        await slot.acquire()
+        try:
+            job = self.pool.submit(fn, *args)
+        except BaseException:
+            slot.release()
+            raise
+        job.add_done_callback(lambda _: loop.call_soon_threadsafe(slot.release))
+        return await asyncio.wrap_future(job)
+
+    def render(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def max_token_chars(tokenizer) -> int | None:
+    """The most characters one token can stand for. A token string has one character per
+    byte (byte-level BPE) or per character, never fewer than the text it decodes to."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    vocab = tokenizer.get_vocab()
+    return max(len(token) for token in vocab) or None
+
+
+class Admitter:
+    def __init__(self, engine, quotas: QuotaManager, *, model_name: str, default_max_tokens: int,
+                 clock, tokenize_workers: int = 2):
+        self.engine = engine
+        self.quotas = quotas
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.clock = clock
+        self.tokenize_workers = tokenize_workers
+        self.tokenizers: Tokenizers | None = None
+        self.max_model_len = 0
+
+    def on_engine_started(self) -> None:
+        """Slow (the vocabulary is scanned): run it off the event loop."""
+        # The gateway's own copy: the engine thread decodes with its tokenizer.
+        self.tokenizers = Tokenizers(copy.deepcopy(self.engine.tokenizer), workers=self.tokenize_workers)
+        self.max_model_len = self.engine.max_model_len
+
+    async def admit(self, tenant: Tenant, body: object, *, transport: str, timeout_s: float | None,
+                    request_id: str | None) -> Admission:
+        arrival = self.clock()
+        req = parse_chat_request(body)
+        if req.model not in (None, "", self.model_name, "default"):
+            raise BadRequest(f"model: unknown model {req.model!r}; this server serves {self.model_name!r}",
+                             param="model", code="model_not_found")
+        deadline = self._deadline(tenant, req, timeout_s, arrival)
+        lease = self._reserve(tenant.name, lambda: self.quotas.begin(tenant))
+        try:
+            prompt_ids = await self._tokenize(tenant, req)
+            params, max_tokens = self._params(tenant, req, len(prompt_ids))
+            priority = tenant.priority if req.priority is None else max(tenant.priority, req.priority)
+            rid = request_id or f"chatcmpl-{uuid.uuid4().hex}"
+            try:
+                self.engine.validate(rid, prompt_ids, params, priority=priority, deadline=deadline,
+                                     weight=tenant.weight)
+            except EngineOverloaded as exc:
+                raise Overloaded(f"the engine is overloaded ({exc}); retry later",
+                                 retry_after=exc.retry_after) from None
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+            self._reserve(tenant.name, lambda: lease.reserve_tokens(len(prompt_ids) + max_tokens))
+        except BaseException:
+            lease.settle(0)
+            raise
+        return Admission(rid, tenant, req, prompt_ids, params, priority, deadline, lease, transport, arrival,
+                         self.model_name)
+
+    @staticmethod
+    def _reserve(tenant: str, take):
+        try:
+            return take()
+        except QuotaExceeded as exc:
+            raise RateLimited(str(exc), reason=exc.reason, retry_after=exc.retry_after, headers=exc.headers) from None
+
+    async def _tokenize(self, tenant: Tenant, req: ChatRequest) -> list[int]:
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in req.messages]
+        tok = self.tokenizers
+        try:
+            text = await tok.run(tenant.name, tok.render, messages)
+        except Exception as exc:        # a template that refuses the conversation (e.g. role order)
+            raise BadRequest(f"messages: the model's chat template rejected them: {exc}", param="messages") from None
+        self._check_prompt(tenant, tok.min_tokens(text), at_least=True)
+        ids = await tok.run(tenant.name, tok.encode, text)
+        self._check_prompt(tenant, len(ids), at_least=False)
+        return ids
+
+    def _check_prompt(self, tenant: Tenant, n: int, *, at_least: bool) -> None:
+        has = f"has at least {n}" if at_least else f"has {n}"
+        cap = tenant.limits.max_prompt_tokens
+        if cap is not None and n > cap:
+            raise ContextLengthExceeded(f"messages: the prompt {has} tokens; tenant {tenant.name!r} "
+                                        f"allows at most {cap}", param="messages")
+        if n >= self.max_model_len:
+            raise ContextLengthExceeded(f"messages: the prompt {has} tokens but the model's context is "
+                                        f"{self.max_model_len}", param="messages")
+
+    def _params(self, tenant: Tenant, req: ChatRequest, n_prompt: int) -> tuple[SamplingParams, int]:
+        limits = tenant.limits
+        room = self.max_model_len - n_prompt
+        asked, cap = req.requested_max_tokens, limits.max_tokens
+        if asked is not None:
+            if cap is not None and asked > cap:
+                raise BadRequest(f"max_tokens: {asked} is above tenant {tenant.name!r}'s limit of {cap}",
+                                 param="max_tokens")
+            if asked > room:
+                raise ContextLengthExceeded(
+                    f"max_tokens: the prompt has {n_prompt} tokens and max_tokens is {asked}, but the model's "
+                    f"context is {self.max_model_len}", param="max_tokens")
+            max_tokens = asked
+        else:
+            max_tokens = min(room, cap if cap is not None else self.default_max_tokens)
+            if limits.tokens_per_minute is not None:       # a default that the tpm bucket can hold
+                max_tokens = max(1, min(max_tokens, limits.tokens_per_minute - n_prompt))
+        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                top_k=req.top_k, seed=req.seed, stop=tuple(req.stop or ()),
+                                ignore_eos=req.ignore_eos)
+        return params, max_tokens
+
+    @staticmethod
+    def _deadline(tenant: Tenant, req: ChatRequest, timeout_s: float | None, arrival: float) -> float | None:
+        """The earliest of the body's `deadline_ms`, the transport's timeout and the
+        tenant's bound, as an absolute time."""
+        wanted_ms: float | None = req.deadline_ms
+        if timeout_s is not None:
+            wanted_ms = timeout_s * 1000 if wanted_ms is None else min(wanted_ms, timeout_s * 1000)
+        bound = tenant.limits.deadline_ms
+        if bound is not None:
+            wanted_ms = bound if wanted_ms is None else min(wanted_ms, bound)
+        return None if wanted_ms is None else arrival + wanted_ms / 1000
