@@ -95,7 +95,8 @@ class Gateway:
                                 default_max_tokens=settings.default_max_tokens,
                                 tokenize_workers=settings.tokenize_workers)
         self.started_at = int(time.time())
-        self.sockets = Slots()              # WebSocket places: ws.UNAUTHENTICATED, AUTHENTICATED, tenant:<name>
+        self.sockets = Slots()              # authenticated WebSockets: ws.AUTHENTICATED and tenant:<name>
+        self.pending_sockets: dict = {}     # ws.Connection -> None, not yet authenticated, oldest first
         self.stats_slots = Slots()          # stats streams per tenant
         self.stats = StatsHub(self)
         self.drain_started = asyncio.Event()

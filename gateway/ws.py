@@ -5,9 +5,10 @@ told apart by the client's `id`.
 Connection states: CONNECTING → AUTHENTICATING → OPEN → CLOSED, changed only through
 `_to()`, which raises on any other transition. Before `auth` (or a valid Authorization
 header) only `auth` and `ping` are allowed, and only for `ws_auth_timeout_s`. A socket
-holds one place among the unauthenticated ones until it authenticates, then one among
-the authenticated ones and one of its tenant's; unauthenticated sockets never take the
-places of authenticated ones. Close codes come from the error classes (gateway/errors.py).
+without an Authorization header waits among the unauthenticated ones (their own small
+pool) until it authenticates, then holds one place among the authenticated ones and one
+of its tenant's: keyless sockets never take the places of authenticated ones. Close
+codes come from the error classes (gateway/errors.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from .streaming import Delta, Done
 log = structlog.get_logger("streamgate.ws")
 
 MAX_ID_CHARS = 128
-UNAUTHENTICATED = "unauthenticated"
 AUTHENTICATED = "authenticated"
 
 
@@ -95,14 +95,15 @@ class Connection:
         self._to(State.AUTHENTICATING)
         if self.gw.chat.draining:
             return await self.close(Draining("server is shutting down"))
-        if not self.gw.sockets.take(UNAUTHENTICATED, settings.max_unauthenticated_sockets):
-            return await self.close(TooManyConnections("too many unauthenticated connections; retry later"))
-        self.places.append(UNAUTHENTICATED)
         self.gw.metrics.websockets.inc()
         drain_watch = asyncio.ensure_future(self._close_when_drained())
         try:
             header_key = bearer_key(self.ws.headers.get("authorization"))
-            if header_key is None or await self._auth(header_key):
+            if header_key is not None:
+                if await self._auth(header_key):
+                    await self._receive_loop()
+            else:
+                await self._wait_in_pending()
                 await self._receive_loop()
         except _Gone:
             pass                            # the client left while we were answering
@@ -110,6 +111,7 @@ class Connection:
             log.error("ws.fault", error=type(exc).__name__)     # no payloads in logs
             await self.close(InternalError("internal server error"))
         finally:
+            self.gw.pending_sockets.pop(self, None)
             for place in self.places:
                 self.gw.sockets.give(place)
             self.places.clear()
@@ -125,6 +127,20 @@ class Connection:
             for adm, _ in list(self.streams.values()):     # tasks cancelled before they ever ran
                 self.gw.chat.release(adm)
             self.streams.clear()
+
+    async def _wait_in_pending(self) -> None:
+        """Join the unauthenticated sockets; when they are at their cap, the one waiting
+        longest is closed 1013 to make room, so keyless sockets can delay a newcomer's
+        auth by at most one round of the pool, never lock it out."""
+        pending = self.gw.pending_sockets       # insertion-ordered: oldest first
+        if len(pending) >= self.gw.settings.max_unauthenticated_sockets:
+            oldest = next(iter(pending))
+            del pending[oldest]
+            evict = asyncio.ensure_future(oldest.close(TooManyConnections(
+                "too many unauthenticated connections; this one waited longest without authenticating")))
+            _evictions.add(evict)       # (a task needs a reference until it is done)
+            evict.add_done_callback(_evictions.discard)
+        pending[self] = None
 
     async def _receive_loop(self) -> None:
         settings, loop = self.gw.settings, asyncio.get_running_loop()
@@ -203,7 +219,7 @@ class Connection:
             sockets.give(per_tenant)
             await self.close(TooManyConnections("too many connections; retry later"))
             return False
-        sockets.give(UNAUTHENTICATED)
+        self.gw.pending_sockets.pop(self, None)
         self.places = [AUTHENTICATED, per_tenant]
         self.tenant = tenant
         self._to(State.OPEN)
@@ -329,6 +345,9 @@ class Connection:
             if self.ws.application_state is WebSocketState.CONNECTED:
                 with contextlib.suppress(RuntimeError, OSError):
                     await self.ws.close(code=code, reason=reason.encode()[:120].decode(errors="ignore"))
+
+
+_evictions: set[asyncio.Task] = set()
 
 
 class _Gone(Exception):
