@@ -16,6 +16,7 @@ The public surface the gateway uses: `start`/`stop`, `ready`, `error`, `max_mode
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -72,7 +73,8 @@ async def _in_daemon_thread(fn, *args):
             result, error = fn(*args), None
         except BaseException as exc:
             result, error = None, exc
-        loop.call_soon_threadsafe(_resolve, future, result, error)
+        with contextlib.suppress(RuntimeError):         # the loop closed while we worked
+            loop.call_soon_threadsafe(_resolve, future, result, error)
 
     threading.Thread(target=work, name="streamgate-load", daemon=True).start()
     return await future

@@ -3,7 +3,8 @@
 uvicorn's own SIGTERM handling stops at once: it closes the listening socket and cancels
 WebSockets with 1012. `DrainingServer` first lets the gateway drain (new requests get 503
 or close 1012, running streams finish for up to the grace period, the rest are aborted
-with a final event), then lets uvicorn shut down. A second signal exits immediately.
+with a final event), then lets uvicorn shut down. A second signal ends the streams at
+once (still each with its final event); a third exits immediately.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.gateway = gateway
         self._drain_task: asyncio.Task | None = None
-        self._draining = False
+        self._signals = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets=None) -> None:
@@ -29,19 +30,24 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig, frame) -> None:
-        if self._draining or self._loop is None:
-            self.force_exit = True          # a second signal: stop now
+        """First signal: drain for the grace period. Second: end every stream now, each
+        with its final `server_draining` event (a JSON 503 where headers were not sent
+        yet), then exit without waiting for connections. Third: exit at once."""
+        self._signals += 1
+        log.info("signal.received", signal=int(sig), count=self._signals)
+        if self._loop is None or self._signals > 2:
+            self.force_exit = True
             self.should_exit = True
             return
-        self._draining = True
-        log.info("signal.received", signal=int(sig))
-        self._loop.call_soon_threadsafe(self._start_drain)
+        grace, force = (None, False) if self._signals == 1 else (0.0, True)
+        self._loop.call_soon_threadsafe(self._start_drain, grace, force)
 
-    def _start_drain(self) -> None:
+    def _start_drain(self, grace: float | None, force: bool) -> None:
         async def drain_then_exit() -> None:
             try:
-                await self.gateway.drain()
+                await self.gateway.drain(grace)
             finally:
+                self.force_exit = self.force_exit or force
                 self.should_exit = True
 
         self._drain_task = asyncio.ensure_future(drain_then_exit())

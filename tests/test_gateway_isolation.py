@@ -196,3 +196,64 @@ def test_stats_streams_count_against_the_tenant(live):
             assert again.status_code == 200
             line = next(line for line in again.iter_lines() if line.startswith("data: "))
             assert json.loads(line[6:])["type"] == "stats"
+
+
+async def test_an_idle_socket_is_closed_but_a_busy_one_is_not(tiny_model, tmp_path):
+    """With nothing running and no frame for ws_idle_timeout_s the socket is closed 1000;
+    a socket with a stats subscription stays open."""
+    with serve(tiny_model("llama"), tmp_path, ws_idle_timeout_s=0.5) as live:
+        idle, busy = await authed(live), await authed(live)
+        await busy.send(json.dumps({"type": "stats.subscribe", "interval_ms": 250}))
+        with pytest.raises(websockets.ConnectionClosed) as exc:
+            while True:
+                await recv(idle)
+        assert exc.value.rcvd.code == 1000 and "idle" in exc.value.rcvd.reason
+        for _ in range(8):              # two seconds of stats, well past the idle timeout
+            assert (await recv(busy))["type"] == "stats"
+        await busy.close()
+
+
+def test_sigterm_during_the_model_load_exits_without_waiting_for_it(tiny_model, tmp_path, monkeypatch):
+    """A SIGTERM while the model is still loading stops the server promptly."""
+    import threading
+
+    import engine.async_engine as async_engine
+
+    release = threading.Event()
+    monkeypatch.setattr(async_engine, "_build_engine", lambda config: release.wait(60))
+    try:
+        with serve(tiny_model("llama"), tmp_path, ready=False) as live:
+            assert httpx.get(f"{live.url}/health").json()["status"] == "loading"
+            live.sigterm()
+            live.thread.join(timeout=15)
+            assert not live.thread.is_alive(), "the server waited for the model load"
+    finally:
+        release.set()
+
+
+def test_a_second_sigterm_ends_queued_requests_with_a_json_503(tiny_model, tmp_path):
+    """On the second signal a request still waiting for its first token gets a JSON 503
+    server_draining (not a plain-text 500), a running one its final error event, and the server exits."""
+    with serve(tiny_model("llama"), tmp_path, drain_grace_s=60, engine_kw={"max_num_seqs": 1}) as live:
+        async def scenario():
+            async with websockets.connect(live.ws_url, additional_headers=AUTH) as ws:
+                await recv(ws)
+                await ws.send(json.dumps({"type": "chat.request", "id": "long", "messages": HELLO,
+                                          "max_tokens": 1900, "ignore_eos": True}))
+                assert (await recv(ws))["type"] == "chat.delta"
+                queued = asyncio.ensure_future(asyncio.to_thread(
+                    post, live, {"messages": HELLO, "max_tokens": 5, "stream": True}))
+                assert await asyncio.to_thread(wait_until, lambda: live.engine_stats()["waiting"] == 1)
+                live.sigterm()
+                await asyncio.sleep(0.3)
+                live.sigterm()
+                final = await recv(ws)
+                while final["type"] == "chat.delta":
+                    final = await recv(ws)
+                return final, await queued
+        final, queued = asyncio.run(scenario())
+        assert final["type"] == "error" and final["error"]["code"] == "server_draining"
+        assert queued.status_code == 503 and queued.headers["content-type"] == "application/json"
+        assert queued.json()["error"]["code"] == "server_draining"
+        live.thread.join(timeout=20)
+        assert not live.thread.is_alive()
