@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import pytest
+from prometheus_client import generate_latest
 
 from engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 
@@ -176,3 +177,49 @@ async def test_burst_past_the_queue_limit_is_refused_up_front_never_mid_stream(t
     served = [r for r in results if r != "refused"]
     assert 2 <= len(served) < 8
     assert all(finals == ["length"] for _, _, finals in served)
+
+
+async def test_a_request_left_during_prefill_reports_its_computed_prompt_once(aeng, monkeypatch):
+    """A consumer that leaves while a long prompt is still being prefilled (no token yet)
+    gets on_final exactly once, with the prompt tokens the engine had computed."""
+    real = aeng.engine.runner.run
+
+    def slow_run(batch):
+        time.sleep(0.02)
+        return real(batch)
+
+    monkeypatch.setattr(aeng.engine.runner, "run", slow_run)
+    finals = []
+    prompt = [7, 8, 9, 10] * 100                    # 400 tokens: 7 chunks of 64
+    gen = aeng.generate("long", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                        on_final=finals.append)
+    step = asyncio.ensure_future(anext(gen))
+    while aeng.stats().get("prompt_tokens", 0) < 128:
+        await asyncio.sleep(0.005)
+    assert not step.done()
+    step.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await step
+    await gen.aclose()
+    for _ in range(200):
+        if finals:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)
+    assert len(finals) == 1 and finals[0].finish_reason == "abort" and finals[0].num_output_tokens == 0
+    assert 128 <= finals[0].num_computed_prompt_tokens < 400
+
+
+async def test_stats_come_from_the_engine_threads_snapshot(aeng, monkeypatch):
+    """stats() never calls LLMEngine.stats() on the event loop: it returns the snapshot the
+    engine thread published with its last step, counting queued adds as waiting."""
+    def not_here():
+        raise AssertionError("LLMEngine.stats() called from the event loop")
+
+    snapshot = aeng.stats()
+    monkeypatch.setattr(aeng.engine, "stats", not_here)
+    assert aeng.stats()["waiting"] == snapshot["waiting"] == 0
+    monkeypatch.undo()
+    toks, _, _ = await collect(aeng, "s", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert aeng.stats()["generation_tokens"] >= 4 and aeng.max_model_len > 0 and aeng.ready
+    assert b"streamgate_num_requests_running" in generate_latest(aeng.metrics_registry)
