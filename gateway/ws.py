@@ -1,64 +1,34 @@
-"""The WebSocket protocol at `/v1/chat/ws` (DESIGN.md, docs/PROTOCOL.md). This module
+"""The WebSocket chat protocol at `/v1/chat/ws` (DESIGN.md, docs/PROTOCOL.md). This module
 only adapts `ChatService` events to JSON frames; several requests share one socket,
-told apart by the client's `id`.
+told apart by the client's `id`. Admission of the socket itself (Origin, auth and its
+deadline, the socket caps, the state machine) and frame output live in ws_socket.py.
 
-Connection states: CONNECTING → AUTHENTICATING → OPEN → CLOSED, changed only through
-`_to()`, which raises on any other transition. Before `auth` (or a valid Authorization
-header) only `auth` and `ping` are allowed, and only for `ws_auth_timeout_s`. A socket
-without an Authorization header waits among the unauthenticated ones (their own small
-pool) until it authenticates, then holds one place among the authenticated ones and one
-of its tenant's: keyless sockets never take the places of authenticated ones. Close
-codes come from the error classes (gateway/errors.py).
+Before `auth` (or a valid Authorization header) only `auth` and `ping` are allowed, and
+only for `ws_auth_timeout_s`; a socket with no frame and nothing running for
+`ws_idle_timeout_s` is closed 1000.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
-import json
-from urllib.parse import urlsplit
 
 import structlog
-from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .admission import Admission
-from .auth import authenticate, bearer_key
-from .errors import (WS_NORMAL_CLOSURE, AuthError, BadRequest, Draining, GatewayError, InternalError,
-                     PayloadTooLarge, PolicyViolation, RateLimited, TooManyConnections)
+from .auth import bearer_key
+from .errors import (BadRequest, Draining, GatewayError, InternalError, PayloadTooLarge, PolicyViolation,
+                     RateLimited, TooManyConnections)
 from .live import interval_class
 from .schemas import timeout_from_field
 from .sse import parse_json
 from .streaming import Delta, Done
+from .ws_socket import Socket, State, _Gone, origin_allowed
 
 log = structlog.get_logger("streamgate.ws")
 
 MAX_ID_CHARS = 128
-AUTHENTICATED = "authenticated"
-
-
-class State(enum.Enum):
-    CONNECTING = "connecting"
-    AUTHENTICATING = "authenticating"
-    OPEN = "open"
-    CLOSED = "closed"
-
-
-_NEXT = {State.CONNECTING: {State.AUTHENTICATING, State.CLOSED},
-         State.AUTHENTICATING: {State.OPEN, State.CLOSED},
-         State.OPEN: {State.CLOSED},
-         State.CLOSED: set()}
-
-
-def origin_allowed(websocket: WebSocket, allowed: tuple[str, ...]) -> bool:
-    """Browsers send Origin; it must match the Host we were reached at or be listed.
-    Non-browser clients send no Origin and are not affected (they authenticate with a key)."""
-    origin = websocket.headers.get("origin")
-    if origin is None:
-        return True
-    if urlsplit(origin).netloc.lower() == websocket.headers.get("host", "").lower():
-        return True
-    return "*" in allowed or origin.rstrip("/").lower() in {a.rstrip("/").lower() for a in allowed}
 
 
 def valid_id(cid: object) -> bool:
@@ -69,21 +39,8 @@ def valid_id(cid: object) -> bool:
     return isinstance(cid, int) and not isinstance(cid, bool) and abs(cid) < 2**53
 
 
-class Connection:
-    def __init__(self, websocket: WebSocket, gw):
-        self.ws = websocket
-        self.gw = gw
-        self.state = State.CONNECTING
-        self.tenant = None
-        self.places: list[str] = []         # what this socket holds in gw.sockets
-        self.streams: dict[str, tuple[Admission, asyncio.Task]] = {}
-        self.stats_task: asyncio.Task | None = None
-        self._send_lock = asyncio.Lock()
-
-    def _to(self, state: State) -> None:
-        if state not in _NEXT[self.state]:
-            raise RuntimeError(f"illegal WebSocket transition {self.state.value} -> {state.value}")
-        self.state = state
+class Connection(Socket):
+    """The chat protocol on an admitted socket: requests, cancels, pings and stats."""
 
     async def serve(self) -> None:
         settings = self.gw.settings
@@ -127,20 +84,6 @@ class Connection:
             for adm, _ in list(self.streams.values()):     # tasks cancelled before they ever ran
                 self.gw.chat.release(adm)
             self.streams.clear()
-
-    async def _wait_in_pending(self) -> None:
-        """Join the unauthenticated sockets; when they are at their cap, the one waiting
-        longest is closed 1013 to make room, so keyless sockets can delay a newcomer's
-        auth by at most one round of the pool, never lock it out."""
-        pending = self.gw.pending_sockets       # insertion-ordered: oldest first
-        if len(pending) >= self.gw.settings.max_unauthenticated_sockets:
-            oldest = next(iter(pending))
-            del pending[oldest]
-            evict = asyncio.ensure_future(oldest.close(TooManyConnections(
-                "too many unauthenticated connections; this one waited longest without authenticating")))
-            _evictions.add(evict)       # (a task needs a reference until it is done)
-            evict.add_done_callback(_evictions.discard)
-        pending[self] = None
 
     async def _receive_loop(self) -> None:
         settings, loop = self.gw.settings, asyncio.get_running_loop()
@@ -202,29 +145,6 @@ class Connection:
         if kind == "stats.unsubscribe":
             return self._unsubscribe()
         await self.send_error(cid, BadRequest(f"type: unknown message type {str(kind)[:40]!r}", param="type"))
-
-    async def _auth(self, key: str | None) -> bool:
-        settings, sockets = self.gw.settings, self.gw.sockets
-        try:
-            tenant = authenticate(self.gw.registry, key)
-        except AuthError as exc:
-            await self.close(exc)
-            return False
-        per_tenant = f"tenant:{tenant.name}"
-        if not sockets.take(per_tenant, settings.max_sockets_per_tenant):
-            await self.close(TooManyConnections(f"tenant {tenant.name!r} has {settings.max_sockets_per_tenant} "
-                                                "sockets open; close one first"))
-            return False
-        if not sockets.take(AUTHENTICATED, settings.max_sockets):
-            sockets.give(per_tenant)
-            await self.close(TooManyConnections("too many connections; retry later"))
-            return False
-        self.gw.pending_sockets.pop(self, None)
-        self.places = [AUTHENTICATED, per_tenant]
-        self.tenant = tenant
-        self._to(State.OPEN)
-        await self.send({"type": "auth.ok", "tenant": tenant.name})
-        return True
 
     async def _chat(self, msg: dict) -> None:
         cid = msg.get("id")
@@ -306,53 +226,6 @@ class Connection:
         while self.streams:
             await asyncio.sleep(0.05)
         await self.close(Draining("server is shutting down"))
-
-    # -- output ------------------------------------------------------------------------------
-    async def send(self, payload: dict) -> None:
-        """Send one frame; raises _Gone if the socket is closed or closing. Text that UTF-8
-        cannot carry (a lone surrogate) is sent \\u-escaped instead of failing the frame."""
-        text = json.dumps(payload, ensure_ascii=False)
-        try:
-            text.encode()
-        except UnicodeEncodeError:
-            text = json.dumps(payload)
-        await self.send_text(text)
-
-    async def send_text(self, text: str) -> None:
-        async with self._send_lock:
-            if self.ws.application_state is not WebSocketState.CONNECTED:
-                raise _Gone()
-            try:
-                await self.ws.send_text(text)
-            except (WebSocketDisconnect, RuntimeError, OSError) as exc:
-                raise _Gone() from exc
-
-    async def send_error(self, cid, exc: GatewayError) -> None:
-        error = exc.body()["error"]
-        if exc.retry_after is not None:
-            error["retry_after"] = round(exc.retry_after, 3)
-        await self.send({"type": "error", "id": cid, "error": error})
-
-    async def close(self, exc: GatewayError | None, reason: str = "") -> None:
-        """Close with the error's close code (None: a normal closure, 1000)."""
-        code = WS_NORMAL_CLOSURE if exc is None else exc.ws_close
-        reason = reason if exc is None else exc.message
-        if self.state is State.CLOSED:
-            return
-        self._to(State.CLOSED)
-        log.info("ws.close", code=code, reason=reason)
-        async with self._send_lock:
-            if self.ws.application_state is WebSocketState.CONNECTED:
-                with contextlib.suppress(RuntimeError, OSError):
-                    await self.ws.close(code=code, reason=reason.encode()[:120].decode(errors="ignore"))
-
-
-_evictions: set[asyncio.Task] = set()
-
-
-class _Gone(Exception):
-    """The socket is closed: stop sending on it."""
-
 
 def _key(cid) -> str:
     return str(cid) if isinstance(cid, str) else f"#{cid}"
