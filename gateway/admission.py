@@ -39,6 +39,7 @@ class Admission:
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
     cancelled: bool = False
+    billed: int | None = None   # set once the lease is settled
 
 
 class Tokenizers:

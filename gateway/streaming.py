@@ -182,13 +182,15 @@ class ChatService:
                 self.metrics.observe_ttft(first - adm.arrival)
             log.info("chat.finished", completion_id=adm.request_id, tenant=adm.tenant.name, transport=adm.transport,
                      status=status, outcome=outcome, prompt_tokens=usage.prompt_tokens,
-                     completion_tokens=usage.completion_tokens,
+                     completion_tokens=usage.completion_tokens, billed_tokens=adm.billed,
                      ttft_ms=None if first is None else round((first - adm.arrival) * 1000, 1),
                      duration_ms=round((self.clock() - adm.arrival) * 1000, 1))
 
     def _settle(self, adm: Admission, billed: int) -> None:
         if adm.lease.settle(billed):
-            log.info("chat.billed", completion_id=adm.request_id, tenant=adm.tenant.name, billed_tokens=billed)
+            adm.billed = billed
+            if adm.request_id not in self.active:     # chat.finished is written: say it now
+                log.info("chat.billed", completion_id=adm.request_id, tenant=adm.tenant.name, billed_tokens=billed)
 
     def _terminal(self, adm: Admission, finish: str, error, usage: Usage, first: float | None,
                   queued: float | None):

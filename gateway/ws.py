@@ -228,7 +228,7 @@ class Connection(Socket):
         await self.close(Draining("server is shutting down"))
 
 def _key(cid) -> str:
-    return str(cid) if isinstance(cid, str) else f"#{cid}"
+    return str(cid)
 
 
 async def chat_socket(websocket: WebSocket) -> None:
