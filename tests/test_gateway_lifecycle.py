@@ -123,7 +123,8 @@ def test_sigterm_drains_then_aborts_with_a_final_event(tiny_model, tmp_path):
                 assert json.loads(await ws.recv())["type"] == "chat.delta"
                 sse = asyncio.ensure_future(asyncio.to_thread(sse_lines, live, {"messages": HELLO,
                                                                                 "max_tokens": 1900}))
-                await asyncio.sleep(0.2)
+                # (on a busy host the SSE request can take a while to arrive: wait for it)
+                assert await asyncio.to_thread(wait_until, lambda: len(live.gateway.chat.active) == 2, 30)
                 live.sigterm()
                 await asyncio.sleep(0.2)
                 refused = await asyncio.to_thread(httpx.post, f"{live.url}/v1/chat/completions", headers=AUTH,
