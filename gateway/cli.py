@@ -114,7 +114,8 @@ def serve(args: argparse.Namespace) -> int:
     print(f"streamgate: serving on http://{shown}:{args.port}/  (demo page; API at /v1, health at /health)",
           file=sys.stderr, flush=True)
     run_server(app, args.host, args.port, max_frame_bytes=args.max_frame_bytes,
-               limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive)
+               limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive,
+               timeout_headers=args.timeout_headers)
     return 0
 
 
@@ -135,6 +136,8 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
                    help="uvicorn: connections + tasks past which new ones get 503 (default: no limit)")
     p.add_argument("--timeout-keep-alive", type=float, default=5.0,
                    help="uvicorn: seconds an idle keep-alive HTTP connection stays open")
+    p.add_argument("--timeout-headers", type=float, default=10.0,
+                   help="seconds a connection has to send a request's headers (slow or silent clients)")
 
 
 def keys(args: argparse.Namespace) -> int:

@@ -13,11 +13,11 @@ import threading
 import time
 
 import httpx
-import uvicorn
 
 from engine import EngineConfig
 from gateway.app import GatewaySettings, create_app
 from gateway.server import DrainingServer
+from gateway.server import config as server_config
 from tenants import Ledger, QuotaManager, Registry, hash_key
 
 KEYS = {"acme": "sk-acme-test", "other": "sk-other-test", "batch": "sk-batch-test"}
@@ -50,12 +50,12 @@ class FakeClock:
 
 
 class LiveServer:
-    def __init__(self, app):
+    def __init__(self, app, **uvicorn_limits):
         self.app = app
         self.gateway = app.state.gateway
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws="websockets-sansio",
-                                ws_max_size=self.gateway.settings.max_frame_bytes, timeout_graceful_shutdown=5)
-        self.server = DrainingServer(config, self.gateway)
+        cfg = server_config(app, "127.0.0.1", 0, max_frame_bytes=self.gateway.settings.max_frame_bytes,
+                            log_level="warning", **uvicorn_limits)
+        self.server = DrainingServer(cfg, self.gateway)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self, ready: bool = True) -> "LiveServer":
@@ -100,13 +100,15 @@ def engine_config(model_dir: str, **kw) -> EngineConfig:
 
 @contextlib.contextmanager
 def serve(model_dir: str, tmp_path, *, registry: Registry | None = None, quotas: QuotaManager | None = None,
-          ledger_path=None, engine=None, ready: bool = True, engine_kw: dict | None = None, **settings):
-    """Start a gateway on a real uvicorn and stop it afterwards."""
+          ledger_path=None, engine=None, ready: bool = True, engine_kw: dict | None = None,
+          uvicorn_limits: dict | None = None, **settings):
+    """Start a gateway on a real uvicorn and stop it afterwards (`uvicorn_limits`: see
+    gateway.server.config)."""
     cfg = engine_config(model_dir, **(engine_kw or {}))
     s = GatewaySettings(engine=cfg, ledger_path=str(ledger_path or tmp_path / "usage.sqlite3"),
                         model_name="tiny", **settings)
     app = create_app(s, engine=engine, registry=registry or tenants(), quotas=quotas)
-    live = LiveServer(app).start(ready=ready)
+    live = LiveServer(app, **(uvicorn_limits or {})).start(ready=ready)
     try:
         yield live
     finally:

@@ -257,3 +257,17 @@ def test_a_second_sigterm_ends_queued_requests_with_a_json_503(tiny_model, tmp_p
         assert queued.json()["error"]["code"] == "server_draining"
         live.thread.join(timeout=20)
         assert not live.thread.is_alive()
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed(tiny_model, tmp_path):
+    """A client that opens a connection and sends its request head too slowly (or never)
+    is disconnected after timeout_headers; a normal request still works."""
+    with serve(tiny_model("llama"), tmp_path, uvicorn_limits={"timeout_headers": 0.5}) as live:
+        host, port = live.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as silent, \
+                socket.create_connection((host, int(port))) as slow:
+            slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            for sock in (silent, slow):
+                sock.settimeout(10)
+                assert sock.recv(100) == b""        # closed by the server
+        assert httpx.get(f"{live.url}/health").status_code == 200
