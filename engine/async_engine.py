@@ -74,19 +74,18 @@ async def _in_daemon_thread(fn, *args):
         except BaseException as exc:
             result, error = None, exc
         with contextlib.suppress(RuntimeError):         # the loop closed while we worked
-            loop.call_soon_threadsafe(_resolve, future, result, error)
+            loop.call_soon_threadsafe(resolve, result, error)
+
+    def resolve(result, error) -> None:
+        if future.cancelled():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
     threading.Thread(target=work, name="streamgate-load", daemon=True).start()
     return await future
-
-
-def _resolve(future: asyncio.Future, result, error) -> None:
-    if future.cancelled():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
 
 
 class AsyncEngine:
@@ -162,10 +161,13 @@ class AsyncEngine:
                  priority: int = 0, deadline: float | None = None, weight: float = 1.0) -> None:
         """Raise ValueError (bad input, naming the field) or EngineOverloaded (a queue
         limit) for a request that `generate` would refuse; changes nothing."""
+        self.engine.validate_request(request_id, prompt_token_ids, params, priority, deadline, weight)
+        self._check_admissible(request_id, len(prompt_token_ids))
+
+    def _check_admissible(self, request_id: str, num_tokens: int) -> None:
         if request_id in self._collectors:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.engine.validate_request(request_id, prompt_token_ids, params, priority, deadline, weight)
-        self.check_capacity(len(prompt_token_ids))
+        self.check_capacity(num_tokens)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        priority: int = 0, tenant: str | None = None, deadline: float | None = None,
@@ -181,13 +183,9 @@ class AsyncEngine:
         consumer left before it arrived."""
         if not self._running:
             raise RuntimeError("AsyncEngine is not running (call start())")
-        if validated:
-            if request_id in self._collectors:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            self.check_capacity(len(prompt_token_ids))
-        else:
-            self.validate(request_id, prompt_token_ids, params, priority=priority, deadline=deadline,
-                          weight=weight)
+        if not validated:
+            self.engine.validate_request(request_id, prompt_token_ids, params, priority, deadline, weight)
+        self._check_admissible(request_id, len(prompt_token_ids))
         collector = self._collectors[request_id] = _Collector(on_final)
         self._adds_sent += 1
         self._tokens_sent += len(prompt_token_ids)
