@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import copy
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -50,7 +52,9 @@ class Tokenizers:
 
     def __init__(self, tokenizer, *, workers: int = 2, per_tenant: int = 1):
         self.tokenizer = tokenizer
-        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="streamgate-tokenize")
+        self.local = threading.local()      # each worker thread gets its own copy (HF tokenizers are not thread-safe)
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="streamgate-tokenize",
+                                                          initializer=self._own_copy)
         self.per_tenant = per_tenant
         self.tenant_slots: dict[str, asyncio.Semaphore] = {}
         self.max_token_chars = max_token_chars(tokenizer)
@@ -70,17 +74,27 @@ class Tokenizers:
         except BaseException:
             slot.release()
             raise
-        job.add_done_callback(lambda _: loop.call_soon_threadsafe(slot.release))
+        job.add_done_callback(lambda _: _call_soon(loop, slot.release))
         return await asyncio.wrap_future(job)
 
+    def _own_copy(self) -> None:
+        self.local.tokenizer = copy.deepcopy(self.tokenizer)
+
     def render(self, messages: list[dict]) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        tokenizer = getattr(self.local, "tokenizer", self.tokenizer)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        tokenizer = getattr(self.local, "tokenizer", self.tokenizer)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn) -> None:
+    with contextlib.suppress(RuntimeError):         # the loop closed (shutdown)
+        loop.call_soon_threadsafe(fn)
 
 
 def max_token_chars(tokenizer) -> int | None:
@@ -107,7 +121,7 @@ class Admitter:
 
     def on_engine_started(self) -> None:
         """Slow (the vocabulary is scanned): run it off the event loop."""
-        # The gateway's own copy: the engine thread decodes with its tokenizer.
+        # The gateway's own copies: the engine thread decodes with its tokenizer.
         self.tokenizers = Tokenizers(copy.deepcopy(self.engine.tokenizer), workers=self.tokenize_workers)
         self.max_model_len = self.engine.max_model_len
 
