@@ -170,9 +170,11 @@ async def test_bad_ids_and_deep_json_leave_the_socket_usable(live):
     assert errors[2]["error"]["code"] == "invalid_json"
     assert errors[3]["id"] == "m" and errors[3]["error"]["code"] == "model_not_found"
     assert done["id"] == "ok" and done["usage"]["completion_tokens"] > 0
-    await ws.send(json.dumps({"type": "chat.request", "id": "t", "messages": HELLO, "timeout_s": True}))
-    err = await recv(ws)
-    assert err["id"] == "t" and err["error"]["param"] == "timeout_s" and "timeout_s" in err["error"]["message"]
+    for bad in (True, 1e6, "soon"):
+        await ws.send(json.dumps({"type": "chat.request", "id": "t", "messages": HELLO, "timeout_s": bad}))
+        err = await recv(ws)
+        assert err["id"] == "t" and err["error"]["param"] == "timeout_s", err
+        assert err["error"]["message"].startswith("timeout_s:")
     await ws.close()
 
 
@@ -271,3 +273,16 @@ def test_a_connection_that_never_finishes_its_headers_is_closed(tiny_model, tmp_
                 sock.settimeout(10)
                 assert sock.recv(100) == b""        # closed by the server
         assert httpx.get(f"{live.url}/health").status_code == 200
+
+
+def test_illegal_websocket_state_transitions_raise():
+    """The socket's state changes only along CONNECTING → AUTHENTICATING → OPEN → CLOSED (or to CLOSED)."""
+    from gateway.ws_socket import Socket, State
+
+    sock = Socket(websocket=None, gw=None)
+    with pytest.raises(RuntimeError, match="connecting -> open"):
+        sock._to(State.OPEN)
+    sock._to(State.AUTHENTICATING)
+    sock._to(State.CLOSED)
+    with pytest.raises(RuntimeError, match="closed -> authenticating"):
+        sock._to(State.AUTHENTICATING)
