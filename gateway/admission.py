@@ -14,7 +14,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
-import threading
+import queue
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -51,10 +51,11 @@ class Tokenizers:
     finishes, so hanging up and retrying cannot pile work into the pool."""
 
     def __init__(self, tokenizer, *, workers: int = 2, per_tenant: int = 1):
-        self.tokenizer = tokenizer
-        self.local = threading.local()      # each worker thread gets its own copy (HF tokenizers are not thread-safe)
-        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="streamgate-tokenize",
-                                                          initializer=self._own_copy)
+        # One copy per worker, made now (off the event loop): HF tokenizers are not thread-safe.
+        self.copies: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(workers):
+            self.copies.put(copy.deepcopy(tokenizer))
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="streamgate-tokenize")
         self.per_tenant = per_tenant
         self.tenant_slots: dict[str, asyncio.Semaphore] = {}
         self.max_token_chars = max_token_chars(tokenizer)
@@ -77,16 +78,18 @@ class Tokenizers:
         job.add_done_callback(lambda _: _call_soon(loop, slot.release))
         return await asyncio.wrap_future(job)
 
-    def _own_copy(self) -> None:
-        self.local.tokenizer = copy.deepcopy(self.tokenizer)
-
     def render(self, messages: list[dict]) -> str:
-        tokenizer = getattr(self.local, "tokenizer", self.tokenizer)
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self._with_copy(lambda t: t.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
 
     def encode(self, text: str) -> list[int]:
-        tokenizer = getattr(self.local, "tokenizer", self.tokenizer)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._with_copy(lambda t: list(t(text, add_special_tokens=False)["input_ids"]))
+
+    def _with_copy(self, fn):
+        tokenizer = self.copies.get()
+        try:
+            return fn(tokenizer)
+        finally:
+            self.copies.put(tokenizer)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -122,7 +125,7 @@ class Admitter:
     def on_engine_started(self) -> None:
         """Slow (the vocabulary is scanned): run it off the event loop."""
         # The gateway's own copies: the engine thread decodes with its tokenizer.
-        self.tokenizers = Tokenizers(copy.deepcopy(self.engine.tokenizer), workers=self.tokenize_workers)
+        self.tokenizers = Tokenizers(self.engine.tokenizer, workers=self.tokenize_workers)
         self.max_model_len = self.engine.max_model_len
 
     async def admit(self, tenant: Tenant, body: object, *, transport: str, timeout_s: float | None,

@@ -42,6 +42,10 @@ def valid_id(cid: object) -> bool:
 class Connection(Socket):
     """The chat protocol on an admitted socket: requests, cancels, pings and stats."""
 
+    def __init__(self, websocket: WebSocket, gw):
+        super().__init__(websocket, gw)
+        self.admitting = 0          # chat.requests being admitted (their prompt is being tokenized)
+
     async def serve(self) -> None:
         settings = self.gw.settings
         if not origin_allowed(self.ws, settings.allowed_origins):
@@ -160,11 +164,14 @@ class Connection(Socket):
                 f"at most {self.gw.settings.max_requests_per_socket} requests may run at once on one socket",
                 reason="requests_per_socket", retry_after=None))
         body = {k: v for k, v in msg.items() if k not in ("type", "id", "stream", "stream_options", "timeout_s")}
+        self.admitting += 1
         try:
             timeout_s = timeout_from_field(msg.get("timeout_s"))
             adm = await self.gw.chat.admit(self.tenant, body, transport="ws", timeout_s=timeout_s)
         except GatewayError as exc:
             return await self.send_error(cid, exc)
+        finally:
+            self.admitting -= 1
         if self.state is State.CLOSED:      # the socket closed while the prompt was tokenized
             return self.gw.chat.release(adm)
         self.streams[_key(cid)] = (adm, asyncio.ensure_future(self._stream(cid, adm)))
@@ -223,7 +230,7 @@ class Connection(Socket):
     async def _close_when_drained(self) -> None:
         """When the server drains, close with 1012 once this socket's requests have ended."""
         await self.gw.drain_started.wait()
-        while self.streams:
+        while self.streams or self.admitting:
             await asyncio.sleep(0.05)
         await self.close(Draining("server is shutting down"))
 

@@ -28,6 +28,9 @@ class FakeTokenizer:
     def __init__(self):
         self.encoded = 0
 
+    def __deepcopy__(self, memo):
+        return self         # one shared instance, so the test sees every encode
+
     def get_vocab(self) -> dict:
         return {chr(i): i for i in range(32, 127)}
 
