@@ -44,7 +44,9 @@ class Connection(Socket):
 
     def __init__(self, websocket: WebSocket, gw):
         super().__init__(websocket, gw)
+        self.streams: dict[str, tuple[Admission, asyncio.Task]] = {}
         self.admitting = 0          # chat.requests being admitted (their prompt is being tokenized)
+        self.stats_task: asyncio.Task | None = None
 
     async def serve(self) -> None:
         settings = self.gw.settings

@@ -60,8 +60,6 @@ class Socket:
         self.state = State.CONNECTING
         self.tenant = None
         self.places: list[str] = []         # what this socket holds in gw.sockets
-        self.streams: dict[str, tuple[Admission, asyncio.Task]] = {}
-        self.stats_task: asyncio.Task | None = None
         self._send_lock = asyncio.Lock()
 
     def _to(self, state: State) -> None:

@@ -216,7 +216,7 @@ async def test_an_idle_socket_is_closed_but_a_busy_one_is_not(tiny_model, tmp_pa
 
 
 def test_sigterm_during_the_model_load_exits_without_waiting_for_it(tiny_model, tmp_path, monkeypatch):
-    """A SIGTERM while the model is still loading stops the server promptly."""
+    """A SIGTERM while the model is still loading stops the server (uvicorn's run returns) promptly."""
     import threading
 
     import engine.async_engine as async_engine
