@@ -1,0 +1,266 @@
+"""Tenant isolation (issue 10): tenant B streams back to back while tenant A (or a client
+with no key) attacks the gateway, one attack at a time.
+
+    python -m bench.isolation                                   # default model, every attack
+    python -m bench.isolation --attacks big_prompt,keyless_ws   # a subset
+    python -m bench.isolation --server-args "--max-frame-bytes 2097152" --frame-kib 2000
+    python -m bench.isolation --url http://127.0.0.1:8000 --key-a sg-... --key-b sg-... [--server-pid PID]
+
+By default it starts its own `streamgate serve` on 127.0.0.1 with two tenants: `attacker`
+(A: max_concurrent 4, 120 requests/min, max_tokens 256) and `victim` (B: max_concurrent 16,
+600 requests/min). B streams `--b-max-tokens`-token answers over SSE, one after another,
+for the whole run. First B runs alone (the baseline), then each attack runs in a process
+of its own (bench/isolation_attacks.py) while B keeps streaming. Per phase it reports B's
+largest and median inter-chunk gap (one timeline across B's requests, so a stall between
+two requests counts too), the slowest /health answer (polled every 100 ms on a fresh
+connection), the server's peak RSS growth (VmRSS from /proc), whether B could open a
+WebSocket while the attack was in place, error-level lines the server logged, and what A
+got back. Then the issue's targets, PASS or MISS: B's largest gap <= max(250 ms, 3x its
+baseline), /health <= 100 ms, RSS growth <= 100 MB, B's WebSocket connects.
+
+All traffic goes to loopback; every attack is bounded in size, count and time, and is
+killed if it outlives `--attack-timeout`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from . import server
+from .isolation_attacks import ATTACKS
+from .isolation_victim import Victim, probe_ws
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def write_tenants(path: Path) -> tuple[str, str]:
+    """A tenants file with A (the attacker) and B (the victim); returns their keys."""
+    from tenants import hash_key, new_key
+
+    key_a, key_b = new_key(), new_key()
+    path.write_text(f"""[tenants.attacker]
+api_key_sha256 = ["{hash_key(key_a)}"]
+max_concurrent = 4
+requests_per_minute = 120
+max_tokens = 256
+
+[tenants.victim]
+api_key_sha256 = ["{hash_key(key_b)}"]
+max_concurrent = 16
+requests_per_minute = 600
+max_tokens = 1024
+""")
+    return key_a, key_b
+
+
+def attack_params(args, url: str, key_a: str) -> dict:
+    return {"url": url, "key": key_a, "prompt_mb": args.prompt_mb, "frames": args.frames,
+            "frame_kib": args.frame_kib, "streams": args.stats_streams, "sockets": args.sockets,
+            "body_mib": args.body_mib, "depth": args.depth, "hold_s": args.hold, "timeout_s": args.attack_timeout}
+
+
+class LogWatch:
+    """Lines the server logged during a phase (only when this benchmark started the server)."""
+
+    def __init__(self, path: Path | None):
+        self.path, self.offset = path, 0
+
+    def mark(self) -> None:
+        self.offset = self.path.stat().st_size if self.path else 0
+
+    def since_mark(self) -> dict | None:
+        if self.path is None:
+            return None
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            lines = f.read().decode(errors="replace").splitlines()
+        errors = [ln for ln in lines if '"level": "error"' in ln or '"level": "critical"' in ln
+                  or ln.startswith("Traceback")]
+        return {"lines": len(lines), "error_lines": len(errors)}
+
+
+async def run_attack(name: str, params: dict, url: str, key_b: str, settle_s: float, timeout_s: float) -> dict:
+    """Run one attack in its own process; probe B's WebSocket once the attack is in place.
+    The window runs from the attack's start until `settle_s` after it ended."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    t0 = time.monotonic()
+    with tempfile.TemporaryFile() as err:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.isolation_attacks", name,
+                                                    json.dumps(params), stdout=asyncio.subprocess.PIPE,
+                                                    stderr=err, env=env)
+        probe, result = None, None
+        try:
+            async with asyncio.timeout(timeout_s):
+                while result is None and (line := await proc.stdout.readline()):
+                    msg = json.loads(line)
+                    t0 = msg.get("start", t0)
+                    if "ready" in msg:
+                        probe = asyncio.ensure_future(probe_ws(url, key_b))
+                    result = msg.get("result")
+                await proc.wait()
+        except TimeoutError:
+            result = {"outcome": f"the attack outlived {timeout_s:g} s and was killed"}
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        if result is None:
+            err.seek(0)
+            tail = err.read().decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            result = {"outcome": f"the attacker exited {proc.returncode}: {tail[0][:200]}"}
+    probe = probe or asyncio.ensure_future(probe_ws(url, key_b))
+    await asyncio.sleep(settle_s)
+    return {"t0": t0, "t1": time.monotonic(), "attacker": result, "b_ws": await probe}
+
+
+async def run_phases(args, url: str, key_a: str, key_b: str, pid: int | None, log: Path | None) -> dict:
+    victim = Victim(url, key_b, pid, args.b_max_tokens)
+    victim.start()
+    logs = LogWatch(log)
+    phases: dict[str, dict] = {}
+    try:
+        await victim.warm()
+        print("B is streaming; baseline", file=sys.stderr, flush=True)
+        logs.mark()
+        t0 = time.monotonic()
+        await asyncio.sleep(args.baseline / 2)
+        probe = await probe_ws(url, key_b)
+        await asyncio.sleep(max(0.0, t0 + args.baseline - time.monotonic()))
+        phases["baseline"] = {"t0": t0, "t1": time.monotonic(), "attacker": None, "b_ws": probe,
+                              "log": logs.since_mark()}
+        params = attack_params(args, url, key_a)
+        for name in args.attacks:
+            print(f"attack: {name}", file=sys.stderr, flush=True)
+            logs.mark()
+            phases[name] = await run_attack(name, params, url, key_b, args.settle, args.attack_timeout)
+            phases[name]["log"] = logs.since_mark()
+        t_end = time.monotonic()
+    finally:
+        await victim.stop()
+    return {name: {**victim.summary(ph.pop("t0"), ph.pop("t1"), t_end), **ph} for name, ph in phases.items()}
+
+
+def check_targets(phases: dict) -> dict:
+    """The issue's targets for each attack: {attack: {target: PASS / MISS / n/a}}."""
+    base = phases["baseline"]["gap_max_ms"]
+    gap_limit = max(250.0, 3 * base) if base is not None else None
+    out = {}
+    for name, ph in phases.items():
+        if name == "baseline":
+            continue
+        checks = {"gap": (ph["gap_max_ms"], gap_limit), "health": (ph["health_max_ms"], 100.0),
+                  "rss": (ph["rss_growth_mb"], 100.0)}
+        out[name] = {t: "n/a" if v is None or lim is None else ("PASS" if v <= lim else "MISS")
+                     for t, (v, lim) in checks.items()}
+        out[name]["ws"] = "PASS" if ph["b_ws"]["connected"] else "MISS"
+    return {"gap_limit_ms": gap_limit, "attacks": out}
+
+
+def _fmt(v, unit: str = "") -> str:
+    return "-" if v is None else f"{v:,.0f}{unit}"
+
+
+def report(phases: dict, targets: dict) -> list[str]:
+    lines = [f"{'phase':15} {'B gap max':>10} {'p50':>6} {'/health max':>12} {'RSS +MB':>8} {'B WS':>14} "
+             f"{'errors':>6}  A got"]
+    for name, ph in phases.items():
+        ws = ph["b_ws"]
+        ws_s = (f"ok {ws['ms']:,.0f}ms" if ws["connected"] else
+                f"no {ws.get('close_code') or ws.get('http_status') or ws.get('error')}")
+        logged = ph["log"]["error_lines"] if ph["log"] else None
+        got = ph["attacker"]["outcome"] if ph["attacker"] else "-"
+        lines.append(f"{name:15} {_fmt(ph['gap_max_ms'], 'ms'):>10} {_fmt(ph['gap_p50_ms']):>6} "
+                     f"{_fmt(ph['health_max_ms'], 'ms'):>12} {_fmt(ph['rss_growth_mb']):>8} {ws_s:>14} "
+                     f"{_fmt(logged):>6}  {got}")
+        if ph["b_errors"]:
+            lines.append(f"{'':15} B got errors: {', '.join(ph['b_errors'])}")
+    lines.append("")
+    lines.append(f"targets: B gap <= {_fmt(targets['gap_limit_ms'], ' ms')} (max(250 ms, 3x baseline)), "
+                 f"/health <= 100 ms, RSS growth <= 100 MB, B's WebSocket connects")
+    for name, checks in targets["attacks"].items():
+        lines.append(f"{name:15} " + "  ".join(f"{t} {v}" for t, v in checks.items()))
+    return lines
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated subset of: {', '.join(ATTACKS)}")
+    p.add_argument("--server-args", default="", help="extra `streamgate serve` flags, one string")
+    p.add_argument("--url", default=None, help="a running server on loopback instead of starting one")
+    p.add_argument("--key-a", default=None, help="with --url: the attacking tenant's key")
+    p.add_argument("--key-b", default=None, help="with --url: the victim tenant's key")
+    p.add_argument("--server-pid", type=int, default=None, help="with --url: the server's pid, for RSS")
+    p.add_argument("--b-max-tokens", type=int, default=400, help="tokens per B answer (EOS ignored)")
+    p.add_argument("--baseline", type=float, default=8.0, help="seconds of B alone")
+    p.add_argument("--hold", type=float, default=6.0, help="seconds held attacks (sockets, streams) stay open")
+    p.add_argument("--settle", type=float, default=1.0, help="seconds each window runs past its attack")
+    p.add_argument("--attack-timeout", type=float, default=120.0, help="an attack running longer is killed")
+    g = p.add_argument_group("attack sizes")
+    g.add_argument("--prompt-mb", type=float, default=8.0, help="big_prompt: prompt size (MB)")
+    g.add_argument("--frames", type=int, default=3, help="big_frames: how many frames")
+    g.add_argument("--frame-kib", type=int, default=1000, help="big_frames: frame size (KiB, keep under --max-frame-bytes)")
+    g.add_argument("--stats-streams", type=int, default=300, help="stats_flood: GET /v1/stats streams")
+    g.add_argument("--sockets", type=int, default=1024, help="keyless_ws: sockets opened with no key")
+    g.add_argument("--body-mib", type=int, default=200, help="chunked_body: body size (MiB)")
+    g.add_argument("--depth", type=int, default=100_000, help="deep_json: nesting depth")
+    p.add_argument("--out", default="bench/results/isolation.json")
+    args = p.parse_args(argv)
+    args.attacks = [a for a in args.attacks.split(",") if a]
+    if unknown := [a for a in args.attacks if a not in ATTACKS]:
+        p.error(f"--attacks: unknown {', '.join(unknown)} (known: {', '.join(ATTACKS)})")
+    if args.url:
+        if urlsplit(args.url).hostname not in LOOPBACK:
+            p.error("--url: only a server on loopback (127.0.0.1, localhost, ::1) may be attacked")
+        if not (args.key_a and args.key_b):
+            p.error("--url needs --key-a and --key-b (two different tenants)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)      # the server inherits it: 1024+ sockets
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    flags = ["--model", args.model, *shlex.split(args.server_args)]
+    with tempfile.TemporaryDirectory(prefix="streamgate-isolation-") as tmp:
+        if args.url:
+            url, key_a, key_b, pid, log, proc = args.url.rstrip("/"), args.key_a, args.key_b, args.server_pid, None, None
+        else:
+            key_a, key_b = write_tenants(Path(tmp) / "tenants.toml")
+            log = Path(tmp) / "server.log"
+            proc, url = server.launch([*flags, "--tenants", str(Path(tmp) / "tenants.toml"),
+                                       "--ledger", str(Path(tmp) / "usage.sqlite3"), "--drain-grace", "2"], log)
+            pid = proc.pid
+        try:
+            phases = asyncio.run(run_phases(args, url, key_a, key_b, pid, log))
+            alive = proc is None or proc.poll() is None
+        finally:
+            if proc is not None:
+                server.stop(proc)
+    targets = check_targets(phases)
+    print("\n".join(report(phases, targets)))
+    if not alive:
+        print(f"the server exited during the run (code {proc.returncode})")
+    out = {"command": shlex.join(["python", "-m", "bench.isolation", *(argv if argv is not None else sys.argv[1:])]),
+           "server": {"url": url if args.url else None, "flags": None if args.url else flags, "exited": not alive},
+           "args": {k: v for k, v in vars(args).items() if k not in ("key_a", "key_b")}, "phases": phases, "targets": targets,
+           "host": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

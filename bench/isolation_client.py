@@ -1,0 +1,121 @@
+"""Client helpers shared by the isolation benchmark's attacker and victim: a raw HTTP POST
+that sees early answers, and WebSocket connect / send / read-until-terminal that report
+what the server did (an error code, a close code) instead of raising."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from urllib.parse import urlsplit
+
+from websockets.exceptions import ConnectionClosed
+
+MiB = 1 << 20
+
+
+def ws_url(url: str) -> str:
+    return url.replace("http://", "ws://", 1) + "/v1/chat/ws"
+
+
+def error_code(body: bytes) -> str | None:
+    """The OpenAI-shaped error's `code`, if the body is one."""
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return err.get("code") if isinstance(err, dict) else None
+
+
+def close_code(exc: BaseException) -> int | None:
+    rcvd = getattr(exc, "rcvd", None)
+    return rcvd.code if rcvd is not None else None
+
+
+async def raw_post(url: str, key: str, chunks, *, length: int | None, timeout_s: float) -> dict:
+    """POST /v1/chat/completions over a bare socket, writing the body while reading the answer,
+    so an early answer (a 413 before the body is read) is seen instead of lost in a write
+    error. `length=None` sends the chunks with chunked transfer encoding."""
+    parts = urlsplit(url)
+    head = [f"POST /v1/chat/completions HTTP/1.1", f"Host: {parts.netloc}", f"Authorization: Bearer {key}",
+            "Content-Type: application/json", "Connection: close",
+            f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"]
+    t0, sent = time.monotonic(), 0
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+
+    async def write() -> None:
+        nonlocal sent
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
+        for chunk in chunks:
+            writer.write(chunk if length is not None else b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            await writer.drain()
+            sent += len(chunk)
+        if length is None:
+            writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    writing = asyncio.ensure_future(write())
+    out: dict = {"status": None, "code": None}
+    try:
+        status_line = await asyncio.wait_for(reader.readline(), timeout_s)
+        out["answered_s"] = round(time.monotonic() - t0, 3)
+        out["body_sent_mib"] = round(sent / MiB, 2)
+        if status_line:
+            out["status"] = int(status_line.split()[1])
+            rest = await asyncio.wait_for(reader.read(64 * 1024), 10)
+            out["code"] = error_code(rest.partition(b"\r\n\r\n")[2])
+        else:
+            out["error"] = "connection closed without an answer"
+    except (TimeoutError, asyncio.TimeoutError):
+        out["error"], out["answered_s"] = f"no answer in {timeout_s:g} s", None
+    except OSError as exc:
+        out["error"] = type(exc).__name__
+    finally:
+        writing.cancel()
+        writer.transport.abort()
+        await asyncio.gather(writing, return_exceptions=True)
+    return out
+
+
+
+async def request_outcomes(ws, ids: set[str], timeout_s: float) -> tuple[dict, int | None]:
+    """Read frames until every id in `ids` has its terminal event (`chat.done` or `error`), the
+    socket closes, or the time is up. Returns ({id: finish_reason / error code}, close code)."""
+    got: dict[str, str] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while ids - got.keys():
+            msg = json.loads(await asyncio.wait_for(ws.recv(), max(0.01, deadline - time.monotonic())))
+            rid = msg.get("id")
+            if msg.get("type") == "chat.done" and rid in ids:
+                got[rid] = msg.get("finish_reason")
+            elif msg.get("type") == "error":
+                got[rid if rid in ids else f"error(id={rid!r})"] = msg["error"].get("code")
+    except (TimeoutError, asyncio.TimeoutError):
+        pass
+    except ConnectionClosed as exc:
+        return got, close_code(exc)
+    return got, None
+
+
+async def send_all(ws, frames) -> int | None:
+    """Send the frames; the close code if the server closed the socket meanwhile."""
+    try:
+        for frame in frames:
+            await ws.send(frame)
+    except ConnectionClosed as exc:
+        return close_code(exc)
+    return None
+
+
+async def connect(url: str, key: str | None, timeout_s: float = 30.0):
+    from websockets.asyncio.client import connect
+
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    ws = await connect(ws_url(url), additional_headers=headers, max_size=None, open_timeout=timeout_s,
+                       close_timeout=2)
+    if key:
+        await asyncio.wait_for(ws.recv(), timeout_s)            # auth.ok
+    return ws
+
+
