@@ -18,8 +18,8 @@ WebSocket while the attack was in place, error-level lines the server logged, an
 got back. Then the issue's targets, PASS or MISS: B's largest gap <= max(250 ms, 3x its
 baseline), /health <= 100 ms, RSS growth <= 100 MB, B's WebSocket connects.
 
-All traffic goes to loopback; every attack is bounded in size, count and time, and is
-killed if it outlives `--attack-timeout`.
+All traffic goes to loopback; every attack is bounded in size, count and time, and its
+process is killed if it outlives `--attack-timeout` + `--hold` + 30 s.
 """
 
 from __future__ import annotations
@@ -143,7 +143,8 @@ async def run_phases(args, url: str, key_a: str, key_b: str, pid: int | None, lo
         for name in args.attacks:
             print(f"attack: {name}", file=sys.stderr, flush=True)
             logs.mark()
-            phases[name] = await run_attack(name, params, url, key_b, args.settle, args.attack_timeout)
+            limit = args.attack_timeout + args.hold + 30
+            phases[name] = await run_attack(name, params, url, key_b, args.settle, limit)
             phases[name]["log"] = logs.since_mark()
         t_end = time.monotonic()
     finally:
@@ -172,8 +173,8 @@ def _fmt(v, unit: str = "") -> str:
 
 
 def report(phases: dict, targets: dict) -> list[str]:
-    lines = [f"{'phase':15} {'B gap max':>10} {'p50':>6} {'/health max':>12} {'RSS +MB':>8} {'B WS':>14} "
-             f"{'errors':>6}  A got"]
+    lines = [f"{'phase':15} {'B gap max':>10} {'p50':>6} {'/health max':>12} {'p50':>5} {'RSS +MB':>8} "
+             f"{'B WS':>14} {'logged errors':>13}  A got"]
     for name, ph in phases.items():
         ws = ph["b_ws"]
         ws_s = (f"ok {ws['ms']:,.0f}ms" if ws["connected"] else
@@ -181,8 +182,8 @@ def report(phases: dict, targets: dict) -> list[str]:
         logged = ph["log"]["error_lines"] if ph["log"] else None
         got = ph["attacker"]["outcome"] if ph["attacker"] else "-"
         lines.append(f"{name:15} {_fmt(ph['gap_max_ms'], 'ms'):>10} {_fmt(ph['gap_p50_ms']):>6} "
-                     f"{_fmt(ph['health_max_ms'], 'ms'):>12} {_fmt(ph['rss_growth_mb']):>8} {ws_s:>14} "
-                     f"{_fmt(logged):>6}  {got}")
+                     f"{_fmt(ph['health_max_ms'], 'ms'):>12} {_fmt(ph['health_p50_ms']):>5} "
+                     f"{_fmt(ph['rss_growth_mb']):>8} {ws_s:>14} {_fmt(logged):>13}  {got}")
         if ph["b_errors"]:
             lines.append(f"{'':15} B got errors: {', '.join(ph['b_errors'])}")
     lines.append("")
@@ -206,7 +207,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--baseline", type=float, default=8.0, help="seconds of B alone")
     p.add_argument("--hold", type=float, default=6.0, help="seconds held attacks (sockets, streams) stay open")
     p.add_argument("--settle", type=float, default=1.0, help="seconds each window runs past its attack")
-    p.add_argument("--attack-timeout", type=float, default=120.0, help="an attack running longer is killed")
+    p.add_argument("--attack-timeout", type=float, default=120.0, help="seconds an attack waits for an answer; its process is killed 30 s + --hold later")
     g = p.add_argument_group("attack sizes")
     g.add_argument("--prompt-mb", type=float, default=8.0, help="big_prompt: prompt size (MB)")
     g.add_argument("--frames", type=int, default=3, help="big_frames: how many frames")

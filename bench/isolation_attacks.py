@@ -39,7 +39,8 @@ def words(n_bytes: int) -> str:
 def _describe_http(r: dict) -> str:
     if r["status"] is None:
         return r.get("error", "no answer")
-    return f"{r['status']} {r['code'] or ''} after {r['answered_s']:.2f} s (sent {r['body_sent_mib']:g} MiB)"
+    code = f" {r['code']}" if r["code"] else ""
+    return f"{r['status']}{code} after {r['answered_s']:.2f} s (sent {r['body_sent_mib']:g} MiB)"
 
 
 # -- the attacks ------------------------------------------------------------------------------------
@@ -185,9 +186,10 @@ async def deep_json(p: dict) -> dict:
         code = code or closed
     finally:
         await ws.close()
-    ws_part = ", ".join(f"{k}: {v}" for k, v in got.items()) + (f"; closed {code}" if code else "")
+    ws_part = ", ".join(f"{k} {got.get(k, 'no answer')}" for k in ("deep", "other"))
+    ws_part += "".join(f", {k} {v}" for k, v in got.items() if k.startswith("error(")) + (f", closed {code}" if code else "")
     return {"http": http, "ws_answers": got, "ws_close_code": code,
-            "outcome": f"HTTP {_describe_http(http)}; WS {ws_part or 'no answer'}"}
+            "outcome": f"HTTP {_describe_http(http)}; WS: {ws_part}"}
 
 
 async def lone_surrogate(p: dict) -> dict:

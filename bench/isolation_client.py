@@ -19,10 +19,10 @@ def ws_url(url: str) -> str:
 
 
 def error_code(body: bytes) -> str | None:
-    """The OpenAI-shaped error's `code`, if the body is one."""
+    """The OpenAI-shaped error's `code` in a response body (its JSON object, however framed)."""
     try:
-        err = json.loads(body).get("error")
-    except (ValueError, AttributeError):
+        err = json.loads(body[body.index(b"{"):body.rindex(b"}") + 1]).get("error")
+    except ValueError:
         return None
     return err.get("code") if isinstance(err, dict) else None
 
@@ -30,6 +30,20 @@ def error_code(body: bytes) -> str | None:
 def close_code(exc: BaseException) -> int | None:
     rcvd = getattr(exc, "rcvd", None)
     return rcvd.code if rcvd is not None else None
+
+
+async def _read_some(reader: asyncio.StreamReader, limit: int, timeout_s: float) -> bytes:
+    """Up to `limit` bytes, until the server closes or `timeout_s` passes."""
+    data, deadline = b"", time.monotonic() + timeout_s
+    while len(data) < limit:
+        try:
+            chunk = await asyncio.wait_for(reader.read(limit - len(data)), max(0.01, deadline - time.monotonic()))
+        except (TimeoutError, asyncio.TimeoutError, OSError):
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 async def raw_post(url: str, key: str, chunks, *, length: int | None, timeout_s: float) -> dict:
@@ -62,8 +76,7 @@ async def raw_post(url: str, key: str, chunks, *, length: int | None, timeout_s:
         out["body_sent_mib"] = round(sent / MiB, 2)
         if status_line:
             out["status"] = int(status_line.split()[1])
-            rest = await asyncio.wait_for(reader.read(64 * 1024), 10)
-            out["code"] = error_code(rest.partition(b"\r\n\r\n")[2])
+            out["code"] = error_code((await _read_some(reader, 64 * 1024, 10.0)).partition(b"\r\n\r\n")[2])
         else:
             out["error"] = "connection closed without an answer"
     except (TimeoutError, asyncio.TimeoutError):
