@@ -8,7 +8,8 @@ with no key) attacks the gateway, one attack at a time.
 
 By default it starts its own `streamgate serve` on 127.0.0.1 with two tenants: `attacker`
 (A: max_concurrent 4, 120 requests/min, max_tokens 256) and `victim` (B: max_concurrent 16,
-600 requests/min). B streams `--b-max-tokens`-token answers over SSE, one after another,
+600 requests/min); a fresh server for each attack (the first one also runs the baseline),
+or one for all with `--shared-server`. B streams `--b-max-tokens`-token answers over SSE, one after another,
 for the whole run. First B runs alone (the baseline), then each attack runs in a process
 of its own (bench/isolation_attacks.py) while B keeps streaming. Per phase it reports B's
 largest and median inter-chunk gap (one timeline across B's requests, so a stall between
@@ -38,6 +39,7 @@ from urllib.parse import urlsplit
 
 from . import server
 from .isolation_attacks import ATTACKS
+from .isolation_report import check_targets, report
 from .isolation_victim import Victim, probe_ws
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -124,74 +126,33 @@ async def run_attack(name: str, params: dict, url: str, key_b: str, settle_s: fl
     return {"t0": t0, "t1": time.monotonic(), "attacker": result, "b_ws": await probe}
 
 
-async def run_phases(args, url: str, key_a: str, key_b: str, pid: int | None, log: Path | None) -> dict:
+async def run_phases(args, names: list[str], url: str, key_a: str, key_b: str, pid: int | None,
+                     log: Path | None) -> dict:
+    """The phases `names` (the baseline and/or attacks) on one server, B streaming throughout."""
     victim = Victim(url, key_b, pid, args.b_max_tokens)
     victim.start()
     logs = LogWatch(log)
     phases: dict[str, dict] = {}
     try:
         await victim.warm()
-        print("B is streaming; baseline", file=sys.stderr, flush=True)
-        logs.mark()
-        t0 = time.monotonic()
-        await asyncio.sleep(args.baseline / 2)
-        probe = await probe_ws(url, key_b)
-        await asyncio.sleep(max(0.0, t0 + args.baseline - time.monotonic()))
-        phases["baseline"] = {"t0": t0, "t1": time.monotonic(), "attacker": None, "b_ws": probe,
-                              "log": logs.since_mark()}
         params = attack_params(args, url, key_a)
-        for name in args.attacks:
-            print(f"attack: {name}", file=sys.stderr, flush=True)
+        for name in names:
+            print(f"B is streaming; {name}", file=sys.stderr, flush=True)
             logs.mark()
-            limit = args.attack_timeout + args.hold + 30
-            phases[name] = await run_attack(name, params, url, key_b, args.settle, limit)
+            if name == "baseline":
+                t0 = time.monotonic()
+                await asyncio.sleep(args.baseline / 2)
+                probe = await probe_ws(url, key_b)
+                await asyncio.sleep(max(0.0, t0 + args.baseline - time.monotonic()))
+                phases[name] = {"t0": t0, "t1": time.monotonic(), "attacker": None, "b_ws": probe}
+            else:
+                limit = args.attack_timeout + args.hold + 30
+                phases[name] = await run_attack(name, params, url, key_b, args.settle, limit)
             phases[name]["log"] = logs.since_mark()
         t_end = time.monotonic()
     finally:
         await victim.stop()
     return {name: {**victim.summary(ph.pop("t0"), ph.pop("t1"), t_end), **ph} for name, ph in phases.items()}
-
-
-def check_targets(phases: dict) -> dict:
-    """The issue's targets for each attack: {attack: {target: PASS / MISS / n/a}}."""
-    base = phases["baseline"]["gap_max_ms"]
-    gap_limit = max(250.0, 3 * base) if base is not None else None
-    out = {}
-    for name, ph in phases.items():
-        if name == "baseline":
-            continue
-        checks = {"gap": (ph["gap_max_ms"], gap_limit), "health": (ph["health_max_ms"], 100.0),
-                  "rss": (ph["rss_growth_mb"], 100.0)}
-        out[name] = {t: "n/a" if v is None or lim is None else ("PASS" if v <= lim else "MISS")
-                     for t, (v, lim) in checks.items()}
-        out[name]["ws"] = "PASS" if ph["b_ws"]["connected"] else "MISS"
-    return {"gap_limit_ms": gap_limit, "attacks": out}
-
-
-def _fmt(v, unit: str = "") -> str:
-    return "-" if v is None else f"{v:,.0f}{unit}"
-
-
-def report(phases: dict, targets: dict) -> list[str]:
-    lines = [f"{'phase':15} {'B gap max':>10} {'p50':>6} {'/health max':>12} {'p50':>5} {'RSS +MB':>8} "
-             f"{'B WS':>14} {'logged errors':>13}  A got"]
-    for name, ph in phases.items():
-        ws = ph["b_ws"]
-        ws_s = (f"ok {ws['ms']:,.0f}ms" if ws["connected"] else
-                f"no {ws.get('close_code') or ws.get('http_status') or ws.get('error')}")
-        logged = ph["log"]["error_lines"] if ph["log"] else None
-        got = ph["attacker"]["outcome"] if ph["attacker"] else "-"
-        lines.append(f"{name:15} {_fmt(ph['gap_max_ms'], 'ms'):>10} {_fmt(ph['gap_p50_ms']):>6} "
-                     f"{_fmt(ph['health_max_ms'], 'ms'):>12} {_fmt(ph['health_p50_ms']):>5} "
-                     f"{_fmt(ph['rss_growth_mb']):>8} {ws_s:>14} {_fmt(logged):>13}  {got}")
-        if ph["b_errors"]:
-            lines.append(f"{'':15} B got errors: {', '.join(ph['b_errors'])}")
-    lines.append("")
-    lines.append(f"targets: B gap <= {_fmt(targets['gap_limit_ms'], ' ms')} (max(250 ms, 3x baseline)), "
-                 f"/health <= 100 ms, RSS growth <= 100 MB, B's WebSocket connects")
-    for name, checks in targets["attacks"].items():
-        lines.append(f"{name:15} " + "  ".join(f"{t} {v}" for t, v in checks.items()))
-    return lines
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -203,6 +164,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--key-a", default=None, help="with --url: the attacking tenant's key")
     p.add_argument("--key-b", default=None, help="with --url: the victim tenant's key")
     p.add_argument("--server-pid", type=int, default=None, help="with --url: the server's pid, for RSS")
+    p.add_argument("--shared-server", action="store_true",
+                   help="run every attack on one server (faster; later attacks then see earlier ones' heap)")
     p.add_argument("--b-max-tokens", type=int, default=400, help="tokens per B answer (EOS ignored)")
     p.add_argument("--baseline", type=float, default=8.0, help="seconds of B alone")
     p.add_argument("--hold", type=float, default=6.0, help="seconds held attacks (sockets, streams) stay open")
@@ -229,34 +192,56 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def server_groups(args) -> list[list[str]]:
+    """Which phases share a server. By default each attack gets a fresh one (the first shares
+    it with the baseline): a heap grown by one attack, or its stuck tasks, would otherwise
+    hide the next attack's RSS growth and add to its gaps."""
+    names = ["baseline", *args.attacks]
+    if args.url or args.shared_server:
+        return [names]
+    return [names[:2], *([a] for a in names[2:])]
+
+
+def run_group(args, names: list[str], tmp: Path) -> tuple[dict, bool]:
+    """Run `names` on the given --url, or on a server of our own; returns (phases, whether
+    the server exited by itself meanwhile)."""
+    if args.url:
+        url = args.url.rstrip("/")
+        return asyncio.run(run_phases(args, names, url, args.key_a, args.key_b, args.server_pid, None)), False
+    key_a, key_b = write_tenants(tmp / "tenants.toml")
+    log = tmp / f"server-{names[-1]}.log"
+    proc, url = server.launch([*server_flags(args), "--tenants", str(tmp / "tenants.toml"),
+                               "--ledger", str(tmp / f"usage-{names[-1]}.sqlite3"), "--drain-grace", "2"], log)
+    try:
+        phases = asyncio.run(run_phases(args, names, url, key_a, key_b, proc.pid, log))
+        return phases, proc.poll() is not None
+    finally:
+        server.stop(proc)
+
+
+def server_flags(args) -> list[str]:
+    return ["--model", args.model, *shlex.split(args.server_args)]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)      # the server inherits it: 1024+ sockets
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
-    flags = ["--model", args.model, *shlex.split(args.server_args)]
+    phases: dict[str, dict] = {}
+    crashed: list[str] = []
     with tempfile.TemporaryDirectory(prefix="streamgate-isolation-") as tmp:
-        if args.url:
-            url, key_a, key_b, pid, log, proc = args.url.rstrip("/"), args.key_a, args.key_b, args.server_pid, None, None
-        else:
-            key_a, key_b = write_tenants(Path(tmp) / "tenants.toml")
-            log = Path(tmp) / "server.log"
-            proc, url = server.launch([*flags, "--tenants", str(Path(tmp) / "tenants.toml"),
-                                       "--ledger", str(Path(tmp) / "usage.sqlite3"), "--drain-grace", "2"], log)
-            pid = proc.pid
-        try:
-            phases = asyncio.run(run_phases(args, url, key_a, key_b, pid, log))
-            alive = proc is None or proc.poll() is None
-        finally:
-            if proc is not None:
-                server.stop(proc)
+        for names in server_groups(args):
+            got, exited = run_group(args, names, Path(tmp))
+            phases.update(got)
+            crashed += names if exited else []
     targets = check_targets(phases)
     print("\n".join(report(phases, targets)))
-    if not alive:
-        print(f"the server exited during the run (code {proc.returncode})")
+    if crashed:
+        print(f"the server exited by itself during: {', '.join(crashed)}")
     out = {"command": shlex.join(["python", "-m", "bench.isolation", *(argv if argv is not None else sys.argv[1:])]),
-           "server": {"url": url if args.url else None, "flags": None if args.url else flags, "exited": not alive},
-           "args": {k: v for k, v in vars(args).items() if k not in ("key_a", "key_b")}, "phases": phases, "targets": targets,
-           "host": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()}}
+           "server": {"url": args.url, "flags": None if args.url else server_flags(args), "exited_during": crashed},
+           "args": {k: v for k, v in vars(args).items() if k not in ("key_a", "key_b")}, "phases": phases,
+           "targets": targets, "host": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")

@@ -30,6 +30,11 @@ def emit(**msg) -> None:
     print(json.dumps(msg), flush=True)
 
 
+def ready() -> None:
+    """The attack is in place: the parent probes B's WebSocket now."""
+    emit(ready=time.monotonic())
+
+
 def words(n_bytes: int) -> str:
     """About n_bytes of prompt text made of plain words (ASCII, so bytes = characters)."""
     reps = n_bytes // len(TEXT) + 1
@@ -49,9 +54,8 @@ async def big_prompt(p: dict) -> dict:
     body = json.dumps({"messages": [{"role": "user", "content": words(int(p["prompt_mb"] * 1e6))}],
                        "max_tokens": 1}).encode()
     emit(start=time.monotonic())
-    emit(ready=time.monotonic())
     r = await raw_post(p["url"], p["key"], [body[i:i + MiB] for i in range(0, len(body), MiB)],
-                       length=len(body), timeout_s=p["timeout_s"])
+                       length=len(body), timeout_s=p["timeout_s"], on_sent=ready)
     return {**r, "outcome": _describe_http(r)}
 
 
@@ -64,7 +68,7 @@ async def big_frames(p: dict) -> dict:
     try:
         emit(start=time.monotonic())
         code = await send_all(ws, frames.values())
-        emit(ready=time.monotonic())
+        ready()
         got, closed = await request_outcomes(ws, set(frames), p["timeout_s"]) if code is None else ({}, code)
         code = code or closed
     finally:
@@ -105,7 +109,7 @@ async def stats_flood(p: dict) -> dict:
 
         emit(start=time.monotonic())
         responses = [r for r in await asyncio.gather(*(one() for _ in range(p["streams"]))) if r]
-        emit(ready=time.monotonic())
+        ready()
         readers = [asyncio.ensure_future(drain(r)) for r in responses]
         await asyncio.sleep(p["hold_s"])
         for task in readers:
@@ -141,7 +145,7 @@ async def keyless_ws(p: dict) -> dict:
 
     emit(start=time.monotonic())
     await asyncio.gather(*(open_one(i) for i in range(p["sockets"])))
-    emit(ready=time.monotonic())
+    ready()
     await asyncio.sleep(p["hold_s"])
     by_server = collections.Counter(code for code, _ in closed_at.values())
     after = sorted(t for _, t in closed_at.values())
@@ -163,8 +167,7 @@ async def chunked_body(p: dict) -> dict:
     block = b"a" * MiB
     chunks = [b'{"messages": [{"role": "user", "content": "'] + [block] * p["body_mib"]
     emit(start=time.monotonic())
-    emit(ready=time.monotonic())
-    r = await raw_post(p["url"], p["key"], chunks, length=None, timeout_s=p["timeout_s"])
+    r = await raw_post(p["url"], p["key"], chunks, length=None, timeout_s=p["timeout_s"], on_sent=ready)
     return {**r, "outcome": _describe_http(r)}
 
 
@@ -181,7 +184,7 @@ async def deep_json(p: dict) -> dict:
                                                 "ignore_eos": True,
                                                 "messages": [{"role": "user", "content": "Count to ten."}]}),
                                     f'{{"type": "chat.request", "id": "deep", "messages": {nest}}}'])
-        emit(ready=time.monotonic())
+        ready()
         got, closed = await request_outcomes(ws, {"deep", "other"}, p["timeout_s"])
         code = code or closed
     finally:
@@ -200,7 +203,7 @@ async def lone_surrogate(p: dict) -> dict:
         emit(start=time.monotonic())
         code = await send_all(ws, [json.dumps({"type": "chat.request", "id": "\ud800", "max_tokens": 8,
                                                 "messages": [{"role": "user", "content": "Say hi."}]})])
-        emit(ready=time.monotonic())
+        ready()
         got, closed = await request_outcomes(ws, {"\ud800"}, p["hold_s"])
         code = code or closed
     finally:

@@ -46,10 +46,11 @@ async def _read_some(reader: asyncio.StreamReader, limit: int, timeout_s: float)
     return data
 
 
-async def raw_post(url: str, key: str, chunks, *, length: int | None, timeout_s: float) -> dict:
+async def raw_post(url: str, key: str, chunks, *, length: int | None, timeout_s: float, on_sent=None) -> dict:
     """POST /v1/chat/completions over a bare socket, writing the body while reading the answer,
     so an early answer (a 413 before the body is read) is seen instead of lost in a write
-    error. `length=None` sends the chunks with chunked transfer encoding."""
+    error. `length=None` sends the chunks with chunked transfer encoding. `on_sent()` is
+    called once the whole body is written (never, if the server answered first)."""
     parts = urlsplit(url)
     head = [f"POST /v1/chat/completions HTTP/1.1", f"Host: {parts.netloc}", f"Authorization: Bearer {key}",
             "Content-Type: application/json", "Connection: close",
@@ -67,6 +68,8 @@ async def raw_post(url: str, key: str, chunks, *, length: int | None, timeout_s:
         if length is None:
             writer.write(b"0\r\n\r\n")
         await writer.drain()
+        if on_sent:
+            on_sent()
 
     writing = asyncio.ensure_future(write())
     out: dict = {"status": None, "code": None}

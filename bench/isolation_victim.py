@@ -36,7 +36,7 @@ class Victim:
     def __init__(self, url: str, key: str, pid: int | None, max_tokens: int):
         self.url, self.key, self.pid, self.max_tokens = url, key, pid, max_tokens
         self.chunks: list[float] = []                 # arrival time of each content chunk
-        self.polls: list[tuple[float, float]] = []    # (sent at, latency s)
+        self.polls: list[tuple[float, float, bool]] = []    # (sent at, latency s, timed out)
         self.rss: list[tuple[float, int]] = []        # (t, bytes)
         self.errors: list[tuple[float, str]] = []     # (t, what B got instead of a stream)
         self.streams = 0
@@ -80,12 +80,14 @@ class Victim:
         limits = httpx.Limits(max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=self.url, timeout=HEALTH_TIMEOUT_S, limits=limits) as client:
             while True:
-                t0 = time.monotonic()
+                t0, timed_out = time.monotonic(), False
                 try:
                     await client.get("/health")
+                except httpx.TimeoutException:
+                    timed_out = True        # still counts: its latency is the wait, a lower bound
                 except httpx.HTTPError:
-                    pass                    # a timeout still counts: its latency is the wait
-                self.polls.append((t0, time.monotonic() - t0))
+                    pass
+                self.polls.append((t0, time.monotonic() - t0, timed_out))
                 await asyncio.sleep(max(0.0, POLL_S - (time.monotonic() - t0)))
 
     async def _rss_loop(self) -> None:
@@ -108,7 +110,7 @@ class Victim:
         still open at the end of the run is measured up to `t_end`."""
         times = self.chunks + [t_end]
         gaps = [b - a for a, b in zip(times, times[1:]) if a < t1 and b > t0]
-        polls = [lat for sent, lat in self.polls if t0 <= sent <= t1]
+        polls = [lat for sent, lat, _ in self.polls if t0 <= sent <= t1]
         before = [r for t, r in self.rss if t <= t0][-1:] or [r for t, r in self.rss[:1]]
         during = [r for t, r in self.rss if t0 <= t <= t1]
         growth = (max(during) - before[0]) / 1e6 if before and during else None
@@ -120,6 +122,7 @@ class Victim:
             "health_max_ms": round(max(polls) * 1000, 1) if polls else None,
             "health_p50_ms": round(statistics.median(polls) * 1000, 1) if polls else None,
             "health_polls": len(polls),
+            "health_timeouts": sum(t0 <= sent <= t1 and out for sent, _, out in self.polls),
             "rss_before_mb": round(before[0] / 1e6, 1) if before else None,
             "rss_growth_mb": round(growth, 1) if growth is not None else None,
             "b_errors": [what for t, what in self.errors if t0 <= t <= t1][:10],

@@ -10,13 +10,14 @@ import sys
 
 import pytest
 
-from bench.isolation import check_targets, parse_args
+from bench.isolation import parse_args, server_groups
+from bench.isolation_report import check_targets
 from bench.isolation_attacks import ATTACKS
 from bench.isolation_victim import Victim
 
 SMALL = ["--b-max-tokens", "32", "--baseline", "1", "--hold", "0.5", "--settle", "0.3", "--attack-timeout", "60",
          "--prompt-mb", "0.2", "--frames", "2", "--frame-kib", "64", "--stats-streams", "12", "--sockets", "24",
-         "--body-mib", "3", "--depth", "20000"]
+         "--body-mib", "3", "--depth", "20000", "--shared-server"]
 
 
 def test_isolation_bench_measures_every_attack(tiny_model, tmp_path):
@@ -62,11 +63,11 @@ def test_window_counts_gaps_that_overlap_it():
     run is measured up to the end; polls and RSS are taken from inside the window."""
     v = Victim("http://127.0.0.1:1", "k", None, 8)
     v.chunks = [0.0, 0.1, 0.2, 1.2, 1.3, 1.4, 2.1, 2.2]
-    v.polls = [(0.05, 0.01), (1.0, 0.5), (3.0, 0.02)]
+    v.polls = [(0.05, 0.01, False), (1.0, 0.5, True), (3.0, 0.02, False)]
     v.rss = [(0.0, 100_000_000), (1.1, 350_000_000), (2.5, 120_000_000)]
     s = v.summary(1.0, 2.0, t_end=4.0)
     assert s["gap_max_ms"] == pytest.approx(1000.0)          # 0.2 -> 1.2 overlaps [1, 2]
-    assert s["health_max_ms"] == pytest.approx(500.0) and s["health_polls"] == 1
+    assert s["health_max_ms"] == pytest.approx(500.0) and s["health_polls"] == 1 and s["health_timeouts"] == 1
     assert s["rss_before_mb"] == pytest.approx(100.0) and s["rss_growth_mb"] == pytest.approx(250.0)
     tail = v.summary(2.15, 3.5, t_end=4.0)
     assert tail["gap_max_ms"] == pytest.approx(1800.0)       # 2.2 -> end of run: B never got another chunk
@@ -89,3 +90,12 @@ def test_only_loopback_servers_are_attacked():
     with pytest.raises(SystemExit):
         parse_args(["--url", "http://127.0.0.1:8000", "--key-a", "a"])
     assert parse_args(["--url", "http://localhost:8000", "--key-a", "a", "--key-b", "b"]).url
+
+
+def test_each_attack_gets_a_fresh_server_unless_shared():
+    """By default the baseline shares a server with the first attack and every other attack
+    gets its own; --shared-server (and --url) run everything on one."""
+    args = parse_args(["--attacks", "big_prompt,keyless_ws,deep_json"])
+    assert server_groups(args) == [["baseline", "big_prompt"], ["keyless_ws"], ["deep_json"]]
+    shared = parse_args(["--attacks", "big_prompt,keyless_ws", "--shared-server"])
+    assert server_groups(shared) == [["baseline", "big_prompt", "keyless_ws"]]
