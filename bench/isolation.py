@@ -139,6 +139,7 @@ async def run_phases(args, names: list[str], url: str, key_a: str, key_b: str, p
         for name in names:
             print(f"B is streaming; {name}", file=sys.stderr, flush=True)
             logs.mark()
+            load = os.getloadavg()[0]
             if name == "baseline":
                 t0 = time.monotonic()
                 await asyncio.sleep(args.baseline / 2)
@@ -148,7 +149,7 @@ async def run_phases(args, names: list[str], url: str, key_a: str, key_b: str, p
             else:
                 limit = args.attack_timeout + args.hold + 30
                 phases[name] = await run_attack(name, params, url, key_b, args.settle, limit)
-            phases[name]["log"] = logs.since_mark()
+            phases[name].update(log=logs.since_mark(), loadavg_1m=load)
         t_end = time.monotonic()
     finally:
         await victim.stop()

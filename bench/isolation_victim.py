@@ -97,19 +97,22 @@ class Victim:
                 self.rss.append((time.monotonic(), rss))
             await asyncio.sleep(POLL_S)
 
-    async def warm(self, chunks: int = 5, timeout_s: float = 300.0) -> None:
-        """Wait until B's stream is flowing (the first request pays for warm-up)."""
+    async def warm(self, chunks: int = 5, steady_s: float = 2.0, timeout_s: float = 300.0) -> None:
+        """Wait until B's stream is flowing, then `steady_s` more: a fresh server's first steps
+        are slower than the rest, and would count against whichever phase came first."""
         deadline = time.monotonic() + timeout_s
         while len(self.chunks) < chunks:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"B's stream produced no tokens in {timeout_s:g} s; errors: {self.errors[-3:]}")
             await asyncio.sleep(0.1)
+        await asyncio.sleep(steady_s)
 
     def summary(self, t0: float, t1: float, t_end: float) -> dict:
         """B's service in the window [t0, t1]. A gap counts if it overlaps the window; a gap
         still open at the end of the run is measured up to `t_end`."""
         times = self.chunks + [t_end]
-        gaps = [b - a for a, b in zip(times, times[1:]) if a < t1 and b > t0]
+        gaps = [(b - a, a) for a, b in zip(times, times[1:]) if a < t1 and b > t0]
+        worst = max(gaps, default=None)
         polls = [lat for sent, lat, _ in self.polls if t0 <= sent <= t1]
         before = [r for t, r in self.rss if t <= t0][-1:] or [r for t, r in self.rss[:1]]
         during = [r for t, r in self.rss if t0 <= t <= t1]
@@ -117,8 +120,9 @@ class Victim:
         return {
             "window_s": round(t1 - t0, 2),
             "chunks": sum(t0 <= t <= t1 for t in self.chunks),
-            "gap_max_ms": round(max(gaps) * 1000, 1) if gaps else None,
-            "gap_p50_ms": round(statistics.median(gaps) * 1000, 1) if gaps else None,
+            "gap_max_ms": round(worst[0] * 1000, 1) if worst else None,
+            "gap_max_from_s": round(worst[1] - t0, 2) if worst else None,      # when it began, from t0
+            "gap_p50_ms": round(statistics.median(g for g, _ in gaps) * 1000, 1) if gaps else None,
             "health_max_ms": round(max(polls) * 1000, 1) if polls else None,
             "health_p50_ms": round(statistics.median(polls) * 1000, 1) if polls else None,
             "health_polls": len(polls),

@@ -67,6 +67,7 @@ def test_window_counts_gaps_that_overlap_it():
     v.rss = [(0.0, 100_000_000), (1.1, 350_000_000), (2.5, 120_000_000)]
     s = v.summary(1.0, 2.0, t_end=4.0)
     assert s["gap_max_ms"] == pytest.approx(1000.0)          # 0.2 -> 1.2 overlaps [1, 2]
+    assert s["gap_max_from_s"] == pytest.approx(-0.8)         # it began before the window
     assert s["health_max_ms"] == pytest.approx(500.0) and s["health_polls"] == 1 and s["health_timeouts"] == 1
     assert s["rss_before_mb"] == pytest.approx(100.0) and s["rss_growth_mb"] == pytest.approx(250.0)
     tail = v.summary(2.15, 3.5, t_end=4.0)
