@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from urllib.parse import urlsplit
 
@@ -32,17 +33,21 @@ def close_code(exc: BaseException) -> int | None:
     return rcvd.code if rcvd is not None else None
 
 
-async def _read_some(reader: asyncio.StreamReader, limit: int, timeout_s: float) -> bytes:
-    """Up to `limit` bytes, until the server closes or `timeout_s` passes."""
-    data, deadline = b"", time.monotonic() + timeout_s
+async def _read_answer(sock: socket.socket, answered: asyncio.Event, limit: int = 64 * 1024) -> bytes:
+    """Up to `limit` bytes of the answer, until the server closes; sets `answered` at the first
+    byte. A bare socket, not a StreamReader: when the server resets the connection (it closes
+    with our body unread), the kernel still hands over what arrived before the reset, while a
+    StreamReader raises and drops it."""
+    loop, data = asyncio.get_running_loop(), b""
     while len(data) < limit:
         try:
-            chunk = await asyncio.wait_for(reader.read(limit - len(data)), max(0.01, deadline - time.monotonic()))
-        except (TimeoutError, asyncio.TimeoutError, OSError):
+            chunk = await loop.sock_recv(sock, limit - len(data))
+        except OSError:
             break
         if not chunk:
             break
         data += chunk
+        answered.set()
     return data
 
 
@@ -55,43 +60,49 @@ async def raw_post(url: str, key: str, chunks, *, length: int | None, timeout_s:
     head = [f"POST /v1/chat/completions HTTP/1.1", f"Host: {parts.netloc}", f"Authorization: Bearer {key}",
             "Content-Type: application/json", "Connection: close",
             f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"]
-    t0, sent = time.monotonic(), 0
-    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    loop, t0, sent = asyncio.get_running_loop(), time.monotonic(), 0
+    sock = socket.socket(socket.AF_INET6 if ":" in (parts.hostname or "") else socket.AF_INET)
+    sock.setblocking(False)
 
     async def write() -> None:
         nonlocal sent
-        writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
+        await loop.sock_sendall(sock, ("\r\n".join(head) + "\r\n\r\n").encode())
         for chunk in chunks:
-            writer.write(chunk if length is not None else b"%x\r\n%s\r\n" % (len(chunk), chunk))
-            await writer.drain()
+            await loop.sock_sendall(sock, chunk if length is not None else b"%x\r\n%s\r\n" % (len(chunk), chunk))
             sent += len(chunk)
         if length is None:
-            writer.write(b"0\r\n\r\n")
-        await writer.drain()
+            await loop.sock_sendall(sock, b"0\r\n\r\n")
         if on_sent:
             on_sent()
 
-    writing = asyncio.ensure_future(write())
     out: dict = {"status": None, "code": None}
+    answered = asyncio.Event()
+    tasks: list[asyncio.Task] = []
     try:
-        status_line = await asyncio.wait_for(reader.readline(), timeout_s)
+        await loop.sock_connect(sock, (parts.hostname, parts.port))
+        tasks = [asyncio.ensure_future(write()), asyncio.ensure_future(_read_answer(sock, answered)),
+                 asyncio.ensure_future(answered.wait())]
+        await asyncio.wait(tasks[1:], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if not answered.is_set():
+            out["error"] = "connection closed without an answer" if tasks[1].done() else f"no answer in {timeout_s:g} s"
+            return out
         out["answered_s"] = round(time.monotonic() - t0, 3)
         out["body_sent_mib"] = round(sent / MiB, 2)
-        if status_line:
-            out["status"] = int(status_line.split()[1])
-            out["code"] = error_code((await _read_some(reader, 64 * 1024, 10.0)).partition(b"\r\n\r\n")[2])
-        else:
-            out["error"] = "connection closed without an answer"
+        tasks[0].cancel()
+        answer = await asyncio.wait_for(tasks[1], 10.0)
+        head_line, _, rest = answer.partition(b"\r\n")
+        out["status"] = int(head_line.split()[1])
+        out["code"] = error_code(rest.partition(b"\r\n\r\n")[2])
     except (TimeoutError, asyncio.TimeoutError):
-        out["error"], out["answered_s"] = f"no answer in {timeout_s:g} s", None
-    except OSError as exc:
+        out["error"] = "the answer did not end in 10 s"
+    except (OSError, ValueError, IndexError) as exc:
         out["error"] = type(exc).__name__
     finally:
-        writing.cancel()
-        writer.transport.abort()
-        await asyncio.gather(writing, return_exceptions=True)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        sock.close()
     return out
-
 
 
 async def request_outcomes(ws, ids: set[str], timeout_s: float) -> tuple[dict, int | None]:

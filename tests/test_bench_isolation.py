@@ -100,3 +100,32 @@ def test_each_attack_gets_a_fresh_server_unless_shared():
     assert server_groups(args) == [["baseline", "big_prompt"], ["keyless_ws"], ["deep_json"]]
     shared = parse_args(["--attacks", "big_prompt,keyless_ws", "--shared-server"])
     assert server_groups(shared) == [["baseline", "big_prompt", "keyless_ws"]]
+
+
+def test_raw_post_sees_an_answer_sent_before_the_body_is_read():
+    """A server that answers 413 after the headers and closes (as a body cap does) is reported
+    as 413 with its error code, not as a write error, and the body is not sent in full."""
+    import asyncio
+
+    from bench.isolation_client import MiB, raw_post
+
+    async def refuse(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        body = b'{"error": {"message": "too big", "code": "body_too_large"}}'
+        writer.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                     % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    async def run():
+        srv = await asyncio.start_server(refuse, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        sent = []
+        async with srv:
+            r = await raw_post(f"http://127.0.0.1:{port}", "k", [b"x" * MiB] * 64, length=64 * MiB,
+                               timeout_s=10, on_sent=lambda: sent.append(True))
+        return r, sent
+
+    r, sent = asyncio.run(run())
+    assert r["status"] == 413 and r["code"] == "body_too_large"
+    assert r["body_sent_mib"] < 64 and not sent
