@@ -171,11 +171,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--baseline", type=float, default=8.0, help="seconds of B alone")
     p.add_argument("--hold", type=float, default=6.0, help="seconds held attacks (sockets, streams) stay open")
     p.add_argument("--settle", type=float, default=1.0, help="seconds each window runs past its attack")
-    p.add_argument("--attack-timeout", type=float, default=120.0, help="seconds an attack waits for an answer; its process is killed 30 s + --hold later")
+    p.add_argument("--attack-timeout", type=float, default=120.0,
+                   help="seconds an attack waits for an answer; its process is killed 30 s + --hold later")
     g = p.add_argument_group("attack sizes")
     g.add_argument("--prompt-mb", type=float, default=8.0, help="big_prompt: prompt size (MB)")
     g.add_argument("--frames", type=int, default=3, help="big_frames: how many frames")
-    g.add_argument("--frame-kib", type=int, default=1000, help="big_frames: frame size (KiB, keep under --max-frame-bytes)")
+    g.add_argument("--frame-kib", type=int, default=1000,
+                   help="big_frames: frame size (KiB, keep under --max-frame-bytes)")
     g.add_argument("--stats-streams", type=int, default=300, help="stats_flood: GET /v1/stats streams")
     g.add_argument("--sockets", type=int, default=1024, help="keyless_ws: sockets opened with no key")
     g.add_argument("--body-mib", type=int, default=200, help="chunked_body: body size (MiB)")

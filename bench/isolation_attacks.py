@@ -189,8 +189,9 @@ async def deep_json(p: dict) -> dict:
         code = code or closed
     finally:
         await ws.close()
-    ws_part = ", ".join(f"{k} {got.get(k, 'no answer')}" for k in ("deep", "other"))
-    ws_part += "".join(f", {k} {v}" for k, v in got.items() if k.startswith("error(")) + (f", closed {code}" if code else "")
+    parts = [f"{k} {got.get(k, 'no answer')}" for k in ("deep", "other")]
+    parts += [f"{k} {v}" for k, v in got.items() if k.startswith("error(")] + ([f"closed {code}"] if code else [])
+    ws_part = ", ".join(parts)
     return {"http": http, "ws_answers": got, "ws_close_code": code,
             "outcome": f"HTTP {_describe_http(http)}; WS: {ws_part}"}
 

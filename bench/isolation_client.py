@@ -106,18 +106,22 @@ async def raw_post(url: str, key: str, chunks, *, length: int | None, timeout_s:
 
 
 async def request_outcomes(ws, ids: set[str], timeout_s: float) -> tuple[dict, int | None]:
-    """Read frames until every id in `ids` has its terminal event (`chat.done` or `error`), the
-    socket closes, or the time is up. Returns ({id: finish_reason / error code}, close code)."""
+    """Read frames until as many terminal events (`chat.done` or `error`) as requests in `ids`
+    arrived, the socket closes, or the time is up: each request ends with exactly one, keyed
+    by its id or, when the server could not read the id, by none. Returns ({id, or
+    "error(id=…)" for one it could not tie to a request: finish_reason / error code}, close
+    code)."""
     got: dict[str, str] = {}
     deadline = time.monotonic() + timeout_s
     try:
-        while ids - got.keys():
+        while len(got) < len(ids):
             msg = json.loads(await asyncio.wait_for(ws.recv(), max(0.01, deadline - time.monotonic())))
             rid = msg.get("id")
             if msg.get("type") == "chat.done" and rid in ids:
                 got[rid] = msg.get("finish_reason")
             elif msg.get("type") == "error":
-                got[rid if rid in ids else f"error(id={rid!r})"] = msg["error"].get("code")
+                key = rid if rid in ids else f"error(id={rid!r})#{len(got)}"
+                got[key] = msg["error"].get("code")
     except (TimeoutError, asyncio.TimeoutError):
         pass
     except ConnectionClosed as exc:

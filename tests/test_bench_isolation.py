@@ -39,8 +39,9 @@ def test_isolation_bench_measures_every_attack(tiny_model, tmp_path):
         ph = phases[name]
         assert ph["window_s"] > 0 and ph["gap_max_ms"] is not None and ph["health_polls"] > 0, name
         assert isinstance(ph["rss_growth_mb"], float) and isinstance(ph["b_ws"]["connected"], bool), name
-        assert ph["attacker"]["outcome"] and not ph["attacker"]["outcome"].startswith(("attack failed", "the attack")), name
-        assert ph["log"]["lines"] >= 0, name
+        outcome = ph["attacker"]["outcome"]
+        assert outcome and not outcome.startswith(("attack failed", "the attack")), name
+        assert 0 <= ph["log"]["error_lines"] <= ph["log"]["lines"], name
     # what A got back is the server's answer, whatever the gateway's limits are today
     assert 400 <= phases["big_prompt"]["attacker"]["status"] < 500
     assert 400 <= phases["chunked_body"]["attacker"]["status"] < 500
@@ -129,3 +130,34 @@ def test_raw_post_sees_an_answer_sent_before_the_body_is_read():
     r, sent = asyncio.run(run())
     assert r["status"] == 413 and r["code"] == "body_too_large"
     assert r["body_sent_mib"] < 64 and not sent
+
+
+def test_an_error_without_id_ends_the_request_it_answers():
+    """Each request ends with one terminal event; one the server could not tie to an id (it
+    answers `"id": null`) still counts, so the attacker stops waiting at once."""
+    import asyncio
+    import json
+    import time
+
+    from websockets.asyncio.server import serve
+
+    from bench.isolation_client import request_outcomes
+
+    async def handler(ws):
+        await ws.send(json.dumps({"type": "error", "id": None, "error": {"code": "invalid_json"}}))
+        await ws.send(json.dumps({"type": "chat.done", "id": "other", "finish_reason": "length"}))
+        await ws.wait_closed()
+
+    async def run():
+        from websockets.asyncio.client import connect
+
+        async with serve(handler, "127.0.0.1", 0) as srv:
+            port = srv.sockets[0].getsockname()[1]
+            async with connect(f"ws://127.0.0.1:{port}") as ws:
+                t0 = time.monotonic()
+                got, code = await request_outcomes(ws, {"deep", "other"}, timeout_s=30)
+                return got, code, time.monotonic() - t0
+
+    got, code, waited = asyncio.run(run())
+    assert got == {"error(id=None)#0": "invalid_json", "other": "length"} and code is None
+    assert waited < 5
