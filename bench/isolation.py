@@ -226,6 +226,14 @@ def server_flags(args) -> list[str]:
     return ["--model", args.model, *shlex.split(args.server_args)]
 
 
+def command_line(argv: list[str]) -> str:
+    """The command as run, for the JSON, with API keys left out."""
+    secret = ("--key-a", "--key-b")
+    shown = ["<key>" if prev in secret else (a.split("=")[0] + "=<key>" if a.startswith(secret) and "=" in a else a)
+             for prev, a in zip([None, *argv], argv)]
+    return shlex.join(["python", "-m", "bench.isolation", *shown])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)      # the server inherits it: 1024+ sockets
@@ -241,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(report(phases, targets)))
     if crashed:
         print(f"the server exited by itself during: {', '.join(crashed)}")
-    out = {"command": shlex.join(["python", "-m", "bench.isolation", *(argv if argv is not None else sys.argv[1:])]),
+    out = {"command": command_line(argv if argv is not None else sys.argv[1:]),
            "server": {"url": args.url, "flags": None if args.url else server_flags(args), "exited_during": crashed},
            "args": {k: v for k, v in vars(args).items() if k not in ("key_a", "key_b")}, "phases": phases,
            "targets": targets, "host": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()}}

@@ -161,3 +161,12 @@ def test_an_error_without_id_ends_the_request_it_answers():
     got, code, waited = asyncio.run(run())
     assert got == {"error(id=None)#0": "invalid_json", "other": "length"} and code is None
     assert waited < 5
+
+
+def test_the_recorded_command_leaves_keys_out():
+    """The command line written to the JSON hides --key-a / --key-b values in both spellings."""
+    from bench.isolation import command_line
+
+    line = command_line(["--url", "http://127.0.0.1:8000", "--key-a", "sg-secret1", "--key-b=sg-secret2", "--hold", "2"])
+    assert "sg-secret" not in line
+    assert line == "python -m bench.isolation --url http://127.0.0.1:8000 --key-a '<key>' '--key-b=<key>' --hold 2"
