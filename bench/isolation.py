@@ -1,0 +1,263 @@
+"""Tenant isolation (issue 10): tenant B streams back to back while tenant A (or a client
+with no key) attacks the gateway, one attack at a time.
+
+    python -m bench.isolation                                   # default model, every attack
+    python -m bench.isolation --attacks big_prompt,keyless_ws   # a subset
+    python -m bench.isolation --server-args "--max-frame-bytes 2097152" --frame-kib 2000
+    python -m bench.isolation --url http://127.0.0.1:8000 --key-a sg-... --key-b sg-... [--server-pid PID]
+
+By default it starts its own `streamgate serve` on 127.0.0.1 with two tenants: `attacker`
+(A: max_concurrent 4, 120 requests/min, max_tokens 256) and `victim` (B: max_concurrent 16,
+600 requests/min); a fresh server for each attack (the first one also runs the baseline),
+or one for all with `--shared-server`. B streams `--b-max-tokens`-token answers over SSE, one after another,
+for the whole run. First B runs alone (the baseline), then each attack runs in a process
+of its own (bench/isolation_attacks.py) while B keeps streaming. Per phase it reports B's
+largest and median inter-chunk gap (one timeline across B's requests, so a stall between
+two requests counts too), the slowest /health answer (polled every 100 ms on a fresh
+connection), the server's peak RSS growth (VmRSS from /proc), whether B could open a
+WebSocket while the attack was in place, error-level lines the server logged, and what A
+got back. Then the issue's targets, PASS or MISS: B's largest gap <= max(250 ms, 3x its
+baseline), /health <= 100 ms, RSS growth <= 100 MB, B's WebSocket connects.
+
+All traffic goes to loopback; every attack is bounded in size, count and time, and its
+process is killed if it outlives `--attack-timeout` + `--hold` + 30 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from . import server
+from .isolation_attacks import ATTACKS
+from .isolation_report import check_targets, report
+from .isolation_victim import Victim, probe_ws
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def write_tenants(path: Path) -> tuple[str, str]:
+    """A tenants file with A (the attacker) and B (the victim); returns their keys."""
+    from tenants import hash_key, new_key
+
+    key_a, key_b = new_key(), new_key()
+    path.write_text(f"""[tenants.attacker]
+api_key_sha256 = ["{hash_key(key_a)}"]
+max_concurrent = 4
+requests_per_minute = 120
+max_tokens = 256
+
+[tenants.victim]
+api_key_sha256 = ["{hash_key(key_b)}"]
+max_concurrent = 16
+requests_per_minute = 600
+max_tokens = 1024
+""")
+    return key_a, key_b
+
+
+def attack_params(args, url: str, key_a: str) -> dict:
+    return {"url": url, "key": key_a, "prompt_mb": args.prompt_mb, "frames": args.frames,
+            "frame_kib": args.frame_kib, "streams": args.stats_streams, "sockets": args.sockets,
+            "body_mib": args.body_mib, "depth": args.depth, "hold_s": args.hold, "timeout_s": args.attack_timeout}
+
+
+class LogWatch:
+    """Lines the server logged during a phase (only when this benchmark started the server)."""
+
+    def __init__(self, path: Path | None):
+        self.path, self.offset = path, 0
+
+    def mark(self) -> None:
+        self.offset = self.path.stat().st_size if self.path else 0
+
+    def since_mark(self) -> dict | None:
+        if self.path is None:
+            return None
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            lines = f.read().decode(errors="replace").splitlines()
+        errors = [ln for ln in lines if '"level": "error"' in ln or '"level": "critical"' in ln
+                  or ln.startswith("Traceback")]
+        return {"lines": len(lines), "error_lines": len(errors)}
+
+
+async def run_attack(name: str, params: dict, url: str, key_b: str, settle_s: float, timeout_s: float) -> dict:
+    """Run one attack in its own process; probe B's WebSocket once the attack is in place.
+    The window runs from the attack's start until `settle_s` after it ended."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    t0 = time.monotonic()
+    with tempfile.TemporaryFile() as err:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.isolation_attacks", name,
+                                                    json.dumps(params), stdout=asyncio.subprocess.PIPE,
+                                                    stderr=err, env=env)
+        probe, result = None, None
+        try:
+            async with asyncio.timeout(timeout_s):
+                while result is None and (line := await proc.stdout.readline()):
+                    msg = json.loads(line)
+                    t0 = msg.get("start", t0)
+                    if "ready" in msg:
+                        probe = asyncio.ensure_future(probe_ws(url, key_b))
+                    result = msg.get("result")
+                await proc.wait()
+        except TimeoutError:
+            result = {"outcome": f"the attack outlived {timeout_s:g} s and was killed"}
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        if result is None:
+            err.seek(0)
+            tail = err.read().decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            result = {"outcome": f"the attacker exited {proc.returncode}: {tail[0][:200]}"}
+    probe = probe or asyncio.ensure_future(probe_ws(url, key_b))
+    await asyncio.sleep(settle_s)
+    return {"t0": t0, "t1": time.monotonic(), "attacker": result, "b_ws": await probe}
+
+
+async def run_phases(args, names: list[str], url: str, key_a: str, key_b: str, pid: int | None,
+                     log: Path | None) -> dict:
+    """The phases `names` (the baseline and/or attacks) on one server, B streaming throughout."""
+    victim = Victim(url, key_b, pid, args.b_max_tokens)
+    victim.start()
+    logs = LogWatch(log)
+    phases: dict[str, dict] = {}
+    try:
+        await victim.warm()
+        params = attack_params(args, url, key_a)
+        for name in names:
+            print(f"B is streaming; {name}", file=sys.stderr, flush=True)
+            logs.mark()
+            load = os.getloadavg()[0]
+            if name == "baseline":
+                t0 = time.monotonic()
+                await asyncio.sleep(args.baseline / 2)
+                probe = await probe_ws(url, key_b)
+                await asyncio.sleep(max(0.0, t0 + args.baseline - time.monotonic()))
+                phases[name] = {"t0": t0, "t1": time.monotonic(), "attacker": None, "b_ws": probe}
+            else:
+                limit = args.attack_timeout + args.hold + 30
+                phases[name] = await run_attack(name, params, url, key_b, args.settle, limit)
+            phases[name].update(log=logs.since_mark(), loadavg_1m=load)
+        t_end = time.monotonic()
+    finally:
+        await victim.stop()
+    return {name: {**victim.summary(ph.pop("t0"), ph.pop("t1"), t_end), **ph} for name, ph in phases.items()}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated subset of: {', '.join(ATTACKS)}")
+    p.add_argument("--server-args", default="", help="extra `streamgate serve` flags, one string")
+    p.add_argument("--url", default=None, help="a running server on loopback instead of starting one")
+    p.add_argument("--key-a", default=None, help="with --url: the attacking tenant's key")
+    p.add_argument("--key-b", default=None, help="with --url: the victim tenant's key")
+    p.add_argument("--server-pid", type=int, default=None, help="with --url: the server's pid, for RSS")
+    p.add_argument("--shared-server", action="store_true",
+                   help="run every attack on one server (faster; later attacks then see earlier ones' heap)")
+    p.add_argument("--b-max-tokens", type=int, default=400, help="tokens per B answer (EOS ignored)")
+    p.add_argument("--baseline", type=float, default=8.0, help="seconds of B alone")
+    p.add_argument("--hold", type=float, default=6.0, help="seconds held attacks (sockets, streams) stay open")
+    p.add_argument("--settle", type=float, default=1.0, help="seconds each window runs past its attack")
+    p.add_argument("--attack-timeout", type=float, default=120.0,
+                   help="seconds an attack waits for an answer; its process is killed 30 s + --hold later")
+    g = p.add_argument_group("attack sizes")
+    g.add_argument("--prompt-mb", type=float, default=8.0, help="big_prompt: prompt size (MB)")
+    g.add_argument("--frames", type=int, default=3, help="big_frames: how many frames")
+    g.add_argument("--frame-kib", type=int, default=1000,
+                   help="big_frames: frame size (KiB, keep under --max-frame-bytes)")
+    g.add_argument("--stats-streams", type=int, default=300, help="stats_flood: GET /v1/stats streams")
+    g.add_argument("--sockets", type=int, default=1024, help="keyless_ws: sockets opened with no key")
+    g.add_argument("--body-mib", type=int, default=200, help="chunked_body: body size (MiB)")
+    g.add_argument("--depth", type=int, default=100_000, help="deep_json: nesting depth")
+    p.add_argument("--out", default="bench/results/isolation.json")
+    args = p.parse_args(argv)
+    args.attacks = [a for a in args.attacks.split(",") if a]
+    if unknown := [a for a in args.attacks if a not in ATTACKS]:
+        p.error(f"--attacks: unknown {', '.join(unknown)} (known: {', '.join(ATTACKS)})")
+    if args.url:
+        if urlsplit(args.url).hostname not in LOOPBACK:
+            p.error("--url: only a server on loopback (127.0.0.1, localhost, ::1) may be attacked")
+        if not (args.key_a and args.key_b):
+            p.error("--url needs --key-a and --key-b (two different tenants)")
+    return args
+
+
+def server_groups(args) -> list[list[str]]:
+    """Which phases share a server. By default each attack gets a fresh one (the first shares
+    it with the baseline): a heap grown by one attack, or its stuck tasks, would otherwise
+    hide the next attack's RSS growth and add to its gaps."""
+    names = ["baseline", *args.attacks]
+    if args.url or args.shared_server:
+        return [names]
+    return [names[:2], *([a] for a in names[2:])]
+
+
+def run_group(args, names: list[str], tmp: Path) -> tuple[dict, bool]:
+    """Run `names` on the given --url, or on a server of our own; returns (phases, whether
+    the server exited by itself meanwhile)."""
+    if args.url:
+        url = args.url.rstrip("/")
+        return asyncio.run(run_phases(args, names, url, args.key_a, args.key_b, args.server_pid, None)), False
+    key_a, key_b = write_tenants(tmp / "tenants.toml")
+    log = tmp / f"server-{names[-1]}.log"
+    proc, url = server.launch([*server_flags(args), "--tenants", str(tmp / "tenants.toml"),
+                               "--ledger", str(tmp / f"usage-{names[-1]}.sqlite3"), "--drain-grace", "2"], log)
+    try:
+        phases = asyncio.run(run_phases(args, names, url, key_a, key_b, proc.pid, log))
+        return phases, proc.poll() is not None
+    finally:
+        server.stop(proc)
+
+
+def server_flags(args) -> list[str]:
+    return ["--model", args.model, *shlex.split(args.server_args)]
+
+
+def command_line(argv: list[str]) -> str:
+    """The command as run, for the JSON, with API keys left out."""
+    secret = ("--key-a", "--key-b")
+    shown = ["<key>" if prev in secret else (a.split("=")[0] + "=<key>" if a.startswith(secret) and "=" in a else a)
+             for prev, a in zip([None, *argv], argv)]
+    return shlex.join(["python", "-m", "bench.isolation", *shown])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)      # the server inherits it: 1024+ sockets
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    phases: dict[str, dict] = {}
+    crashed: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="streamgate-isolation-") as tmp:
+        for names in server_groups(args):
+            got, exited = run_group(args, names, Path(tmp))
+            phases.update(got)
+            crashed += names if exited else []
+    targets = check_targets(phases)
+    print("\n".join(report(phases, targets)))
+    if crashed:
+        print(f"the server exited by itself during: {', '.join(crashed)}")
+    out = {"command": command_line(argv if argv is not None else sys.argv[1:]),
+           "server": {"url": args.url, "flags": None if args.url else server_flags(args), "exited_during": crashed},
+           "args": {k: v for k, v in vars(args).items() if k not in ("key_a", "key_b")}, "phases": phases,
+           "targets": targets, "host": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
