@@ -23,11 +23,11 @@ import uuid
 from collections import defaultdict
 
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from .models import Tenant
 from .outbox import Outbox, Settlement
@@ -86,7 +86,7 @@ class RedisQuotas:
     async def stop(self, flush_timeout: float = 2.0) -> None:
         """Try to send what is pending (it stays in the outbox otherwise), then stop."""
         try:
-            await asyncio.wait_for(self._flush(), flush_timeout)
+            await asyncio.wait_for(self.flush(), flush_timeout)
         except (asyncio.TimeoutError, *UNREACHABLE) as exc:
             log.warning("quota outbox: %d settlements left for the next start (%s)",
                         len(self.outbox), exc.__class__.__name__)
@@ -185,7 +185,8 @@ class RedisQuotas:
         self.outbox.remove([s.lease_id for s in batch])
         return len(batch) == SEND_BATCH
 
-    async def _flush(self) -> None:
+    async def flush(self) -> None:
+        """Send every pending settlement now (the background sender does this by itself)."""
         while await self._send_batch():
             pass
 

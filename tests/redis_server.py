@@ -63,3 +63,12 @@ class RedisServer:
             self.proc.send_signal(sig)
             self.proc.wait(10)
         self.proc = None
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A started RedisServer in the test's temp dir, stopped at the end."""
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()

@@ -11,15 +11,7 @@ import pytest
 from tenants import Ledger, Limits, QuotaExceeded, QuotaManager, Tenant
 from tenants.redis_quota import RedisQuotas
 
-from .redis_server import RedisServer
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.stop()
+from .redis_server import redis_server  # noqa: F401  (fixture)
 
 
 @pytest.fixture
