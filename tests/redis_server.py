@@ -1,74 +1,20 @@
-"""A real `redis-server` (Debian's package; scripts/ensure_redis.sh installs it) on a free
-loopback port in a temp dir, with AOF on, that tests can stop, kill and start again."""
+"""The `redis_server` fixture: a real redis-server (bench/redis_server.py) with AOF
+`always`, in the test's temp dir, that a test may stop, kill and start again."""
 
 from __future__ import annotations
 
-import shutil
-import signal
-import socket
-import subprocess
-import time
-from pathlib import Path
-
 import pytest
 
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    def __init__(self, workdir: Path, appendfsync: str = "always"):
-        self.dir = workdir
-        self.port = free_port()
-        self.appendfsync = appendfsync
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        """Start (again) on the same port and directory, so its AOF is reloaded."""
-        if not Path(REDIS_SERVER).exists():
-            pytest.fail("redis-server is missing: run `bash scripts/ensure_redis.sh` "
-                        "(`make test` does) or `apt-get install -y redis-server`")
-        self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-             "--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "",
-             "--daemonize", "no", "--logfile", str(self.dir / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(64).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        log = (self.dir / "redis.log").read_text() if (self.dir / "redis.log").exists() else ""
-        pytest.fail(f"redis-server did not start on port {self.port}:\n{log[-2000:]}")
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        """Stop it (SIGKILL: as a crash would, keeping only what the AOF already holds)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(10)
-        self.proc = None
+from bench.redis_server import RedisServer
 
 
 @pytest.fixture
 def redis_server(tmp_path):
-    """A started RedisServer in the test's temp dir, stopped at the end."""
+    """A started RedisServer, stopped at the end of the test."""
     server = RedisServer(tmp_path)
-    server.start()
+    try:
+        server.start()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
     yield server
     server.stop()
