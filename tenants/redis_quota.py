@@ -70,7 +70,7 @@ class RedisQuotas:
 
     def keys(self, tenant: str) -> dict[str, str]:
         tag = f"{{{self.prefix}:{tenant}}}"
-        return {k: f"{tag}:{k}" for k in ("q", "leases", "held", "billed", "settled")}
+        return {k: f"{tag}:{k}" for k in ("q", "leases", "held", "billed", "expired")}
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -108,7 +108,7 @@ class RedisQuotas:
         lease_id = uuid.uuid4().hex
         try:
             ok, reason, retry, info, req, tok = await self._reserve(
-                keys=[k["q"], k["leases"], k["held"], k["billed"]],
+                keys=[k["q"], k["leases"], k["held"], k["billed"], k["expired"]],
                 args=[_limit(lim.requests_per_minute), _limit(lim.tokens_per_minute),
                       _limit(lim.max_concurrent), _limit(lim.daily_tokens), tokens,
                       lease_id, int(self.lease_ttl * 1000)])
@@ -179,7 +179,7 @@ class RedisQuotas:
         calls = []
         for s in batch:
             k = self.keys(s.tenant)
-            calls.append(([k["q"], k["leases"], k["held"], k["billed"], k["settled"]],
+            calls.append(([k["q"], k["leases"], k["held"], k["billed"], k["expired"]],
                           [s.lease_id, s.used, s.tpm]))
         await self._evalsha_many(self._settle, calls)
         self.outbox.remove([s.lease_id for s in batch])

@@ -8,7 +8,11 @@ Keys of one tenant share the hash tag `{sg:<tenant>}` (one Redis Cluster slot):
     leases   zset  lease id -> expiry (ms); a heartbeat pushes expiry forward
     held     hash  lease id -> tokens it reserved
     billed   hash  UTC day number -> tokens billed that day
-    settled  zset  lease id -> when it was settled (the last two days; idempotence)
+    expired  zset  lease id -> when its heartbeat was found stopped (kept a day), so that
+                   its late settlement (replayed from an outbox) is still billed, once
+A settlement bills its lease if the lease is in `held` or `expired`, and removes it from
+there in the same script: sent twice, the second finds it in neither and does nothing.
+Memory is in proportion to the leases in flight and recently expired, not to traffic.
 
 The buckets are token buckets holding up to the per-minute limit, refilled continuously
 (the embedded backend's rule), so one tenant sees the same limits from 1 or N replicas.
@@ -30,7 +34,7 @@ local function num(x)
 end
 """
 
-# KEYS: q, leases, held, billed
+# KEYS: q, leases, held, billed, expired
 # ARGV: rpm, tpm, max_concurrent, daily_tokens (-1 = unlimited), tokens, lease id, ttl ms
 # Returns {1|0, reason, retry_after ('' = never), info, requests level, tokens level}.
 RESERVE = _PRELUDE + """
@@ -47,8 +51,10 @@ if #dead > 0 then
   for _, d in ipairs(dead) do
     reserved = reserved - tonumber(redis.call('HGET', KEYS[3], d) or '0')
     redis.call('HDEL', KEYS[3], d)
+    redis.call('ZADD', KEYS[5], now, d)
   end
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms)
+  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now - 86400)
   redis.call('HSET', KEYS[1], 'reserved', reserved)
 end
 
@@ -92,18 +98,16 @@ redis.call('HSET', KEYS[3], id, tokens)
 return {1, '', '', '', num(req), num(tok)}
 """
 
-# KEYS: q, leases, held, billed, settled
+# KEYS: q, leases, held, billed, expired
 # ARGV: lease id, used tokens, tpm (-1 = unlimited)
 # Returns 1 when this call settled the lease, 0 when it was settled before.
 SETTLE = _PRELUDE + """
 local id, used, tpm = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-if redis.call('ZSCORE', KEYS[5], id) then return 0 end
-redis.call('ZADD', KEYS[5], now, id)
-redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now - 2 * 86400)
-
--- A lease that expired (its heartbeat stopped) has already given back its slot and hold.
 local held = redis.call('HGET', KEYS[3], id)
-if held then
+if not held then
+  -- An expired lease already gave back its slot and hold: only bill it. Neither: settled.
+  if redis.call('ZREM', KEYS[5], id) == 0 then return 0 end
+else
   held = tonumber(held)
   redis.call('HDEL', KEYS[3], id)
   redis.call('ZREM', KEYS[2], id)

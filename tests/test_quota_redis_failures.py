@@ -144,3 +144,24 @@ async def test_settlements_while_down_are_billed_exactly_once(redis_server, back
         assert (await again.snapshot(t))["daily_used"] == 100
     finally:
         await again.stop()
+
+
+async def test_a_late_settlement_of_an_expired_lease_is_billed_once(redis_server, backend, tmp_path):
+    """A lease whose heartbeat stopped is freed within the TTL; its settlement, arriving
+    later (replayed from the outbox), is still billed, and only once."""
+    t = tenant(max_concurrent=1, daily_tokens=10_000)
+    stalled = RedisQuotas(redis_server.url, tmp_path / "stalled.sqlite", lease_ttl=TTL)
+    lease = await stalled.admit(t, 100)  # never started: no heartbeat, no sender
+    assert (await try_admit(backend, t, 100)).reason == "max_concurrent"
+    await asyncio.sleep(TTL + 0.1)
+    (await backend.admit(t, 100)).settle(30)  # frees the expired lease, then bills 30
+    lease.settle(70)
+    await stalled.start()
+    try:
+        await drain(backend, stalled)
+        assert (await backend.snapshot(t)) == {"in_flight": 0, "daily_reserved": 0, "daily_used": 100}
+        stalled.outbox.add(Settlement(lease.id, "acme", 70, -1))  # sent a second time
+        await stalled.flush()
+        assert (await backend.snapshot(t))["daily_used"] == 100
+    finally:
+        await stalled.stop()
