@@ -1,5 +1,9 @@
 """Quotas: token buckets per minute, concurrency leases and the daily budget.
 
+Two backends share one interface (`QuotaBackend`): this embedded one (in-memory buckets,
+SQLite ledger; one process) and `tenants.redis_quota.RedisQuotas` (limits shared by
+replicas). The gateway awaits `admit` and calls the sync, idempotent `Lease.settle`.
+
 `reserve` checks max_concurrent, requests_per_minute, tokens_per_minute and daily_tokens,
 in that order, and takes from all of them or from none. The gateway does it in two steps:
 `begin` (slot and request, before any work for the request) and `Lease.reserve_tokens`
@@ -13,7 +17,9 @@ from __future__ import annotations
 import math
 import threading
 import time
+import uuid
 from collections.abc import Callable
+from typing import Protocol
 
 from .ledger import Ledger
 from .models import Tenant
@@ -31,6 +37,25 @@ class QuotaExceeded(Exception):
         self.reason = reason
         self.retry_after = retry_after
         self.headers = headers
+
+
+class QuotaBackendUnavailable(Exception):
+    """The shared quota store cannot be reached: the request is refused (fail closed) and
+    may be retried after `retry_after` seconds (503 `quota_backend_unavailable`)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class QuotaBackend(Protocol):
+    """What the gateway needs from a quota backend; it never knows which one it has."""
+
+    async def admit(self, tenant: Tenant, tokens: int) -> Lease: ...
+    def headers(self, tenant: Tenant) -> dict[str, str]: ...
+    def in_flight(self, tenant_name: str) -> int: ...
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
 
 
 class TokenBucket:
@@ -68,9 +93,11 @@ class _State:
 
 
 class Lease:
-    """One admitted request's hold on its tenant's quotas; settle it exactly once."""
+    """One admitted request's hold on its tenant's quotas; settle it exactly once.
+    `manager` is any object with `_release(lease, used_tokens)` (both backends)."""
 
-    def __init__(self, manager: QuotaManager, tenant: Tenant, reserved_tokens: int):
+    def __init__(self, manager, tenant: Tenant, reserved_tokens: int, lease_id: str | None = None):
+        self.id = lease_id or uuid.uuid4().hex  # the Redis backend's settle id
         self.tenant = tenant.name
         self._tenant = tenant
         self.reserved_tokens = reserved_tokens
@@ -110,6 +137,16 @@ class QuotaManager:
         self.clock = clock
         self._lock = threading.Lock()
         self._states: dict[str, _State] = {}
+
+    async def start(self) -> None:
+        """Nothing runs in the background here; present for the QuotaBackend interface."""
+
+    async def stop(self) -> None:
+        """Nothing to stop; the ledger is closed by its owner."""
+
+    async def admit(self, tenant: Tenant, tokens: int) -> Lease:
+        """`reserve` for the QuotaBackend interface: all in memory, so it never waits."""
+        return self.reserve(tenant, tokens)
 
     def reserve(self, tenant: Tenant, tokens: int) -> Lease:
         """Take one request and `tokens` from every limit, or raise QuotaExceeded taking nothing."""
