@@ -2,9 +2,10 @@
 
     python -m bench.quota_backends [--requests 3000] [--rates 0 50 200] [--redis URL]
 
-On the request path a request pays `await admit(tenant, tokens)` and `lease.settle(used)`;
-this times that pair for the embedded backend (in-memory buckets, SQLite ledger) and for
-the Redis backend (one EVALSHA, then the SQLite outbox write; the background sender's
+On the request path a request pays `await quotas.begin(tenant)`, `await
+lease.reserve_tokens(tokens)` and `lease.settle(used)`; this times admission (both steps)
+and settlement for the embedded backend (in-memory buckets, SQLite ledger) and for the
+Redis backend (two EVALSHAs, then the SQLite outbox write; the background sender's
 EVALSHA is off the path but shares the CPU, so it runs during the measurement). Without
 `--redis`, a local redis-server is started in a temp dir with the AOF setting a deployment
 uses (`appendfsync everysec`). Rate 0 is one client, back to back (pure latency); a rate R
@@ -25,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tenants import Ledger, Limits, QuotaManager, Tenant
+from tenants import Ledger, Limits, QuotaManager, Tenant, admit
 from tenants.redis_quota import RedisQuotas
 
 from .redis_server import RedisServer
@@ -41,7 +42,7 @@ async def run(backend, requests: int, rate: float, seed: int = 0) -> list[tuple[
 
     async def one(hold: float) -> None:
         t0 = time.perf_counter()
-        lease = await backend.admit(TENANT, 300)
+        lease = await admit(backend, TENANT, 300)
         admitted = time.perf_counter() - t0
         await asyncio.sleep(hold)
         t1 = time.perf_counter()

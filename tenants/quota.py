@@ -2,14 +2,15 @@
 
 Two backends share one interface (`QuotaBackend`): this embedded one (in-memory buckets,
 SQLite ledger; one process) and `tenants.redis_quota.RedisQuotas` (limits shared by
-replicas). The gateway awaits `admit` and calls the sync, idempotent `Lease.settle`.
+replicas). Admission is two awaited steps, each all-or-nothing: `begin` takes a
+concurrency slot and one request from requests_per_minute before any work is done for
+the request (the prompt is not tokenized yet), then `Lease.reserve_tokens` takes
+tokens_per_minute and daily_tokens once it is. A refusal in the second step leaves the
+lease holding its slot and request; it is settled like any other. The Lease is settled
+(sync, idempotent) exactly once when the request ends, however it ends: the slot is
+released, unused tokens go back to the per-minute bucket and what was used is billed.
 
-`reserve` checks max_concurrent, requests_per_minute, tokens_per_minute and daily_tokens,
-in that order, and takes from all of them or from none. The gateway does it in two steps:
-`begin` (slot and request, before any work for the request) and `Lease.reserve_tokens`
-(once the prompt is tokenized). The returned Lease is settled
-exactly once when the request ends, however it ends: the slot is released, unused
-tokens go back to the per-minute bucket and what was used is written to the Ledger.
+`QuotaManager.reserve` (both steps at once, sync) serves the embedded backend's tests.
 """
 
 from __future__ import annotations
@@ -51,11 +52,23 @@ class QuotaBackendUnavailable(Exception):
 class QuotaBackend(Protocol):
     """What the gateway needs from a quota backend; it never knows which one it has."""
 
-    async def admit(self, tenant: Tenant, tokens: int) -> Lease: ...
+    async def begin(self, tenant: Tenant) -> Lease: ...
     def headers(self, tenant: Tenant) -> dict[str, str]: ...
     def in_flight(self, tenant_name: str) -> int: ...
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
+
+
+async def admit(quotas: QuotaBackend, tenant: Tenant, tokens: int) -> Lease:
+    """Both admission steps back to back (benchmarks, tests): the lease, or QuotaExceeded
+    with the lease settled. The gateway tokenizes between the two steps instead."""
+    lease = await quotas.begin(tenant)
+    try:
+        await lease.reserve_tokens(tokens)
+    except BaseException:
+        lease.settle(0)
+        raise
+    return lease
 
 
 class TokenBucket:
@@ -94,7 +107,7 @@ class _State:
 
 class Lease:
     """One admitted request's hold on its tenant's quotas; settle it exactly once.
-    `manager` is any object with `_release(lease, used_tokens)` (both backends)."""
+    `manager` is the backend: `_reserve_more(lease, tokens)` and `_release(lease, used)`."""
 
     def __init__(self, manager, tenant: Tenant, reserved_tokens: int, lease_id: str | None = None):
         self.id = lease_id or uuid.uuid4().hex  # the Redis backend's settle id
@@ -109,12 +122,14 @@ class Lease:
     def settled(self) -> bool:
         return self._settled
 
-    def reserve_tokens(self, tokens: int) -> None:
+    async def reserve_tokens(self, tokens: int) -> None:
         """Add `tokens` to this lease from tokens_per_minute and daily_tokens, or raise
         QuotaExceeded adding nothing (the lease keeps its slot: settle it)."""
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0 (got {tokens})")
         if self._settled:
             raise RuntimeError("the lease is already settled")
-        self._manager._reserve_more(self, self._tenant, tokens)
+        await self._manager._reserve_more(self, tokens)
 
     def settle(self, used_tokens: int) -> bool:
         """Release the lease and bill `used_tokens`; True the first time, then False."""
@@ -144,10 +159,6 @@ class QuotaManager:
     async def stop(self) -> None:
         """Nothing to stop; the ledger is closed by its owner."""
 
-    async def admit(self, tenant: Tenant, tokens: int) -> Lease:
-        """`reserve` for the QuotaBackend interface: all in memory, so it never waits."""
-        return self.reserve(tenant, tokens)
-
     def reserve(self, tenant: Tenant, tokens: int) -> Lease:
         """Take one request and `tokens` from every limit, or raise QuotaExceeded taking nothing."""
         if tokens < 0:
@@ -161,7 +172,7 @@ class QuotaManager:
             self._take_tokens(st, tokens)
             return Lease(self, tenant, tokens)
 
-    def begin(self, tenant: Tenant) -> Lease:
+    async def begin(self, tenant: Tenant) -> Lease:
         """Take a concurrency slot and one request from requests_per_minute, before any
         work is done for the request, so a flood of expensive requests runs into its own
         tenant's limits first. Reserve its tokens later with `Lease.reserve_tokens`."""
@@ -172,13 +183,11 @@ class QuotaManager:
             self._take_request(st)
             return Lease(self, tenant, 0)
 
-    def _reserve_more(self, lease: Lease, tenant: Tenant, tokens: int) -> None:
-        if tokens < 0:
-            raise ValueError(f"tokens must be >= 0 (got {tokens})")
+    async def _reserve_more(self, lease: Lease, tokens: int) -> None:
         with self._lock:
             now = self.clock()
-            st = self._state(tenant, now)
-            self._check_tokens(tenant, st, now, tokens)
+            st = self._state(lease._tenant, now)
+            self._check_tokens(lease._tenant, st, now, tokens)
             self._take_tokens(st, tokens)
             lease.reserved_tokens += tokens
 

@@ -1,8 +1,11 @@
 """Quotas shared by every replica through Redis: the QuotaBackend for N replicas.
 
-Admission is one EVALSHA (tenants/redis_scripts.py RESERVE): it frees leases whose
-heartbeat stopped, checks concurrency, requests/min, tokens/min and the daily budget and
-takes from all of them or none, on Redis's clock. `Lease.settle` stays sync: it writes
+Admission is two EVALSHAs (tenants/redis_scripts.py), each all-or-nothing on Redis's
+clock: `begin` (BEGIN) frees leases whose heartbeat stopped, then takes a concurrency
+lease and one request; `Lease.reserve_tokens` (TOKENS) takes tokens/min and the daily
+budget once the prompt is tokenized. Two round trips, not one, because a request must
+count against requests/min and concurrency before its prompt is tokenized (issue 10)
+and its token cost is only known after. `Lease.settle` stays sync: it writes
 the settlement to a local SQLite outbox, and a background task sends it (one EVALSHA per
 settlement, pipelined when several wait), replaying the outbox after a failure or a
 restart; the settle script ignores a lease id it has seen, so nothing is billed twice.
@@ -32,7 +35,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from .models import Tenant
 from .outbox import Outbox, Settlement
 from .quota import CONCURRENCY_RETRY_S, EPS, Lease, QuotaBackendUnavailable, QuotaExceeded, format_duration
-from .redis_scripts import RENEW, RESERVE, SETTLE
+from .redis_scripts import BEGIN, RENEW, SETTLE, TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +62,8 @@ class RedisQuotas:
         self.outbox = Outbox(outbox_path)
         self.lease_ttl = lease_ttl
         self.prefix = prefix
-        self._reserve = self.redis.register_script(RESERVE)
+        self._begin = self.redis.register_script(BEGIN)
+        self._tokens = self.redis.register_script(TOKENS)
         self._settle = self.redis.register_script(SETTLE)
         self._renew = self.redis.register_script(RENEW)
         self._leases: dict[str, tuple[Lease, int]] = {}  # live leases here: id -> (lease, tpm)
@@ -99,30 +103,44 @@ class RedisQuotas:
 
     # -- admission -------------------------------------------------------------------
 
-    async def admit(self, tenant: Tenant, tokens: int) -> Lease:
-        """Take one request and `tokens` from every limit in one round trip, or raise
+    async def begin(self, tenant: Tenant) -> Lease:
+        """Take a concurrency lease and one request in one round trip, or raise
         QuotaExceeded taking nothing; QuotaBackendUnavailable when Redis is unreachable."""
-        if tokens < 0:
-            raise ValueError(f"tokens must be >= 0 (got {tokens})")
         lim, k = tenant.limits, self.keys(tenant.name)
         lease_id = uuid.uuid4().hex
+        await self._run(tenant, 0, self._begin, [k["q"], k["leases"], k["held"], k["billed"], k["expired"]],
+                        [_limit(lim.requests_per_minute), _limit(lim.tokens_per_minute),
+                         _limit(lim.max_concurrent), lease_id, int(self.lease_ttl * 1000)])
+        lease = Lease(self, tenant, 0, lease_id=lease_id)
+        self._leases[lease_id] = (lease, _limit(lim.tokens_per_minute))
+        return lease
+
+    async def _reserve_more(self, lease: Lease, tokens: int) -> None:
+        """`Lease.reserve_tokens`: tokens/min and the daily budget in one round trip."""
+        tenant = lease._tenant
+        lim, k = tenant.limits, self.keys(tenant.name)
+        await self._run(tenant, tokens, self._tokens, [k["q"], k["leases"], k["held"], k["billed"]],
+                        [_limit(lim.requests_per_minute), _limit(lim.tokens_per_minute),
+                         _limit(lim.daily_tokens), tokens, lease.id])
+        lease.reserved_tokens += tokens
+
+    async def _run(self, tenant: Tenant, tokens: int, script, keys: list[str], args: list) -> None:
+        """Run an admission script; its refusal becomes the embedded backend's QuotaExceeded."""
         try:
-            ok, reason, retry, info, req, tok = await self._reserve(
-                keys=[k["q"], k["leases"], k["held"], k["billed"], k["expired"]],
-                args=[_limit(lim.requests_per_minute), _limit(lim.tokens_per_minute),
-                      _limit(lim.max_concurrent), _limit(lim.daily_tokens), tokens,
-                      lease_id, int(self.lease_ttl * 1000)])
+            ok, reason, retry, info, req, tok = await script(keys=keys, args=args)
         except UNREACHABLE as exc:
             raise QuotaBackendUnavailable(
                 f"quota_backend_unavailable: the shared quota store (Redis) cannot be reached "
                 f"({exc.__class__.__name__}); retry in {RETRY_UNAVAILABLE_S:.0f} s",
                 RETRY_UNAVAILABLE_S) from None
         headers = self._headers[tenant.name] = _headers(tenant, _float(req), _float(tok))
-        if not ok:
-            raise _refusal(tenant, reason.decode(), _float(retry), _float(info), tokens, headers)
-        lease = Lease(self, tenant, tokens, lease_id=lease_id)
-        self._leases[lease_id] = (lease, _limit(lim.tokens_per_minute))
-        return lease
+        if ok:
+            return
+        if reason == b"lease_expired":
+            raise QuotaBackendUnavailable(
+                "quota_backend_unavailable: this replica could not renew the request's lease in "
+                f"time; retry in {RETRY_UNAVAILABLE_S:.0f} s", RETRY_UNAVAILABLE_S)
+        raise _refusal(tenant, reason.decode(), _float(retry), _float(info), tokens, headers)
 
     def headers(self, tenant: Tenant) -> dict[str, str]:
         """x-ratelimit-* headers as of this replica's last admission for the tenant (no

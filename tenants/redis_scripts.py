@@ -1,6 +1,6 @@
-"""The Redis quota backend's Lua scripts: each runs atomically on the server, so one
-round trip admits (or refuses) a request and one settles it, with no check-then-act race
-between replicas. Time is the server's `TIME`, never a replica's clock.
+"""The Redis quota backend's Lua scripts: each runs atomically on the server, so each
+admission step (BEGIN: lease + request; TOKENS: tokens/min + daily budget) and each
+settlement is one round trip, with no check-then-act race between replicas. Time is the server's `TIME`, never a replica's clock.
 
 Keys of one tenant share the hash tag `{sg:<tenant>}` (one Redis Cluster slot):
     q        hash  rt/rts, tt/tts: requests/tokens bucket level and when it was computed;
@@ -35,19 +35,19 @@ end
 """
 
 # KEYS: q, leases, held, billed, expired
-# ARGV: rpm, tpm, max_concurrent, daily_tokens (-1 = unlimited), tokens, lease id, ttl ms
+# ARGV: rpm, tpm (-1 = unlimited), max_concurrent (-1 = unlimited), lease id, ttl ms
+# Takes a concurrency lease and one request, or nothing.
 # Returns {1|0, reason, retry_after ('' = never), info, requests level, tokens level}.
-RESERVE = _PRELUDE + """
-local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
-local max_concurrent, daily = tonumber(ARGV[3]), tonumber(ARGV[4])
-local tokens, id, ttl_ms = tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
+BEGIN = _PRELUDE + """
+local rpm, tpm, max_concurrent = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local id, ttl_ms = ARGV[4], tonumber(ARGV[5])
 local EPS = 1e-9
 local now_ms = math.floor(now * 1000)
 
 -- Leases whose heartbeat stopped (their replica died) give back their slot and daily hold.
-local reserved = tonumber(redis.call('HGET', KEYS[1], 'reserved') or '0')
 local dead = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now_ms)
 if #dead > 0 then
+  local reserved = tonumber(redis.call('HGET', KEYS[1], 'reserved') or '0')
   for _, d in ipairs(dead) do
     reserved = reserved - tonumber(redis.call('HGET', KEYS[3], d) or '0')
     redis.call('HDEL', KEYS[3], d)
@@ -60,20 +60,42 @@ end
 
 local req = level(rpm, 'rt', 'rts')
 local tok = level(tpm, 'tt', 'tts')
+local running = redis.call('ZCARD', KEYS[2])
+if max_concurrent >= 0 and running >= max_concurrent then
+  return {0, 'max_concurrent', num(1.0), num(running), num(req), num(tok)}
+end
+if req and req + EPS < 1 then
+  return {0, 'requests_per_minute', num((1 - req) * 60 / rpm), num(0), num(req), num(tok)}
+end
+if req then
+  req = req - 1
+  redis.call('HSET', KEYS[1], 'rt', num(req), 'rts', num(now))
+end
+redis.call('ZADD', KEYS[2], now_ms + ttl_ms, id)
+redis.call('HSET', KEYS[3], id, 0)
+return {1, '', '', '', num(req), num(tok)}
+"""
+
+# KEYS: q, leases, held, billed
+# ARGV: rpm, tpm, daily_tokens (-1 = unlimited), tokens, lease id
+# Adds `tokens` to a live lease from tokens/min and the daily budget, or nothing.
+# Returns BEGIN's shape; reason 'lease_expired' if the lease's heartbeat stopped meanwhile.
+TOKENS = _PRELUDE + """
+local rpm, tpm, daily = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local tokens, id = tonumber(ARGV[4]), ARGV[5]
+local EPS = 1e-9
+local req = level(rpm, 'rt', 'rts')
+local tok = level(tpm, 'tt', 'tts')
 local function refuse(reason, retry, info)
   return {0, reason, num(retry), num(info), num(req), num(tok)}
 end
-local running = redis.call('ZCARD', KEYS[2])
-if max_concurrent >= 0 and running >= max_concurrent then
-  return refuse('max_concurrent', 1.0, running)
-end
-if req and req + EPS < 1 then
-  return refuse('requests_per_minute', (1 - req) * 60 / rpm, 0)
-end
+local held = redis.call('HGET', KEYS[3], id)
+if not held then return refuse('lease_expired', 1.0, 0) end
 if tok and tok + EPS < tokens then
   if tokens > tpm then return refuse('tokens_per_minute', nil, tpm) end
   return refuse('tokens_per_minute', (tokens - tok) * 60 / tpm, math.floor(tok + EPS))
 end
+local reserved = tonumber(redis.call('HGET', KEYS[1], 'reserved') or '0')
 if daily >= 0 then
   local day = math.floor(now / 86400)
   local billed = tonumber(redis.call('HGET', KEYS[4], day) or '0')
@@ -83,18 +105,12 @@ if daily >= 0 then
     return refuse('daily_tokens', retry, math.max(0, daily - billed - reserved))
   end
 end
-
-if req then
-  req = req - 1
-  redis.call('HSET', KEYS[1], 'rt', num(req), 'rts', num(now))
-end
 if tok then
   tok = tok - tokens
   redis.call('HSET', KEYS[1], 'tt', num(tok), 'tts', num(now))
 end
 redis.call('HSET', KEYS[1], 'reserved', reserved + tokens)
-redis.call('ZADD', KEYS[2], now_ms + ttl_ms, id)
-redis.call('HSET', KEYS[3], id, tokens)
+redis.call('HSET', KEYS[3], id, tonumber(held) + tokens)
 return {1, '', '', '', num(req), num(tok)}
 """
 
@@ -111,7 +127,7 @@ else
   held = tonumber(held)
   redis.call('HDEL', KEYS[3], id)
   redis.call('ZREM', KEYS[2], id)
-  redis.call('HINCRBY', KEYS[1], 'reserved', -held)
+  if held > 0 then redis.call('HINCRBY', KEYS[1], 'reserved', -held) end  -- (-0 is no integer)
   local tok = level(tpm, 'tt', 'tts')
   if tok then
     -- Refund at most what was taken; an overrun is charged, down to empty.

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tenants import Limits, QuotaBackendUnavailable, QuotaExceeded, Tenant
+from tenants import Limits, QuotaBackendUnavailable, QuotaExceeded, Tenant, admit
 from tenants.outbox import Settlement
 from tenants.redis_quota import RedisQuotas
 
@@ -40,13 +40,13 @@ async def backend(redis_server, tmp_path):
 
 HOLDER = textwrap.dedent("""
     import asyncio, sys
-    from tenants import Limits, Tenant
+    from tenants import Limits, Tenant, admit
     from tenants.redis_quota import RedisQuotas
 
     async def main():
         b = RedisQuotas(sys.argv[1], lease_ttl=float(sys.argv[2]))
         await b.start()
-        await b.admit(Tenant("acme", ("0" * 64,), limits=Limits(max_concurrent=1)), 10)
+        await admit(b, Tenant("acme", ("0" * 64,), limits=Limits(max_concurrent=1)), 10)
         print("held", flush=True)
         await asyncio.sleep(3600)
 
@@ -83,7 +83,7 @@ async def test_redis_restart_with_aof_keeps_the_days_usage(redis_server, backend
     """Usage billed before Redis is killed (SIGKILL) is still there after it restarts, and
     the daily budget still counts it."""
     t = tenant(daily_tokens=400)
-    (await backend.admit(t, 300)).settle(300)
+    (await admit(backend, t, 300)).settle(300)
     await drain(backend)
     redis_server.stop(signal.SIGKILL)
     redis_server.start()
@@ -99,11 +99,11 @@ async def test_redis_down_fails_closed_and_resumes(redis_server, backend):
     redis_server.stop()
     began = time.monotonic()
     with pytest.raises(QuotaBackendUnavailable) as exc:
-        await backend.admit(t, 1)
+        await admit(backend, t, 1)
     assert time.monotonic() - began < 2.0
     assert exc.value.retry_after > 0 and "quota_backend_unavailable" in str(exc.value)
     redis_server.start()
-    lease = await backend.admit(t, 1)
+    lease = await admit(backend, t, 1)
     lease.settle(1)
     await drain(backend)
     assert (await backend.snapshot(t))["daily_used"] == 1
@@ -114,7 +114,7 @@ async def test_settlements_while_down_are_billed_exactly_once(redis_server, back
     returns; so are those a stopped replica left behind, replayed by its next start; a
     settlement sent twice is billed once."""
     t = tenant(daily_tokens=10_000, max_concurrent=10)
-    leases = [await backend.admit(t, 100) for _ in range(3)]
+    leases = [await admit(backend, t, 100) for _ in range(3)]
     redis_server.stop()
     assert [lease.settle(u) for lease, u in zip(leases, (10, 20, 30))] == [True, True, True]
     assert leases[0].settle(99) is False
@@ -129,7 +129,7 @@ async def test_settlements_while_down_are_billed_exactly_once(redis_server, back
     path = tmp_path / "replica2.sqlite"
     first = RedisQuotas(redis_server.url, path, lease_ttl=TTL, timeout=0.5)
     await first.start()
-    lease = await first.admit(t, 100)
+    lease = await admit(first, t, 100)
     redis_server.stop()
     lease.settle(40)
     await first.stop(flush_timeout=0.3)
@@ -151,10 +151,10 @@ async def test_a_late_settlement_of_an_expired_lease_is_billed_once(redis_server
     later (replayed from the outbox), is still billed, and only once."""
     t = tenant(max_concurrent=1, daily_tokens=10_000)
     stalled = RedisQuotas(redis_server.url, tmp_path / "stalled.sqlite", lease_ttl=TTL)
-    lease = await stalled.admit(t, 100)  # never started: no heartbeat, no sender
+    lease = await admit(stalled, t, 100)  # never started: no heartbeat, no sender
     assert (await try_admit(backend, t, 100)).reason == "max_concurrent"
     await asyncio.sleep(TTL + 0.1)
-    (await backend.admit(t, 100)).settle(30)  # frees the expired lease, then bills 30
+    (await admit(backend, t, 100)).settle(30)  # frees the expired lease, then bills 30
     lease.settle(70)
     await stalled.start()
     try:
