@@ -1,0 +1,217 @@
+"""Two real `streamgate serve --redis` replicas (tiny model) on one real redis-server: under
+parallel load split across both, a tenant's requests/min, concurrency and daily budget
+hold exactly as in one process; billed tokens add up to Redis's ledger; Redis stopped
+means 503 `quota_backend_unavailable` and service resumes when it returns; both serve the
+vLLM-named series routers scrape."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.redis_server import RedisServer, free_port
+from tenants import hash_key
+
+STREAMGATE = [sys.executable, "-m", "gateway.cli"]
+LIMITS = {  # tenant -> limits; each test uses its own tenant, so they share two replicas
+    "rpm": {"requests_per_minute": 6},
+    "conc": {"max_concurrent": 3},
+    "daily": {"daily_tokens": 300},
+    "free": {},
+}
+LONG = {"max_tokens": 1500, "ignore_eos": True, "stream": True}  # seconds on a tiny model
+
+
+def key(tenant: str) -> str:
+    return f"sk-{tenant}-scale-test"
+
+
+class Replicas:
+    """Two `streamgate serve` processes sharing one Redis, each with its own outbox."""
+
+    def __init__(self, model: str, redis_url: str, workdir):
+        tenants = workdir / "tenants.toml"
+        tenants.write_text("".join(
+            f'[tenants.{name}]\napi_key_sha256 = ["{hash_key(key(name))}"]\n'
+            + "".join(f"{k} = {v}\n" for k, v in limits.items()) + "\n"
+            for name, limits in LIMITS.items()))
+        self.urls, self.procs = [], []
+        for i in range(2):
+            port = free_port()
+            env = {**os.environ, "STREAMGATE_CACHE": str(workdir / f"cache{i}"), "STREAMGATE_REDIS_URL": redis_url}
+            self.procs.append(subprocess.Popen(
+                [*STREAMGATE, "serve", "--model", model, "--tenants", str(tenants), "--port", str(port),
+                 "--max-model-len", "2048", "--drain-grace", "1"],
+                stdout=subprocess.DEVNULL, stderr=open(workdir / f"replica{i}.log", "w"), env=env))
+            self.urls.append(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 120
+        for url, proc in zip(self.urls, self.procs):
+            while True:
+                assert proc.poll() is None and time.monotonic() < deadline, f"{url} did not come up"
+                try:
+                    if httpx.get(f"{url}/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    try:
+        server.start()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_model, redis_server, tmp_path_factory):
+    pair = Replicas(tiny_model("llama"), redis_server.url, tmp_path_factory.mktemp("replicas"))
+    yield pair
+    pair.stop()
+
+
+async def post(client: httpx.AsyncClient, url: str, tenant: str, **body) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4, **body}
+    return await client.post(f"{url}/v1/chat/completions", json=body,
+                             headers={"Authorization": f"Bearer {key(tenant)}"})
+
+
+async def burst(urls: list[str], tenant: str, n: int, **body) -> list[httpx.Response]:
+    """`n` requests at once, alternating replicas."""
+    async with httpx.AsyncClient(timeout=60) as client:
+        return await asyncio.gather(*(post(client, urls[i % 2], tenant, **body) for i in range(n)))
+
+
+def codes(responses) -> list:
+    return sorted("ok" if r.status_code == 200 else r.json()["error"]["code"] for r in responses)
+
+
+def redis_billed(url: str, tenant: str) -> int:
+    r = redis.Redis.from_url(url)
+    day = int(r.time()[0]) // 86400
+    return int(r.hget(f"{{sg:{tenant}}}:billed", day) or 0)
+
+
+def test_requests_per_minute_hold_across_replicas(replicas):
+    """20 parallel requests split across two replicas: exactly the tenant's 6 per minute pass."""
+    got = codes(asyncio.run(burst(replicas.urls, "rpm", 20)))
+    assert got == ["ok"] * 6 + ["requests_per_minute"] * 14
+
+
+def test_concurrency_holds_across_replicas_and_frees_on_disconnect(replicas):
+    """12 parallel long streams split across two replicas: exactly max_concurrent=3 run, the
+    rest get 429 max_concurrent; once the streams are closed the slots come back."""
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def open_stream(i: int):
+                req = client.build_request("POST", f"{replicas.urls[i % 2]}/v1/chat/completions",
+                                           json={"messages": [{"role": "user", "content": "go"}], **LONG},
+                                           headers={"Authorization": f"Bearer {key('conc')}"})
+                resp = await client.send(req, stream=True)
+                if resp.status_code == 200:
+                    await anext(resp.aiter_lines())     # it runs
+                else:
+                    await resp.aread()
+                return resp
+
+            streams = await asyncio.gather(*(open_stream(i) for i in range(12)))
+            running = [s for s in streams if s.status_code == 200]
+            refused = [s.json()["error"]["code"] for s in streams if s.status_code != 200]
+            assert len(running) == 3 and refused == ["max_concurrent"] * 9
+            again = await post(client, replicas.urls[1], "conc")
+            assert again.status_code == 429 and again.json()["error"]["code"] == "max_concurrent"
+            for s in running:
+                await s.aclose()
+            deadline = time.monotonic() + 20
+            while (r := await post(client, replicas.urls[0], "conc")).status_code != 200:
+                assert time.monotonic() < deadline, "the closed streams' slots did not come back"
+                await asyncio.sleep(0.1)
+
+    asyncio.run(scenario())
+
+
+def test_daily_budget_holds_and_billed_tokens_equal_redis_ledger(replicas, redis_server):
+    """Parallel clients on both replicas stop at the daily budget; the usage the replicas
+    reported adds up to the tokens Redis billed, which never pass the budget."""
+
+    need = 0  # what one request reserves: its prompt + max_tokens
+
+    async def scenario() -> int:
+        nonlocal need
+        billed = 0
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def client_loop(i: int) -> None:
+                nonlocal billed, need
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
+                    r = await post(client, replicas.urls[i % 2], "daily", max_tokens=5)
+                    if r.status_code == 200:
+                        billed += r.json()["usage"]["total_tokens"]
+                        need = r.json()["usage"]["prompt_tokens"] + 5
+                        continue
+                    assert r.json()["error"]["code"] == "daily_tokens", r.text
+                    if need and redis_billed(redis_server.url, "daily") + need > 300:  # not held: billed
+                        return
+                    await asyncio.sleep(0.05)
+                raise AssertionError("the daily budget never ran out")
+
+            await asyncio.gather(*(client_loop(i) for i in range(6)))
+        return billed
+
+    billed = asyncio.run(scenario())
+    deadline = time.monotonic() + 10
+    while redis_billed(redis_server.url, "daily") != billed:   # the outboxes flush in the background
+        assert time.monotonic() < deadline, (redis_billed(redis_server.url, "daily"), billed)
+        time.sleep(0.05)
+    assert 300 - need < billed <= 300
+
+
+def test_vllm_series_on_both_replicas(replicas):
+    """Each replica's /metrics has the vLLM-named gauges routers scrape, with model_name."""
+    for url in replicas.urls:
+        text = httpx.get(f"{url}/metrics").text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                     "vllm:gpu_cache_usage_perc", "vllm:cache_config_info"):
+            assert families[name].type == "gauge" and "model_name" in families[name].samples[0].labels
+
+
+def test_redis_down_is_503_and_service_resumes_when_it_returns(replicas, redis_server):
+    """Redis stopped: both replicas answer 503 quota_backend_unavailable with Retry-After;
+    once it is back (same port, AOF), they serve again without a restart."""
+    redis_server.stop()
+    try:
+        for url in replicas.urls:
+            r = asyncio.run(burst([url, url], "free", 1))[0]
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "quota_backend_unavailable"
+            assert int(r.headers["retry-after"]) >= 1
+    finally:
+        redis_server.start()
+    for url in replicas.urls:
+        deadline = time.monotonic() + 10
+        while (r := asyncio.run(burst([url, url], "free", 1))[0]).status_code != 200:
+            assert time.monotonic() < deadline, r.text
+            time.sleep(0.1)
