@@ -32,8 +32,10 @@ browser:
 	bash scripts/ensure_chromium.sh
 
 # The Redis quota tests start Debian's redis-server themselves; installed the same way.
+# The router test runs vllm-router (PyPI) from its own virtual environment in the cache.
 redis:
 	bash scripts/ensure_redis.sh
+	bash scripts/ensure_router.sh
 
 test: setup browser redis
 	$(PY) -m pytest -q

@@ -206,6 +206,58 @@ def test_vllm_series_on_both_replicas(replicas):
             assert families[name].type == "gauge" and "model_name" in families[name].samples[0].labels
 
 
+ROUTER = os.path.join(os.environ.get("STREAMGATE_CACHE") or os.path.expanduser("~/.cache/streamgate"),
+                      "vllm-router", "bin", "vllm-router")
+
+
+def served(url: str) -> float:
+    """Chat requests this replica answered with 200 for tenant `free` (its own /metrics)."""
+    families = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+    return sum(s.value for f in families if f.name == "streamgate_gateway_requests" for s in f.samples
+               if s.name.endswith("_total") and s.labels["tenant"] == "free" and s.labels["status"] == "200")
+
+
+def test_sse_streams_through_vllm_router_to_both_replicas(replicas, tmp_path):
+    """vllm-router (PyPI, round robin) in front of the two replicas: 8 streamed chat
+    completions flow through it intact and each replica serves some of them."""
+    if not os.path.exists(ROUTER):
+        pytest.fail(f"{ROUTER} is missing: run `bash scripts/ensure_router.sh` (`make test` does)")
+    port = free_port()
+    router = subprocess.Popen([ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+                               "--worker-urls", *replicas.urls, "--prometheus-port", str(free_port()),
+                               "--worker-startup-check-interval", "1"],
+                              stdout=open(tmp_path / "router.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:     # the router answers once it has seen the workers' /health at 200
+            assert router.poll() is None and time.monotonic() < deadline, (tmp_path / "router.log").read_text()[-2000:]
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        before = [served(u) for u in replicas.urls]
+        for _ in range(8):
+            with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60,
+                              headers={"Authorization": f"Bearer {key('free')}"},
+                              json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                    "ignore_eos": True, "stream": True}) as r:
+                assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+                data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            assert data[-1] == "[DONE]"
+            chunks = [json.loads(d) for d in data[:-1]]
+            assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+            assert sum(c.get("num_tokens", 0) for c in chunks) == 3
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        gained = [served(u) - b for u, b in zip(replicas.urls, before)]
+        assert sum(gained) == 8 and min(gained) >= 1, gained
+    finally:
+        router.terminate()
+        router.wait(10)
+
+
 async def ws_request(url: str) -> dict:
     """One WebSocket chat.request; its terminal message (chat.done or error)."""
     async with websockets.connect(url.replace("http", "ws") + "/v1/chat/ws") as ws:
