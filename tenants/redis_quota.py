@@ -34,7 +34,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .models import Tenant
 from .outbox import Outbox, Settlement
-from .quota import CONCURRENCY_RETRY_S, EPS, Lease, QuotaBackendUnavailable, QuotaExceeded, format_duration
+from .buckets import EPS, format_duration
+from .quota import CONCURRENCY_RETRY_S, Lease, QuotaBackendUnavailable, QuotaExceeded
 from .redis_scripts import BEGIN, RENEW, SETTLE, TOKENS
 
 log = logging.getLogger(__name__)
