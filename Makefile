@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.streamgate-installed
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: setup browser run test test-fast bench gpu-check clean
+.PHONY: setup browser redis run test test-fast bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -31,7 +31,13 @@ run: setup
 browser:
 	bash scripts/ensure_chromium.sh
 
-test: setup browser
+# The Redis quota tests start Debian's redis-server themselves; installed the same way.
+# The router test runs vllm-router (PyPI) from its own virtual environment in the cache.
+redis:
+	bash scripts/ensure_redis.sh
+	bash scripts/ensure_router.sh
+
+test: setup browser redis
 	$(PY) -m pytest -q
 
 test-fast: setup

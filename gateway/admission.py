@@ -20,9 +20,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from engine import EngineOverloaded, SamplingParams
-from tenants import Lease, QuotaExceeded, QuotaManager, Tenant
+from tenants import Lease, QuotaBackend, QuotaBackendUnavailable, QuotaExceeded, Tenant
 
-from .errors import BadRequest, ContextLengthExceeded, Overloaded, RateLimited
+from .errors import BadRequest, ContextLengthExceeded, Overloaded, QuotaStoreUnavailable, RateLimited
 from .schemas import ChatRequest, parse_chat_request
 
 
@@ -111,7 +111,7 @@ def max_token_chars(tokenizer) -> int | None:
 
 
 class Admitter:
-    def __init__(self, engine, quotas: QuotaManager, *, model_name: str, default_max_tokens: int,
+    def __init__(self, engine, quotas: QuotaBackend, *, model_name: str, default_max_tokens: int,
                  clock, tokenize_workers: int = 2):
         self.engine = engine
         self.quotas = quotas
@@ -136,7 +136,7 @@ class Admitter:
             raise BadRequest(f"model: unknown model {req.model!r}; this server serves {self.model_name!r}",
                              param="model", code="model_not_found")
         deadline = self._deadline(tenant, req, timeout_s, arrival)
-        lease = self._reserve(tenant.name, lambda: self.quotas.begin(tenant))
+        lease = await self._reserve(self.quotas.begin(tenant))
         try:
             prompt_ids = await self._tokenize(tenant, req)
             params, max_tokens = self._params(tenant, req, len(prompt_ids))
@@ -150,7 +150,7 @@ class Admitter:
                                  retry_after=exc.retry_after) from None
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
-            self._reserve(tenant.name, lambda: lease.reserve_tokens(len(prompt_ids) + max_tokens))
+            await self._reserve(lease.reserve_tokens(len(prompt_ids) + max_tokens))
         except BaseException:
             lease.settle(0)
             raise
@@ -158,11 +158,13 @@ class Admitter:
                          self.model_name)
 
     @staticmethod
-    def _reserve(tenant: str, take):
+    async def _reserve(step):
         try:
-            return take()
+            return await step
         except QuotaExceeded as exc:
             raise RateLimited(str(exc), reason=exc.reason, retry_after=exc.retry_after, headers=exc.headers) from None
+        except QuotaBackendUnavailable as exc:
+            raise QuotaStoreUnavailable(str(exc), retry_after=exc.retry_after) from None
 
     async def _tokenize(self, tenant: Tenant, req: ChatRequest) -> list[int]:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}

@@ -25,7 +25,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from engine import EngineConfig
-from tenants import Ledger, QuotaManager, Registry
+from tenants import Ledger, QuotaBackend, QuotaManager, Registry
 
 from .auth import authenticate, bearer_key
 from .errors import GatewayError, InternalError, TooManyConnections
@@ -35,6 +35,7 @@ from .logs import RequestContext
 from .metrics import GatewayMetrics
 from .sse import chat_completions, error_response, list_models
 from .streaming import ChatService
+from .vllm_metrics import register_vllm_metrics
 from .ws import chat_socket
 
 log = structlog.get_logger("streamgate.app")
@@ -46,16 +47,30 @@ STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 AppStatus.disable_automatic_graceful_drain()
 
 
-def default_ledger_path() -> str:
+def default_ledger_path(name: str = "usage.sqlite3") -> str:
     root = os.environ.get("STREAMGATE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "streamgate")
-    return os.path.join(root, "usage.sqlite3")
+    return os.path.join(root, name)
+
+
+def quota_backend(settings: GatewaySettings) -> tuple[QuotaBackend, Ledger | None]:
+    """The embedded backend (in-memory buckets + SQLite ledger) or, with `redis_url`, the
+    Redis one; with Redis, `ledger_path` holds the settlements not yet in Redis (outbox)."""
+    if settings.redis_url:
+        from tenants.redis_quota import RedisQuotas
+
+        outbox = settings.ledger_path or default_ledger_path("quota-outbox.sqlite3")
+        return RedisQuotas(settings.redis_url, outbox, lease_ttl=settings.redis_lease_ttl_s), None
+    ledger = Ledger(settings.ledger_path or default_ledger_path())
+    return QuotaManager(ledger), ledger
 
 
 @dataclass(frozen=True)
 class GatewaySettings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     tenants_file: str | None = None
-    ledger_path: str | None = None          # None: ~/.cache/streamgate/usage.sqlite3
+    ledger_path: str | None = None          # None: ~/.cache/streamgate/usage.sqlite3 (quota-outbox.sqlite3 with Redis)
+    redis_url: str | None = None            # quotas shared by replicas in Redis; None: embedded
+    redis_lease_ttl_s: float = 10.0         # a dead replica's leases are freed within this
     model_name: str | None = None           # the name /v1/models reports; None: from engine.model
     allowed_origins: tuple[str, ...] = ()   # browser Origins allowed on the WebSocket; (): same host only
     max_frame_bytes: int = 1 << 20
@@ -77,15 +92,14 @@ class Gateway:
     """Everything the routes share, on `app.state.gateway`."""
 
     def __init__(self, settings: GatewaySettings, *, engine=None, registry: Registry | None = None,
-                 quotas: QuotaManager | None = None):
+                 quotas: QuotaBackend | None = None):
         from engine import AsyncEngine
 
         self.settings = settings
         self.registry = registry or Registry.from_file(settings.tenants_file)
         self.ledger = None
         if quotas is None:
-            self.ledger = Ledger(settings.ledger_path or default_ledger_path())
-            quotas = QuotaManager(self.ledger)
+            quotas, self.ledger = quota_backend(settings)
         self.quotas = quotas
         self.engine = engine or AsyncEngine(settings.engine)
         self.metrics = GatewayMetrics()
@@ -94,6 +108,8 @@ class Gateway:
         self.chat = ChatService(self.engine, self.quotas, self.metrics, model_name=name,
                                 default_max_tokens=settings.default_max_tokens,
                                 tokenize_workers=settings.tokenize_workers)
+        register_vllm_metrics(self.metrics.registry, lambda: self.engine.stats() if self.chat.ready else None,
+                              name)
         self.started_at = int(time.time())
         self.sockets = Slots()              # authenticated WebSockets: ws.AUTHENTICATED and tenant:<name>
         self.pending_sockets: dict = {}     # ws.Connection -> None, not yet authenticated, oldest first
@@ -127,6 +143,7 @@ class Gateway:
         self.stats.close()
         self.chat.close()
         await self.engine.stop()
+        await self.quotas.stop()        # after the last settlement; Redis: flushes the outbox
         if self.ledger is not None:
             self.ledger.close()
 
@@ -199,11 +216,12 @@ async def _unexpected_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(settings: GatewaySettings, *, engine=None, registry: Registry | None = None,
-               quotas: QuotaManager | None = None) -> Starlette:
+               quotas: QuotaBackend | None = None) -> Starlette:
     gw = Gateway(settings, engine=engine, registry=registry, quotas=quotas)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        await gw.quotas.start()
         loading = asyncio.ensure_future(gw.load())
         try:
             yield

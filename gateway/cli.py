@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -98,6 +99,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         engine = engine_config_from_args(args)
         settings = GatewaySettings(engine=engine, tenants_file=args.tenants, ledger_path=args.ledger,
+                                   redis_url=args.redis or None, redis_lease_ttl_s=args.redis_lease_ttl,
                                    allowed_origins=tuple(args.allow_origin), drain_grace_s=args.drain_grace,
                                    max_frame_bytes=args.max_frame_bytes, max_body_bytes=args.max_body_bytes,
                                    max_sockets=args.max_sockets,
@@ -175,7 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("--port", type=int, default=8000)
     p_serve.add_argument("--tenants", default="examples/tenants.toml", help="tenants TOML file (see docs/PROTOCOL.md)")
     p_serve.add_argument("--ledger", default=None, help="SQLite file for daily token budgets "
-                         "(default ~/.cache/streamgate/usage.sqlite3)")
+                         "(default ~/.cache/streamgate/usage.sqlite3); with --redis, for settlements "
+                         "not yet in Redis (default ~/.cache/streamgate/quota-outbox.sqlite3)")
+    p_serve.add_argument("--redis", default=os.environ.get("STREAMGATE_REDIS_URL"), metavar="URL",
+                         help="share quotas, leases and daily budgets with other replicas in Redis, "
+                              "e.g. redis://10.0.0.5:6379/0 (env STREAMGATE_REDIS_URL; default: embedded)")
+    p_serve.add_argument("--redis-lease-ttl", type=float, default=10.0,
+                         help="seconds after which a dead replica's concurrency leases are freed")
     p_serve.add_argument("--allow-origin", action="append", default=[],
                          help="browser Origin allowed on the WebSocket (repeatable; default: same host only)")
     p_serve.add_argument("--drain-grace", type=float, default=30.0, help="seconds running streams get on SIGTERM")

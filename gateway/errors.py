@@ -14,6 +14,7 @@ reads close codes from here. `ws_close` is None where a WebSocket answers with a
     ├── Overloaded                  503     engine_overloaded          error event
     ├── Draining                    503     server_draining            error event, close 1012
     ├── Unavailable                 503     engine_unavailable         error event
+    ├── QuotaStoreUnavailable       503     quota_backend_unavailable  error event
     ├── DeadlineExceeded            504     deadline_exceeded          error event
     └── InternalError               500     internal_error             error event, close 1011
 
@@ -143,6 +144,16 @@ class Unavailable(GatewayError):
     type = "server_error"
     code = "engine_unavailable"
     ws_close = None
+
+
+class QuotaStoreUnavailable(GatewayError):
+    """The shared quota store (Redis) cannot be reached: admission fails closed; retry."""
+
+    status = 503
+    type = "server_error"
+    code = "quota_backend_unavailable"
+    ws_close = None
+    default_retry_after = 1.0
 
 
 class DeadlineExceeded(GatewayError):

@@ -4,10 +4,11 @@ daily budgets in a SQLite ledger). Pure logic with injected clocks; imports neit
 
 from .ledger import Ledger
 from .models import Limits, Tenant
-from .quota import Lease, QuotaExceeded, QuotaManager
+from .quota import Lease, QuotaBackend, QuotaBackendUnavailable, QuotaExceeded, QuotaManager, admit
 from .registry import Registry, TenantConfigError, hash_key, new_key
 
 __all__ = [
     "Limits", "Tenant", "Registry", "TenantConfigError", "hash_key", "new_key",
-    "Ledger", "QuotaManager", "QuotaExceeded", "Lease",
+    "Ledger", "QuotaManager", "QuotaExceeded", "Lease", "QuotaBackend",
+    "QuotaBackendUnavailable", "admit",
 ]

@@ -1,11 +1,16 @@
 """Quotas: token buckets per minute, concurrency leases and the daily budget.
 
-`reserve` checks max_concurrent, requests_per_minute, tokens_per_minute and daily_tokens,
-in that order, and takes from all of them or from none. The gateway does it in two steps:
-`begin` (slot and request, before any work for the request) and `Lease.reserve_tokens`
-(once the prompt is tokenized). The returned Lease is settled
-exactly once when the request ends, however it ends: the slot is released, unused
-tokens go back to the per-minute bucket and what was used is written to the Ledger.
+Two backends share one interface (`QuotaBackend`): this embedded one (in-memory buckets,
+SQLite ledger; one process) and `tenants.redis_quota.RedisQuotas` (limits shared by
+replicas). Admission is two awaited steps, each all-or-nothing: `begin` takes a
+concurrency slot and one request from requests_per_minute before any work is done for
+the request (the prompt is not tokenized yet), then `Lease.reserve_tokens` takes
+tokens_per_minute and daily_tokens once it is. A refusal in the second step leaves the
+lease holding its slot and request; it is settled like any other. The Lease is settled
+(sync, idempotent) exactly once when the request ends, however it ends: the slot is
+released, unused tokens go back to the per-minute bucket and what was used is billed.
+
+`QuotaManager.reserve` (both steps at once, sync) serves the embedded backend's tests.
 """
 
 from __future__ import annotations
@@ -13,13 +18,15 @@ from __future__ import annotations
 import math
 import threading
 import time
+import uuid
 from collections.abc import Callable
+from typing import Protocol
 
+from .buckets import EPS, TokenBucket, format_duration, resize
 from .ledger import Ledger
 from .models import Tenant
 
 CONCURRENCY_RETRY_S = 1.0
-EPS = 1e-9  # float slack so that exactly-refilled buckets count as full
 
 
 class QuotaExceeded(Exception):
@@ -33,28 +40,35 @@ class QuotaExceeded(Exception):
         self.headers = headers
 
 
-class TokenBucket:
-    """Holds up to `capacity` tokens, refilled continuously at `rate` per second."""
+class QuotaBackendUnavailable(Exception):
+    """The shared quota store cannot be reached: the request is refused (fail closed) and
+    may be retried after `retry_after` seconds (503 `quota_backend_unavailable`)."""
 
-    def __init__(self, capacity: int, rate: float, now: float, tokens: float | None = None):
-        self.capacity = capacity
-        self.rate = rate
-        self.tokens = float(capacity) if tokens is None else tokens
-        self.last = now
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
 
-    def available(self, now: float) -> float:
-        self.tokens = min(self.capacity, self.tokens + (now - self.last) * self.rate)
-        self.last = now
-        return self.tokens
 
-    def wait_for(self, n: float, now: float) -> float | None:
-        """Seconds until `n` tokens are available; None if n exceeds the capacity."""
-        if n > self.capacity:
-            return None
-        return max(0.0, (n - self.available(now)) / self.rate)
+class QuotaBackend(Protocol):
+    """What the gateway needs from a quota backend; it never knows which one it has."""
 
-    def time_to_full(self, now: float) -> float:
-        return (self.capacity - self.available(now)) / self.rate
+    async def begin(self, tenant: Tenant) -> Lease: ...
+    def headers(self, tenant: Tenant) -> dict[str, str]: ...
+    def in_flight(self, tenant_name: str) -> int: ...
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+async def admit(quotas: QuotaBackend, tenant: Tenant, tokens: int) -> Lease:
+    """Both admission steps back to back (benchmarks, tests): the lease, or QuotaExceeded
+    with the lease settled. The gateway tokenizes between the two steps instead."""
+    lease = await quotas.begin(tenant)
+    try:
+        await lease.reserve_tokens(tokens)
+    except BaseException:
+        lease.settle(0)
+        raise
+    return lease
 
 
 class _State:
@@ -68,9 +82,11 @@ class _State:
 
 
 class Lease:
-    """One admitted request's hold on its tenant's quotas; settle it exactly once."""
+    """One admitted request's hold on its tenant's quotas; settle it exactly once.
+    `manager` is the backend: `_reserve_more(lease, tokens)` and `_release(lease, used)`."""
 
-    def __init__(self, manager: QuotaManager, tenant: Tenant, reserved_tokens: int):
+    def __init__(self, manager, tenant: Tenant, reserved_tokens: int, lease_id: str | None = None):
+        self.id = lease_id or uuid.uuid4().hex  # the Redis backend's settle id
         self.tenant = tenant.name
         self._tenant = tenant
         self.reserved_tokens = reserved_tokens
@@ -82,12 +98,14 @@ class Lease:
     def settled(self) -> bool:
         return self._settled
 
-    def reserve_tokens(self, tokens: int) -> None:
+    async def reserve_tokens(self, tokens: int) -> None:
         """Add `tokens` to this lease from tokens_per_minute and daily_tokens, or raise
         QuotaExceeded adding nothing (the lease keeps its slot: settle it)."""
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0 (got {tokens})")
         if self._settled:
             raise RuntimeError("the lease is already settled")
-        self._manager._reserve_more(self, self._tenant, tokens)
+        await self._manager._reserve_more(self, tokens)
 
     def settle(self, used_tokens: int) -> bool:
         """Release the lease and bill `used_tokens`; True the first time, then False."""
@@ -111,6 +129,12 @@ class QuotaManager:
         self._lock = threading.Lock()
         self._states: dict[str, _State] = {}
 
+    async def start(self) -> None:
+        """Nothing runs in the background here; present for the QuotaBackend interface."""
+
+    async def stop(self) -> None:
+        """Nothing to stop; the ledger is closed by its owner."""
+
     def reserve(self, tenant: Tenant, tokens: int) -> Lease:
         """Take one request and `tokens` from every limit, or raise QuotaExceeded taking nothing."""
         if tokens < 0:
@@ -124,7 +148,7 @@ class QuotaManager:
             self._take_tokens(st, tokens)
             return Lease(self, tenant, tokens)
 
-    def begin(self, tenant: Tenant) -> Lease:
+    async def begin(self, tenant: Tenant) -> Lease:
         """Take a concurrency slot and one request from requests_per_minute, before any
         work is done for the request, so a flood of expensive requests runs into its own
         tenant's limits first. Reserve its tokens later with `Lease.reserve_tokens`."""
@@ -135,13 +159,11 @@ class QuotaManager:
             self._take_request(st)
             return Lease(self, tenant, 0)
 
-    def _reserve_more(self, lease: Lease, tenant: Tenant, tokens: int) -> None:
-        if tokens < 0:
-            raise ValueError(f"tokens must be >= 0 (got {tokens})")
+    async def _reserve_more(self, lease: Lease, tokens: int) -> None:
         with self._lock:
             now = self.clock()
-            st = self._state(tenant, now)
-            self._check_tokens(tenant, st, now, tokens)
+            st = self._state(lease._tenant, now)
+            self._check_tokens(lease._tenant, st, now, tokens)
             self._take_tokens(st, tokens)
             lease.reserved_tokens += tokens
 
@@ -231,8 +253,8 @@ class QuotaManager:
         st = self._states.get(tenant.name)
         if st is None:
             st = self._states[tenant.name] = _State()
-        st.requests = _resize(st.requests, tenant.limits.requests_per_minute, now)
-        st.tokens = _resize(st.tokens, tenant.limits.tokens_per_minute, now)
+        st.requests = resize(st.requests, tenant.limits.requests_per_minute, now)
+        st.tokens = resize(st.tokens, tenant.limits.tokens_per_minute, now)
         return st
 
     def _headers(self, st: _State, now: float) -> dict[str, str]:
@@ -243,30 +265,3 @@ class QuotaManager:
                 out[f"x-ratelimit-remaining-{kind}"] = str(math.floor(bucket.available(now) + EPS))
                 out[f"x-ratelimit-reset-{kind}"] = format_duration(bucket.time_to_full(now))
         return out
-
-
-def _resize(bucket: TokenBucket | None, per_minute: int | None, now: float) -> TokenBucket | None:
-    if per_minute is None:
-        return None
-    if bucket is None:
-        return TokenBucket(per_minute, per_minute / 60.0, now)
-    if bucket.capacity != per_minute:
-        return TokenBucket(per_minute, per_minute / 60.0, now,
-                           tokens=min(per_minute, bucket.available(now)))
-    return bucket
-
-
-def format_duration(seconds: float) -> str:
-    """Go-style duration as OpenAI sends it: '250ms', '1s', '1.5s', '6m0s', '1h2m3s'."""
-    ms = math.ceil(round(max(0.0, seconds) * 1000, 6))
-    if ms == 0:
-        return "0s"
-    if ms < 1000:
-        return f"{ms}ms"
-    hours, rest = divmod(ms, 3_600_000)
-    minutes, rest = divmod(rest, 60_000)
-    secs = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
-    out = f"{hours}h" if hours else ""
-    if hours or minutes:
-        out += f"{minutes}m"
-    return out + f"{secs}s"

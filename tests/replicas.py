@@ -1,0 +1,87 @@
+"""Two `streamgate serve --redis` replicas (tiny model, tenants with one limit each) on
+one real redis-server, for tests/test_scale_replicas.py (module-scoped fixtures: the
+replicas start once per module)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from bench.redis_server import RedisServer, free_port
+from tenants import hash_key
+
+STREAMGATE = [sys.executable, "-m", "gateway.cli"]
+LIMITS = {  # tenant -> limits; each test uses its own tenant, so they share two replicas
+    "rpm": {"requests_per_minute": 6},
+    "conc": {"max_concurrent": 3},
+    "daily": {"daily_tokens": 300},
+    "free": {},
+}
+TTL = 4.0  # lease TTL: a killed replica's slots are free again within it
+LONG = {"max_tokens": 1500, "ignore_eos": True, "stream": True}  # seconds on a tiny model
+
+
+def key(tenant: str) -> str:
+    return f"sk-{tenant}-scale-test"
+
+
+class Replicas:
+    """Two `streamgate serve` processes sharing one Redis, each with its own outbox."""
+
+    def __init__(self, model: str, redis_url: str, workdir):
+        tenants = workdir / "tenants.toml"
+        tenants.write_text("".join(
+            f'[tenants.{name}]\napi_key_sha256 = ["{hash_key(key(name))}"]\n'
+            + "".join(f"{k} = {v}\n" for k, v in limits.items()) + "\n"
+            for name, limits in LIMITS.items()))
+        self.urls, self.procs = [], []
+        for i in range(2):
+            port = free_port()
+            env = {**os.environ, "STREAMGATE_CACHE": str(workdir / f"cache{i}"), "STREAMGATE_REDIS_URL": redis_url}
+            self.procs.append(subprocess.Popen(
+                [*STREAMGATE, "serve", "--model", model, "--tenants", str(tenants), "--port", str(port),
+                 "--max-model-len", "2048", "--drain-grace", "1", "--redis-lease-ttl", str(TTL)],
+                stdout=subprocess.DEVNULL, stderr=open(workdir / f"replica{i}.log", "w"), env=env))
+            self.urls.append(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 120
+        for url, proc in zip(self.urls, self.procs):
+            while True:
+                assert proc.poll() is None and time.monotonic() < deadline, f"{url} did not come up"
+                try:
+                    if httpx.get(f"{url}/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    try:
+        server.start()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_model, redis_server, tmp_path_factory):
+    pair = Replicas(tiny_model("llama"), redis_server.url, tmp_path_factory.mktemp("replicas"))
+    yield pair
+    pair.stop()
