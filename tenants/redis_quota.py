@@ -105,14 +105,18 @@ class RedisQuotas:
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0 (got {tokens})")
         lim, k = tenant.limits, self.keys(tenant.name)
-        lease_id = uuid.uuid4().hex
+        lease_id, tpm = uuid.uuid4().hex, _limit(lim.tokens_per_minute)
         try:
             ok, reason, retry, info, req, tok = await self._reserve(
                 keys=[k["q"], k["leases"], k["held"], k["billed"], k["expired"]],
-                args=[_limit(lim.requests_per_minute), _limit(lim.tokens_per_minute),
-                      _limit(lim.max_concurrent), _limit(lim.daily_tokens), tokens,
-                      lease_id, int(self.lease_ttl * 1000)])
+                args=[_limit(lim.requests_per_minute), tpm, _limit(lim.max_concurrent),
+                      _limit(lim.daily_tokens), tokens, lease_id, int(self.lease_ttl * 1000)])
+        except asyncio.CancelledError:
+            self._release_unknown(lease_id, tenant.name, tpm)
+            raise
         except UNREACHABLE as exc:
+            if isinstance(exc, RedisTimeoutError):
+                self._release_unknown(lease_id, tenant.name, tpm)
             raise QuotaBackendUnavailable(
                 f"quota_backend_unavailable: the shared quota store (Redis) cannot be reached "
                 f"({exc.__class__.__name__}); retry in {RETRY_UNAVAILABLE_S:.0f} s",
@@ -121,7 +125,7 @@ class RedisQuotas:
         if not ok:
             raise _refusal(tenant, reason.decode(), _float(retry), _float(info), tokens, headers)
         lease = Lease(self, tenant.name, tokens, lease_id=lease_id)
-        self._leases[lease_id] = (lease, _limit(lim.tokens_per_minute))
+        self._leases[lease_id] = (lease, tpm)
         return lease
 
     def headers(self, tenant: Tenant) -> dict[str, str]:
@@ -151,7 +155,16 @@ class RedisQuotas:
     def _release(self, lease: Lease, used_tokens: int) -> None:
         """Called once by `Lease.settle` (any thread): durable locally first, sent later."""
         _, tpm = self._leases.pop(lease.id, (lease, -1))
-        self.outbox.add(Settlement(lease.id, lease.tenant, used_tokens, tpm))
+        self._enqueue(Settlement(lease.id, lease.tenant, used_tokens, tpm))
+
+    def _release_unknown(self, lease_id: str, tenant: str, tpm: int) -> None:
+        """The admission script may have run and only its reply was lost (cancelled,
+        timed out): release what it may have taken now rather than at the TTL. Settling
+        a lease Redis never took is a no-op."""
+        self._enqueue(Settlement(lease_id, tenant, 0, tpm))
+
+    def _enqueue(self, settlement: Settlement) -> None:
+        self.outbox.add(settlement)
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake.set)
 
