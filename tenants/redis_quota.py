@@ -108,12 +108,19 @@ class RedisQuotas:
         """Take a concurrency lease and one request in one round trip, or raise
         QuotaExceeded taking nothing; QuotaBackendUnavailable when Redis is unreachable."""
         lim, k = tenant.limits, self.keys(tenant.name)
-        lease_id = uuid.uuid4().hex
-        await self._run(tenant, 0, self._begin, [k["q"], k["leases"], k["held"], k["billed"], k["expired"]],
-                        [_limit(lim.requests_per_minute), _limit(lim.tokens_per_minute),
-                         _limit(lim.max_concurrent), lease_id, int(self.lease_ttl * 1000)])
+        lease_id, tpm = uuid.uuid4().hex, _limit(lim.tokens_per_minute)
+        try:
+            await self._run(tenant, 0, self._begin, [k["q"], k["leases"], k["held"], k["billed"], k["expired"]],
+                            [_limit(lim.requests_per_minute), tpm,
+                             _limit(lim.max_concurrent), lease_id, int(self.lease_ttl * 1000)])
+        except asyncio.CancelledError:
+            # The script may have run and only its reply was lost (the client left): release
+            # what it may have taken now rather than at the TTL. Settling a lease Redis never
+            # took is a no-op. (A reply lost to a socket timeout waits for the TTL.)
+            self._enqueue(Settlement(lease_id, tenant.name, 0, tpm))
+            raise
         lease = Lease(self, tenant, 0, lease_id=lease_id)
-        self._leases[lease_id] = (lease, _limit(lim.tokens_per_minute))
+        self._leases[lease_id] = (lease, tpm)
         return lease
 
     async def _reserve_more(self, lease: Lease, tokens: int) -> None:
@@ -170,7 +177,10 @@ class RedisQuotas:
     def _release(self, lease: Lease, used_tokens: int) -> None:
         """Called once by `Lease.settle` (any thread): durable locally first, sent later."""
         _, tpm = self._leases.pop(lease.id, (lease, -1))
-        self.outbox.add(Settlement(lease.id, lease.tenant, used_tokens, tpm))
+        self._enqueue(Settlement(lease.id, lease.tenant, used_tokens, tpm))
+
+    def _enqueue(self, settlement: Settlement) -> None:
+        self.outbox.add(settlement)
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake.set)
 

@@ -165,3 +165,4 @@ async def test_a_late_settlement_of_an_expired_lease_is_billed_once(redis_server
         assert (await backend.snapshot(t))["daily_used"] == 100
     finally:
         await stalled.stop()
+
