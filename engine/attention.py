@@ -1,7 +1,9 @@
 """Attention over block tables for a packed batch that mixes prefill chunks and decode
 tokens, registered with transformers' AttentionInterface as "streamgate_paged".
 
-The model runs on one packed row `[1, N]`. Rows that compute a single token (decodes, and a
+Two backends. "kernel" (CPU): one call per layer to the C++ kernel (csrc/), which reads
+every sequence's keys and values in place through its block table. "torch" (CUDA, and the
+CPU fallback and reference): the model runs on one packed row `[1, N]`. Rows that compute a single token (decodes, and a
 prefill's last 1-token chunk) are batched into SDPA calls over their gathered, padded
 contexts, one call per group of similar context lengths (so one long context does not
 make every stream gather and attend over its padding). Each prefill chunk gets its own SDPA call with a causal mask offset by the tokens
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from .kernels import paged_attention_ops
 from .kv_cache import PagedKVCache
 
 ATTN_IMPLEMENTATION = "streamgate_paged"
@@ -38,11 +41,20 @@ class DecodeGroup:
 
 
 @dataclass
+class KernelBatch:
+    """The whole batch for the C++ kernel: sequence b owns rows q_start[b]:q_start[b+1]."""
+    block_tables: torch.Tensor       # [B, W] int64, padded with block 0
+    q_start: torch.Tensor            # [B + 1] int64
+    ctx_lens: torch.Tensor           # [B] int64, context length including this step's tokens
+
+
+@dataclass
 class AttentionMetadata:
     cache: PagedKVCache
     slot_mapping: torch.Tensor       # [N] where each new token's K/V goes
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    kernel: KernelBatch | None = None   # set: the kernel backend runs instead of the groups
 
 
 def paged_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, **kwargs):
@@ -51,6 +63,12 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
     meta: AttentionMetadata = kwargs["paged"]
     layer = module.layer_idx
     q = query[0].transpose(0, 1)                                  # [N, H, D]
+    if meta.kernel is not None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [N, H, D]
+        kb = meta.kernel
+        paged_attention_ops().paged_attention(q, meta.cache.k[layer], meta.cache.v[layer], kb.block_tables,
+                                              kb.q_start, kb.ctx_lens, meta.cache.block_size, scaling, out)
+        return out.unsqueeze(0), None
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads

@@ -8,8 +8,9 @@ import time
 
 import torch
 
-from .attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from .attention import AttentionMetadata, DecodeGroup, KernelBatch, PrefillChunk
 from .config import EngineConfig
+from .kernels import paged_attention_ops
 from .kv_cache import PagedKVCache
 from .models import load_model
 from .scheduler import SchedulerOutput
@@ -35,7 +36,18 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or self._auto_num_blocks(hf.num_hidden_layers, num_kv_heads, head_dim)
         self.kv_cache = PagedKVCache(hf.num_hidden_layers, self.num_blocks, config.block_size,
                                      num_kv_heads, head_dim, self.dtype, self.device, config.num_swap_blocks)
+        self.use_kernel = self._use_kernel(config)
+        log.info("attention backend: %s", "kernel" if self.use_kernel else "torch")
         self.last_forward_time = 0.0
+
+    def _use_kernel(self, config: EngineConfig) -> bool:
+        if config.attention_backend == "torch" or self.device.type != "cpu":
+            return False
+        if paged_attention_ops() is not None:
+            return True
+        if config.attention_backend == "kernel":
+            raise RuntimeError("attention_backend='kernel' but the paged attention kernel did not build (see the log)")
+        return False
 
     def _auto_num_blocks(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
         per_block = PagedKVCache.bytes_per_block(num_layers, self.config.block_size, num_kv_heads, head_dim, self.dtype)
@@ -100,6 +112,29 @@ class ModelRunner:
                 prefills.append((row, start, n, table))
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         meta = AttentionMetadata(self.kv_cache, slot_t, [], [])
+        input_ids = torch.tensor([ids], dtype=torch.long, device=dev)      # [1, N]
+        positions = torch.tensor([pos], dtype=torch.long, device=dev)      # [1, N]
+        sample_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        if self.use_kernel:
+            meta.kernel = self._kernel_batch(batch)
+        else:
+            self._torch_groups(meta, dec_rows, dec_tables, dec_lens, prefills)
+        return input_ids, positions, sample_t, meta
+
+    def _kernel_batch(self, batch: SchedulerOutput) -> KernelBatch:
+        bs = self.config.block_size
+        lens = [seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        width = max(-(-n // bs) for n in lens)
+        tables = [seq.block_table[:width] + [0] * (width - len(seq.block_table[:width])) for seq in batch.seqs]
+        q_start = [0]
+        for n in batch.num_new_tokens:
+            q_start.append(q_start[-1] + n)
+        return KernelBatch(torch.tensor(tables, dtype=torch.long), torch.tensor(q_start, dtype=torch.long),
+                           torch.tensor(lens, dtype=torch.long))
+
+    def _torch_groups(self, meta: AttentionMetadata, dec_rows, dec_tables, dec_lens, prefills) -> None:
+        """Decode groups of similar context length and per-chunk masks for the torch backend."""
+        bs, dev = self.config.block_size, self.device
         order = sorted(range(len(dec_rows)), key=dec_lens.__getitem__)
         for group in _length_groups([dec_lens[i] for i in order]):
             idx = [order[i] for i in group]
@@ -122,10 +157,6 @@ class ModelRunner:
                 q_pos = torch.arange(start, length, device=dev)
                 chunk.mask = torch.arange(length, device=dev)[None, :] <= q_pos[:, None]   # [q, T]
             meta.prefills.append(chunk)
-        input_ids = torch.tensor([ids], dtype=torch.long, device=dev)      # [1, N]
-        positions = torch.tensor([pos], dtype=torch.long, device=dev)      # [1, N]
-        sample_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        return input_ids, positions, sample_t, meta
 
     def _slots(self, tables: torch.Tensor) -> torch.Tensor:
         """Block tables [B, nb] -> token slots [B, nb * block_size]."""
