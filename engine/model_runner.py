@@ -26,7 +26,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.tokenizer = load_model(config.model, self.dtype, self.device)
         hf = self.model.config
         self.vocab_size = hf.vocab_size
@@ -37,7 +37,7 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(hf.num_hidden_layers, self.num_blocks, config.block_size,
                                      num_kv_heads, head_dim, self.dtype, self.device, config.num_swap_blocks)
         self.use_kernel = self._use_kernel(config)
-        log.info("attention backend: %s", "kernel" if self.use_kernel else "torch")
+        log.info("dtype %s, attention backend %s", self.dtype, "kernel" if self.use_kernel else "torch")
         self.last_forward_time = 0.0
 
     def _use_kernel(self, config: EngineConfig) -> bool:
@@ -163,6 +163,25 @@ class ModelRunner:
         bs = self.config.block_size
         offsets = torch.arange(bs, device=tables.device)
         return (tables[:, :, None] * bs + offsets).reshape(tables.shape[0], -1)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" is bf16 where it pays: on CUDA (as before), and on CPUs with AMX-bf16. Without
+    native bf16 instructions (e.g. AVX2-only CPUs) torch's bf16 matmuls are emulated and a
+    one-token decode step runs tens of times slower than in fp32 (docs/BENCHMARKS.md §6)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda" or _cpu_flags() >= {"amx_bf16", "amx_tile"}:
+        return torch.bfloat16
+    return torch.float32
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:                                                  # not Linux: no bf16 guess
+        return set()
 
 
 # A decode group may pad its rows up to this factor of its shortest context (plus a block)
