@@ -1,14 +1,16 @@
 """Attention over block tables for a packed batch that mixes prefill chunks and decode
 tokens, registered with transformers' AttentionInterface as "streamgate_paged".
 
-Two backends. "kernel" (CPU): one call per layer to the C++ kernel (csrc/), which reads
-every sequence's keys and values in place through its block table. "torch" (CUDA, and the
-CPU fallback and reference): the model runs on one packed row `[1, N]`. Rows that compute a single token (decodes, and a
-prefill's last 1-token chunk) are batched into SDPA calls over their gathered, padded
-contexts, one call per group of similar context lengths (so one long context does not
-make every stream gather and attend over its padding). Each prefill chunk gets its own SDPA call with a causal mask offset by the tokens
-already computed. All index tensors are built once per step (`AttentionMetadata`) and
-shared by every layer.
+Two backends. "kernel" (CPU): one call per layer to the C++ kernel (csrc/, registered as
+`torch.ops.streamgate.paged_attention` by engine.kernels when the runner picks it), which
+reads every sequence's keys and values in place through its block table. "torch" (CUDA,
+and the CPU fallback and reference): the model runs on one packed row `[1, N]`. Rows that
+compute a single token (decodes, and a prefill's last 1-token chunk) are batched into SDPA
+calls over their gathered, padded contexts, one call per group of similar context lengths
+(so one long context does not make every stream gather and attend over its padding). Each
+prefill chunk gets its own SDPA call with a causal mask offset by the tokens already
+computed. All index tensors are built once per step (`AttentionMetadata`) and shared by
+every layer.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from .kernels import paged_attention_ops
 from .kv_cache import PagedKVCache
 
 ATTN_IMPLEMENTATION = "streamgate_paged"
@@ -66,8 +67,8 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
     if meta.kernel is not None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [N, H, D]
         kb = meta.kernel
-        paged_attention_ops().paged_attention(q, meta.cache.k[layer], meta.cache.v[layer], kb.block_tables,
-                                              kb.q_start, kb.ctx_lens, meta.cache.block_size, scaling, out)
+        torch.ops.streamgate.paged_attention(q, meta.cache.k[layer], meta.cache.v[layer], kb.block_tables,
+                                             kb.q_start, kb.ctx_lens, meta.cache.block_size, scaling, out)
         return out.unsqueeze(0), None
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = key.shape[1]

@@ -41,6 +41,7 @@ class EngineConfig:
     # -- engine speed (issue 14, branch `speed`) --
     attention_backend: str = "auto"       # "kernel": C++ paged attention (CPU), "torch": gather + SDPA,
                                           # "auto": the kernel on CPU where it builds, else torch
+    compile: bool = False                 # torch.compile the model (dynamic batch size; opt-in: see BENCHMARKS §6)
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, msg: str) -> None:
@@ -75,6 +76,7 @@ class EngineConfig:
         need(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"must be one of {ATTENTION_BACKENDS}")
         need(self.attention_backend != "kernel" or self.device == "cpu", "attention_backend",
              "'kernel' is the CPU kernel; use 'auto' or 'torch' on CUDA")
+        need(isinstance(self.compile, bool), "compile", "must be a bool")
         if not self.chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
                  "must be >= max_model_len when chunked_prefill is off (a whole prompt runs in one step)")

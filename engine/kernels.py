@@ -19,6 +19,8 @@ log = logging.getLogger("streamgate.engine")
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention.cpp"
 NAME = "streamgate_paged_attention"
+SCHEMA = ("(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor q_start, Tensor ctx_lens, "
+          "int block_size, float scale, Tensor(a!) out) -> ()")
 
 
 def build_dir() -> Path:
@@ -45,6 +47,27 @@ def paged_attention_ops():
         return None
     log.info("paged attention kernel ready in %.1f s", time.perf_counter() - start)
     return module
+
+
+@cache
+def paged_attention_op():
+    """The kernel as a torch custom op (`torch.ops.streamgate.paged_attention`), so that
+    torch.compile keeps it as one opaque call instead of breaking the graph; None if unbuilt."""
+    import torch
+
+    module = paged_attention_ops()
+    if module is None:
+        return None
+
+    @torch.library.custom_op("streamgate::paged_attention", mutates_args=("out",), schema=SCHEMA)
+    def paged_attention(q, k_pool, v_pool, block_tables, q_start, ctx_lens, block_size, scale, out):
+        module.paged_attention(q, k_pool, v_pool, block_tables, q_start, ctx_lens, block_size, scale, out)
+
+    @paged_attention.register_fake
+    def _(q, k_pool, v_pool, block_tables, q_start, ctx_lens, block_size, scale, out) -> None:
+        return None
+
+    return paged_attention
 
 
 if __name__ == "__main__":

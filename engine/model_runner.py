@@ -10,7 +10,7 @@ import torch
 
 from .attention import AttentionMetadata, DecodeGroup, KernelBatch, PrefillChunk
 from .config import EngineConfig
-from .kernels import paged_attention_ops
+from .kernels import paged_attention_op
 from .kv_cache import PagedKVCache
 from .models import load_model
 from .scheduler import SchedulerOutput
@@ -38,12 +38,40 @@ class ModelRunner:
                                      num_kv_heads, head_dim, self.dtype, self.device, config.num_swap_blocks)
         self.use_kernel = self._use_kernel(config)
         log.info("dtype %s, attention backend %s", self.dtype, "kernel" if self.use_kernel else "torch")
+        self.forward = self.model
+        if config.compile:
+            self.forward = self._compiled()
         self.last_forward_time = 0.0
+
+    def _compiled(self):
+        """torch.compile with symbolic sizes, so one graph serves many batch shapes. It compiles
+        here, on dummy batches (block 0 is unused yet): one decode row, then 2 sequences x 8
+        tokens over 2-block contexts, the shapes torch specializes (1 vs many rows, sampled
+        rows, sequences, blocks); its time is logged. With the kernel the attention metadata
+        is three tensors; the torch backend's per-group lists are guarded on and recompile
+        as the batch changes (up to dynamo's limit, then eager)."""
+        forward = torch.compile(self.model, dynamic=True)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for seqs, n in ((1, 1), (2, 8)):
+                tokens, ctx = seqs * n, n + (self.config.block_size if n > 1 else 0)
+                meta = AttentionMetadata(self.kv_cache, torch.zeros(tokens, dtype=torch.long, device=self.device), [], [])
+                if self.use_kernel:
+                    meta.kernel = KernelBatch(torch.zeros(seqs, -(-ctx // self.config.block_size), dtype=torch.long),
+                                              torch.arange(seqs + 1) * n, torch.full((seqs,), ctx))
+                else:
+                    meta.prefills += [PrefillChunk(slice(i * n, (i + 1) * n), None, None) for i in range(seqs)]
+                forward(input_ids=torch.zeros(1, tokens, dtype=torch.long, device=self.device),
+                        position_ids=torch.arange(ctx - n, ctx, device=self.device).repeat(seqs)[None],
+                        cache=self.kv_cache, use_cache=False, paged=meta,
+                        logits_to_keep=torch.arange(n - 1, tokens, n, device=self.device))
+        log.info("torch.compile: model compiled in %.1f s", time.perf_counter() - start)
+        return forward
 
     def _use_kernel(self, config: EngineConfig) -> bool:
         if config.attention_backend == "torch" or self.device.type != "cpu":
             return False
-        if paged_attention_ops() is not None:
+        if paged_attention_op() is not None:                          # registers torch.ops.streamgate
             return True
         if config.attention_backend == "kernel":
             raise RuntimeError("attention_backend='kernel' but the paged attention kernel did not build (see the log)")
@@ -80,7 +108,7 @@ class ModelRunner:
         reaches its last token this step, in batch order."""
         input_ids, positions, sample_rows, meta = self._prepare(batch)
         start = time.perf_counter()
-        logits = self.model(input_ids=input_ids, position_ids=positions, cache=self.kv_cache,
+        logits = self.forward(input_ids=input_ids, position_ids=positions, cache=self.kv_cache,
                             use_cache=False, paged=meta, logits_to_keep=sample_rows).logits
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
