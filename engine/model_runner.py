@@ -143,22 +143,31 @@ class ModelRunner:
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)      # [1, N]
         positions = torch.tensor([pos], dtype=torch.long, device=dev)      # [1, N]
         sample_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        if self.use_kernel:
-            meta.kernel = self._kernel_batch(batch)
+        if self.use_kernel and self.config.compile:
+            # Compiled: the kernel takes every row, so the metadata is three tensors whatever the batch.
+            meta.kernel = self._kernel_batch(batch.seqs, batch.num_new_tokens, None)
+        elif self.use_kernel:
+            # Eager: the kernel takes the one-token rows; prefill chunks stay on SDPA, whose blocked
+            # GEMMs beat the kernel's per-query loop 4-6x on long chunks (docs/BENCHMARKS.md §6.1).
+            one = [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
+            if one:
+                meta.kernel = self._kernel_batch([batch.seqs[i] for i in one], [1] * len(one), dec_rows)
+            self._torch_groups(meta, [], [], [], prefills)
         else:
             self._torch_groups(meta, dec_rows, dec_tables, dec_lens, prefills)
         return input_ids, positions, sample_t, meta
 
-    def _kernel_batch(self, batch: SchedulerOutput) -> KernelBatch:
+    def _kernel_batch(self, seqs, num_new_tokens: list[int], rows: list[int] | None) -> KernelBatch:
         bs = self.config.block_size
-        lens = [seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        lens = [seq.num_computed_tokens + n for seq, n in zip(seqs, num_new_tokens)]
         width = max(-(-n // bs) for n in lens)
-        tables = [seq.block_table[:width] + [0] * (width - len(seq.block_table[:width])) for seq in batch.seqs]
+        tables = [seq.block_table[:width] + [0] * (width - len(seq.block_table[:width])) for seq in seqs]
         q_start = [0]
-        for n in batch.num_new_tokens:
+        for n in num_new_tokens:
             q_start.append(q_start[-1] + n)
         return KernelBatch(torch.tensor(tables, dtype=torch.long), torch.tensor(q_start, dtype=torch.long),
-                           torch.tensor(lens, dtype=torch.long))
+                           torch.tensor(lens, dtype=torch.long),
+                           None if rows is None else torch.tensor(rows, dtype=torch.long))
 
     def _torch_groups(self, meta: AttentionMetadata, dec_rows, dec_tables, dec_lens, prefills) -> None:
         """Decode groups of similar context length and per-chunk masks for the torch backend."""
