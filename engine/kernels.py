@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from functools import cache
 from pathlib import Path
@@ -37,6 +38,9 @@ def paged_attention_ops():
     if not SOURCE.exists():
         log.warning("paged attention kernel: %s is missing; using the torch attention path", SOURCE)
         return None
+    # cpp_extension runs `ninja` from PATH; the venv's own (the `ninja` package) is there only
+    # when the venv is activated, which `make` does not do.
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     start = time.perf_counter()
     try:
         module = load(name=NAME, sources=[str(SOURCE)], build_directory=str(build_dir()),
