@@ -93,7 +93,8 @@ def main(argv=None) -> int:
         ref = paged_attention(Layer, query, key, key, None, scaling=dim ** -0.5, paged=torch_meta)[0]
         got = paged_attention(Layer, query, key, key, None, scaling=dim ** -0.5, paged=kernel_meta)[0]
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{args.seqs} sequences x {n} query tokens, contexts {min(lens)}-{max(lens)} ({sum(lens)} tokens), {args.dtype}, "
+    print(f"{args.seqs} sequences x {n} query tokens, contexts {min(lens)}-{max(lens)} ({sum(lens)} tokens), "
+          f"{args.dtype}, "
           f"{args.threads} threads, 30 layers, median of {args.reps}:")
     for k, v in med.items():
         print(f"  {k:7s} {v * 1000:8.1f} ms/step")

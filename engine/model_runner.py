@@ -55,7 +55,8 @@ class ModelRunner:
         with torch.inference_mode():
             for seqs, n in ((1, 1), (2, 8)):
                 tokens, ctx = seqs * n, n + (self.config.block_size if n > 1 else 0)
-                meta = AttentionMetadata(self.kv_cache, torch.zeros(tokens, dtype=torch.long, device=self.device), [], [])
+                slots = torch.zeros(tokens, dtype=torch.long, device=self.device)
+                meta = AttentionMetadata(self.kv_cache, slots, [], [])
                 if self.use_kernel:
                     meta.kernel = KernelBatch(torch.zeros(seqs, -(-ctx // self.config.block_size), dtype=torch.long),
                                               torch.arange(seqs + 1) * n, torch.full((seqs,), ctx))
