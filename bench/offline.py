@@ -54,13 +54,15 @@ def _rss_mib() -> float:
 
 
 def run_engine(model_dir: str, requests, kv_tokens: int, max_num_seqs: int, max_batched_tokens: int,
-               device: str = "cpu", dtype: str = "float32") -> dict:
+               device: str = "cpu", dtype: str = "float32", attention_backend: str = "auto",
+               compile: bool = False) -> dict:
     """Drive `LLMEngine.step()` over all requests, recording the engine's per-step stats."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     cfg = EngineConfig(model=model_dir, device=device, dtype=dtype, block_size=BLOCK_SIZE,
                        num_kv_blocks=kv_tokens // BLOCK_SIZE, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_batched_tokens)
+                       max_num_batched_tokens=max_batched_tokens, attention_backend=attention_backend,
+                       compile=compile)
     eng = LLMEngine(cfg)
     rss_loaded = _rss_mib()
     eng.add_request("warmup", prompt_token_ids=list(requests[0].prompt_ids[:8]),
@@ -92,7 +94,9 @@ def run_engine(model_dir: str, requests, kv_tokens: int, max_num_seqs: int, max_
                       "blocks_total": s.get("kv_blocks_total"), "slots_used": s.get("kv_slots_used")})
     wall = time.perf_counter() - start - stats_s
     bad = {k: v for k, v in reasons.items() if v != "length"}
-    notes = [f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_batched_tokens}, "
+    notes = [f"attention {'kernel' if eng.runner.use_kernel else 'torch'}, {eng.runner.dtype}, "
+             f"{'compiled' if compile else 'eager'}, "
+             f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_batched_tokens}, "
              f"KV {cfg.num_kv_blocks} x {cfg.block_size}-token blocks"]
     return {
         "wall_s": wall,
@@ -146,7 +150,7 @@ def run_system(args) -> dict:
     requests = _workload(AutoTokenizer.from_pretrained(model_dir), args)
     if args.system == "engine":
         result = run_engine(model_dir, requests, args.kv_tokens, args.max_num_seqs, args.max_batched_tokens,
-                            args.device, args.dtype)
+                            args.device, args.dtype, args.attention_backend, args.compile)
     elif args.device != "cpu":
         raise SystemExit(f"{args.system} runs on the CPU only; use --systems engine with --device {args.device}")
     else:
@@ -176,9 +180,11 @@ def _spawn(system: str, args, tmp: Path) -> dict:
     out = tmp / f"{system}.json"
     cmd = [sys.executable, "-m", "bench.offline", "--system", system, "--json-out", str(out)]
     for flag in ("num_requests", "seed", "max_prompt", "max_output", "threads", "model", "model_dir",
-                 "max_num_seqs", "max_batched_tokens", "kv_tokens", "device", "dtype"):
+                 "max_num_seqs", "max_batched_tokens", "kv_tokens", "device", "dtype", "attention_backend"):
         if getattr(args, flag) is not None:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    if args.compile:
+        cmd.append("--compile")
     print(f"== {system} ...", file=sys.stderr, flush=True)
     rc = subprocess.run(cmd).returncode
     if out.exists():
@@ -253,7 +259,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="default", help="model name given to engine.models.resolve_model")
     p.add_argument("--model-dir", help="local HF model directory (skips resolve_model)")
     p.add_argument("--device", default="cpu", help="engine device (the HF baselines run on the CPU)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="engine dtype")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"], help="engine dtype")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "kernel", "torch"],
+                   help="engine attention backend (engine system only)")
+    p.add_argument("--compile", action="store_true", help="engine with torch.compile (engine system only)")
     p.add_argument("--json-out", default="bench/results/offline.json")
     p.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)  # child mode: run one system
     args = p.parse_args(argv)

@@ -1,12 +1,19 @@
 """Attention over block tables for a packed batch that mixes prefill chunks and decode
 tokens, registered with transformers' AttentionInterface as "streamgate_paged".
 
-The model runs on one packed row `[1, N]`. Rows that compute a single token (decodes, and a
-prefill's last 1-token chunk) are batched into SDPA calls over their gathered, padded
-contexts, one call per group of similar context lengths (so one long context does not
-make every stream gather and attend over its padding). Each prefill chunk gets its own SDPA call with a causal mask offset by the tokens
-already computed. All index tensors are built once per step (`AttentionMetadata`) and
-shared by every layer.
+The model runs on one packed row `[1, N]`. Two backends:
+- "kernel" (CPU): the C++ kernel (csrc/, `torch.ops.streamgate.paged_attention`, registered
+  by engine.kernels when the runner picks it) attends for all single-token rows in one call
+  per layer, reading each sequence's keys and values in place through its block table.
+  Prefill chunks stay on SDPA as below (faster there); a compiled model sends every row to
+  the kernel so that its metadata is the same three tensors every step.
+- "torch" (CUDA, and the CPU fallback and reference): single-token rows are batched into
+  SDPA calls over their gathered, padded contexts, one call per group of similar context
+  lengths (so one long context does not make every stream gather and attend over its
+  padding).
+Each prefill chunk gets its own SDPA call with a causal mask offset by the tokens already
+computed. All index tensors are built once per step (`AttentionMetadata`) and shared by
+every layer.
 """
 
 from __future__ import annotations
@@ -38,11 +45,21 @@ class DecodeGroup:
 
 
 @dataclass
+class KernelBatch:
+    """The sequences the C++ kernel attends for: b owns its query rows q_start[b]:q_start[b+1]."""
+    block_tables: torch.Tensor       # [B, W] int64, padded with block 0
+    q_start: torch.Tensor            # [B + 1] int64
+    ctx_lens: torch.Tensor           # [B] int64, context length including this step's tokens
+    rows: torch.Tensor | None = None  # [B] packed row of each (one-token) sequence; None: all rows, in order
+
+
+@dataclass
 class AttentionMetadata:
     cache: PagedKVCache
     slot_mapping: torch.Tensor       # [N] where each new token's K/V goes
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    kernel: KernelBatch | None = None   # rows the kernel attends for (the groups take the rest)
 
 
 def paged_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, **kwargs):
@@ -51,10 +68,18 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
     meta: AttentionMetadata = kwargs["paged"]
     layer = module.layer_idx
     q = query[0].transpose(0, 1)                                  # [N, H, D]
+    out = torch.empty_like(q)                                     # [N, H, D]
+    if (kb := meta.kernel) is not None:
+        qk = q if kb.rows is None else q[kb.rows]                 # [B or N, H, D]
+        ok = out if kb.rows is None else torch.empty_like(qk)
+        torch.ops.streamgate.paged_attention(qk, meta.cache.k[layer], meta.cache.v[layer], kb.block_tables,
+                                             kb.q_start, kb.ctx_lens, meta.cache.block_size, scaling, ok)
+        if kb.rows is None:
+            return out.unsqueeze(0), None
+        out[kb.rows] = ok
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)                                     # [N, H, D]
 
     for dec in meta.decodes:
         k_ctx, v_ctx = meta.cache.gather(layer, dec.slots)        # [B, T, H_kv, D]

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 POLICIES = ("fcfs", "priority", "cost", "fair")
 BATCHING = ("continuous", "static")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "auto")   # "auto": see model_runner.resolve_dtype
+ATTENTION_BACKENDS = ("auto", "kernel", "torch")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,10 @@ class EngineConfig:
     max_queued_tokens: int = 4 * 1024 * 1024
     starvation_threshold_s: float = 30.0  # waiting longer than this counts as starving
     seed: int = 0
+    # -- engine speed (issue 14, branch `speed`) --
+    attention_backend: str = "auto"       # "kernel": C++ paged attention (CPU), "torch": gather + SDPA,
+                                          # "auto": the kernel on CPU where it builds, else torch
+    compile: bool = False                 # torch.compile the model (dynamic batch size; opt-in: see BENCHMARKS §6)
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, msg: str) -> None:
@@ -67,6 +72,11 @@ class EngineConfig:
         need(self.starvation_threshold_s > 0, "starvation_threshold_s", "must be > 0")
         need(self.preemption_mode != "swap" or self.num_swap_blocks > 0, "num_swap_blocks",
              "must be > 0 when preemption_mode is 'swap'")
+        # -- engine speed (issue 14) --
+        need(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"must be one of {ATTENTION_BACKENDS}")
+        need(self.attention_backend != "kernel" or self.device == "cpu", "attention_backend",
+             "'kernel' is the CPU kernel; use 'auto' or 'torch' on CUDA")
+        need(isinstance(self.compile, bool), "compile", "must be a bool")
         if not self.chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
                  "must be >= max_model_len when chunked_prefill is off (a whole prompt runs in one step)")

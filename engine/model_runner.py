@@ -8,8 +8,9 @@ import time
 
 import torch
 
-from .attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from .attention import AttentionMetadata, DecodeGroup, KernelBatch, PrefillChunk
 from .config import EngineConfig
+from .kernels import paged_attention_op
 from .kv_cache import PagedKVCache
 from .models import load_model
 from .scheduler import SchedulerOutput
@@ -25,7 +26,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.tokenizer = load_model(config.model, self.dtype, self.device)
         hf = self.model.config
         self.vocab_size = hf.vocab_size
@@ -35,7 +36,47 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or self._auto_num_blocks(hf.num_hidden_layers, num_kv_heads, head_dim)
         self.kv_cache = PagedKVCache(hf.num_hidden_layers, self.num_blocks, config.block_size,
                                      num_kv_heads, head_dim, self.dtype, self.device, config.num_swap_blocks)
+        self.use_kernel = self._use_kernel(config)
+        log.info("dtype %s, attention backend %s", self.dtype, "kernel" if self.use_kernel else "torch")
+        self.forward = self.model
+        if config.compile:
+            self.forward = self._compiled()
         self.last_forward_time = 0.0
+
+    def _compiled(self):
+        """torch.compile with symbolic sizes, so one graph serves many batch shapes. It compiles
+        here, on dummy batches (block 0 is unused yet): one decode row, then 2 sequences x 8
+        tokens over 2-block contexts, the shapes torch specializes (1 vs many rows, sampled
+        rows, sequences, blocks); its time is logged. With the kernel the attention metadata
+        is three tensors; the torch backend's per-group lists are guarded on and recompile
+        as the batch changes (up to dynamo's limit, then eager)."""
+        forward = torch.compile(self.model, dynamic=True)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for seqs, n in ((1, 1), (2, 8)):
+                tokens, ctx = seqs * n, n + (self.config.block_size if n > 1 else 0)
+                slots = torch.zeros(tokens, dtype=torch.long, device=self.device)
+                meta = AttentionMetadata(self.kv_cache, slots, [], [])
+                if self.use_kernel:
+                    meta.kernel = KernelBatch(torch.zeros(seqs, -(-ctx // self.config.block_size), dtype=torch.long),
+                                              torch.arange(seqs + 1) * n, torch.full((seqs,), ctx))
+                else:
+                    meta.prefills += [PrefillChunk(slice(i * n, (i + 1) * n), None, None) for i in range(seqs)]
+                forward(input_ids=torch.zeros(1, tokens, dtype=torch.long, device=self.device),
+                        position_ids=torch.arange(ctx - n, ctx, device=self.device).repeat(seqs)[None],
+                        cache=self.kv_cache, use_cache=False, paged=meta,
+                        logits_to_keep=torch.arange(n - 1, tokens, n, device=self.device))
+        log.info("torch.compile: model compiled in %.1f s", time.perf_counter() - start)
+        return forward
+
+    def _use_kernel(self, config: EngineConfig) -> bool:
+        if config.attention_backend == "torch" or self.device.type != "cpu":
+            return False
+        if paged_attention_op() is not None:                          # registers torch.ops.streamgate
+            return True
+        if config.attention_backend == "kernel":
+            raise RuntimeError("attention_backend='kernel' but the paged attention kernel did not build (see the log)")
+        return False
 
     def _auto_num_blocks(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
         per_block = PagedKVCache.bytes_per_block(num_layers, self.config.block_size, num_kv_heads, head_dim, self.dtype)
@@ -68,7 +109,7 @@ class ModelRunner:
         reaches its last token this step, in batch order."""
         input_ids, positions, sample_rows, meta = self._prepare(batch)
         start = time.perf_counter()
-        logits = self.model(input_ids=input_ids, position_ids=positions, cache=self.kv_cache,
+        logits = self.forward(input_ids=input_ids, position_ids=positions, cache=self.kv_cache,
                             use_cache=False, paged=meta, logits_to_keep=sample_rows).logits
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -100,6 +141,38 @@ class ModelRunner:
                 prefills.append((row, start, n, table))
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         meta = AttentionMetadata(self.kv_cache, slot_t, [], [])
+        input_ids = torch.tensor([ids], dtype=torch.long, device=dev)      # [1, N]
+        positions = torch.tensor([pos], dtype=torch.long, device=dev)      # [1, N]
+        sample_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        if self.use_kernel and self.config.compile:
+            # Compiled: the kernel takes every row, so the metadata is three tensors whatever the batch.
+            meta.kernel = self._kernel_batch(batch.seqs, batch.num_new_tokens, None)
+        elif self.use_kernel:
+            # Eager: the kernel takes the one-token rows; prefill chunks stay on SDPA, whose blocked
+            # GEMMs beat the kernel's per-query loop 4-6x on long chunks (docs/BENCHMARKS.md §6.1).
+            one = [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
+            if one:
+                meta.kernel = self._kernel_batch([batch.seqs[i] for i in one], [1] * len(one), dec_rows)
+            self._torch_groups(meta, [], [], [], prefills)
+        else:
+            self._torch_groups(meta, dec_rows, dec_tables, dec_lens, prefills)
+        return input_ids, positions, sample_t, meta
+
+    def _kernel_batch(self, seqs, num_new_tokens: list[int], rows: list[int] | None) -> KernelBatch:
+        bs = self.config.block_size
+        lens = [seq.num_computed_tokens + n for seq, n in zip(seqs, num_new_tokens)]
+        width = max(-(-n // bs) for n in lens)
+        tables = [seq.block_table[:width] + [0] * (width - len(seq.block_table[:width])) for seq in seqs]
+        q_start = [0]
+        for n in num_new_tokens:
+            q_start.append(q_start[-1] + n)
+        return KernelBatch(torch.tensor(tables, dtype=torch.long), torch.tensor(q_start, dtype=torch.long),
+                           torch.tensor(lens, dtype=torch.long),
+                           None if rows is None else torch.tensor(rows, dtype=torch.long))
+
+    def _torch_groups(self, meta: AttentionMetadata, dec_rows, dec_tables, dec_lens, prefills) -> None:
+        """Decode groups of similar context length and per-chunk masks for the torch backend."""
+        bs, dev = self.config.block_size, self.device
         order = sorted(range(len(dec_rows)), key=dec_lens.__getitem__)
         for group in _length_groups([dec_lens[i] for i in order]):
             idx = [order[i] for i in group]
@@ -122,16 +195,31 @@ class ModelRunner:
                 q_pos = torch.arange(start, length, device=dev)
                 chunk.mask = torch.arange(length, device=dev)[None, :] <= q_pos[:, None]   # [q, T]
             meta.prefills.append(chunk)
-        input_ids = torch.tensor([ids], dtype=torch.long, device=dev)      # [1, N]
-        positions = torch.tensor([pos], dtype=torch.long, device=dev)      # [1, N]
-        sample_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        return input_ids, positions, sample_t, meta
 
     def _slots(self, tables: torch.Tensor) -> torch.Tensor:
         """Block tables [B, nb] -> token slots [B, nb * block_size]."""
         bs = self.config.block_size
         offsets = torch.arange(bs, device=tables.device)
         return (tables[:, :, None] * bs + offsets).reshape(tables.shape[0], -1)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" is bf16 where it pays: on CUDA (as before), and on CPUs with AMX-bf16. Without
+    native bf16 instructions (e.g. AVX2-only CPUs) torch's bf16 matmuls are emulated and a
+    one-token decode step runs tens of times slower than in fp32 (docs/BENCHMARKS.md §6)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda" or _cpu_flags() >= {"amx_bf16", "amx_tile"}:
+        return torch.bfloat16
+    return torch.float32
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:                                                  # not Linux: no bf16 guess
+        return set()
 
 
 # A decode group may pad its rows up to this factor of its shortest context (plus a block)

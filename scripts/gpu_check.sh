@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# On a machine with an NVIDIA GPU: run the engine's parity tests on CUDA (bf16) and a short
-# offline benchmark. Takes a few minutes. Usage: bash scripts/gpu_check.sh [OUTDIR]
+# On a machine with an NVIDIA GPU: run the engine's parity tests on CUDA (bf16), eager and
+# compiled, and a short offline benchmark of both. Takes a few minutes (compiling more).
+# Usage: bash scripts/gpu_check.sh [OUTDIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -11,6 +12,9 @@ import torch
 assert torch.cuda.is_available(), "no CUDA device visible to torch (is this the CPU build of torch?)"
 print("CUDA:", torch.cuda.get_device_name(0), "torch", torch.__version__)
 PY
+# Every CUDA parity case, the compiled path (test_greedy_parity_compiled[cuda-bf16]) included.
 "$PY" -m pytest -q -m cuda -k "cuda" tests/test_parity.py 2>&1 | tee "$OUT/gpu_parity.txt"
 "$PY" -m bench.offline --device cuda --dtype bfloat16 --systems engine \
     --num-requests 64 --json-out "$OUT/offline_cuda.json" 2>&1 | tee "$OUT/gpu_bench.txt"
+"$PY" -m bench.offline --device cuda --dtype bfloat16 --systems engine --compile \
+    --num-requests 64 --json-out "$OUT/offline_cuda_compiled.json" 2>&1 | tee "$OUT/gpu_bench_compiled.txt"

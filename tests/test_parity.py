@@ -8,10 +8,19 @@ import random
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from tests.conftest import DEVICES
+from tests.conftest import NO_CUDA, cuda_available
 from tests.models import assert_greedy_parity, load_reference, run_to_completion
 
 TOL = {"float32": 1e-4, "bfloat16": 0.15, "float16": 0.05}
+
+# (device, dtype, attention backend): every attention path the engine can take.
+PATHS = [
+    pytest.param(("cpu", "float32", "kernel"), id="cpu-fp32-kernel"),
+    pytest.param(("cpu", "float32", "torch"), id="cpu-fp32-torch"),
+    pytest.param(("cpu", "bfloat16", "kernel"), id="cpu-bf16-kernel"),
+    pytest.param(("cuda", "bfloat16", "torch"), id="cuda-bf16",
+                 marks=[pytest.mark.cuda, pytest.mark.skipif(not cuda_available(), reason=NO_CUDA)]),
+]
 
 
 def mixed_workload(n: int, lengths: list[int], max_new: int, seed: int = 0) -> dict[int, list[tuple]]:
@@ -25,8 +34,9 @@ def mixed_workload(n: int, lengths: list[int], max_new: int, seed: int = 0) -> d
     return arrivals
 
 
-def check(engine_dir: str, device: str, dtype: str, arrivals, **cfg) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(model=engine_dir, device=device, dtype=dtype, **cfg))
+def check(engine_dir: str, path: tuple, arrivals, **cfg) -> LLMEngine:
+    device, dtype, backend = path
+    engine = LLMEngine(EngineConfig(model=engine_dir, device=device, dtype=dtype, attention_backend=backend, **cfg))
     outputs = run_to_completion(engine, arrivals)
     ref = load_reference(engine_dir, device, dtype)
     for reqs in arrivals.values():
@@ -38,39 +48,36 @@ def check(engine_dir: str, device: str, dtype: str, arrivals, **cfg) -> LLMEngin
     return engine
 
 
-@pytest.mark.parametrize("device_dtype", DEVICES)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_greedy_parity_chunked_mixed_batches(tiny_model, family, device_dtype):
+def test_greedy_parity_chunked_mixed_batches(tiny_model, family, path):
     """10 prompts of 3..300 tokens arriving over several steps, a 48-token budget forcing
     chunked prefill beside decodes: every output equals HF greedy generate."""
-    device, dtype = device_dtype
     arrivals = mixed_workload(10, [3, 17, 300, 64, 1, 129, 33, 250, 16, 80], max_new=24)
-    engine = check(tiny_model(family), device, dtype, arrivals, max_num_batched_tokens=48, max_num_seqs=8)
+    engine = check(tiny_model(family), path, arrivals, max_num_batched_tokens=48, max_num_seqs=8)
     assert engine.stats()["num_steps"] > 20
 
 
-@pytest.mark.parametrize("device_dtype", DEVICES)
-def test_greedy_parity_under_kv_pressure(tiny_model, device_dtype):
+@pytest.mark.parametrize("path", PATHS)
+def test_greedy_parity_under_kv_pressure(tiny_model, path):
     """A KV pool too small for all requests forces deferral and recompute preemption;
     outputs still equal HF and every block comes back."""
-    device, dtype = device_dtype
     arrivals = mixed_workload(8, [40, 70, 20, 90], max_new=40, seed=1)
-    engine = check(tiny_model("llama"), device, dtype, arrivals, num_kv_blocks=20, block_size=8,
+    engine = check(tiny_model("llama"), path, arrivals, num_kv_blocks=20, block_size=8,
                    max_num_batched_tokens=64, max_num_seqs=8, watermark=0.0)
     assert engine.stats()["num_preemptions"] > 0
 
 
-@pytest.mark.parametrize("device_dtype", DEVICES)
-def test_prefix_cache_reuses_blocks_and_keeps_parity(tiny_model, device_dtype):
+@pytest.mark.parametrize("path", PATHS)
+def test_prefix_cache_reuses_blocks_and_keeps_parity(tiny_model, path):
     """Requests sharing a long prefix reuse its blocks (hit tokens > 0) and still match HF."""
-    device, dtype = device_dtype
     rng = random.Random(7)
     shared = [rng.randrange(100, 40_000) for _ in range(100)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     arrivals = {0: [("a", shared + [11, 12, 13], params)],
                 6: [("b", shared + [21, 22], params), ("c", shared[:64] + [5] * 20, params)],
                 8: [("d", list(shared), params)]}
-    engine = check(tiny_model("llama"), device, dtype, arrivals, max_num_batched_tokens=64)
+    engine = check(tiny_model("llama"), path, arrivals, max_num_batched_tokens=64)
     # b and d hit the 96 tokens of shared full blocks (6 blocks); c hits the first 4 blocks.
     assert engine.stats()["prefix_cache_hit_tokens"] >= 96 + 64 + 96
 
@@ -81,17 +88,29 @@ def test_prefix_cache_off_means_no_hits(tiny_model):
     shared = [rng.randrange(100, 40_000) for _ in range(100)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     arrivals = {0: [("a", shared + [1], params)], 4: [("b", shared + [2], params)]}
-    engine = check(tiny_model("llama"), "cpu", "float32", arrivals, enable_prefix_caching=False)
+    engine = check(tiny_model("llama"), ("cpu", "float32", "auto"), arrivals, enable_prefix_caching=False)
     assert engine.stats()["prefix_cache_hit_tokens"] == 0
 
 
+def has_amx() -> bool:
+    from engine.model_runner import _cpu_flags
+
+    return "amx_bf16" in _cpu_flags()
+
+
+# bf16 on a CPU without AMX is emulated (tens of times slower than fp32 at one token): the
+# SmolLM2 bf16 run would take many minutes there, so it runs only on AMX machines.
+SMOLLM2_PATHS = [p if p.id != "cpu-bf16-kernel" else pytest.param(
+    *p.values, id=p.id, marks=pytest.mark.skipif(not has_amx(), reason="no AMX-bf16 on this CPU: bf16 is emulated"))
+    for p in PATHS]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("device_dtype", DEVICES)
-def test_smollm2_greedy_parity(default_model_dir, device_dtype, all_threads):
+@pytest.mark.parametrize("path", SMOLLM2_PATHS)
+def test_smollm2_greedy_parity(default_model_dir, path, all_threads):
     """SmolLM2-135M: 8 chat prompts of mixed lengths, chunked prefill, equal HF generate."""
     from transformers import AutoTokenizer
 
-    device, dtype = device_dtype
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     questions = ["What is 2+2?", "Name three colors.", "Write a haiku about the sea.",
                  "Explain what a KV cache is. " * 8, "Hi", "List the planets of the solar system in order.",
@@ -102,4 +121,20 @@ def test_smollm2_greedy_parity(default_model_dir, device_dtype, all_threads):
         prompt = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
         prompt = list(prompt["input_ids"]) if isinstance(prompt, dict) or hasattr(prompt, "keys") else list(prompt)
         arrivals.setdefault(i // 2, []).append((f"q{i}", prompt, params))
-    check(default_model_dir, device, dtype, arrivals, max_num_batched_tokens=96, max_num_seqs=8)
+    check(default_model_dir, path, arrivals, max_num_batched_tokens=96, max_num_seqs=8)
+
+
+@pytest.mark.slow   # compiling takes minutes on two cores, even for a tiny model
+@pytest.mark.parametrize("path", [p for p in PATHS if p.id in ("cpu-fp32-kernel", "cuda-bf16")])
+def test_greedy_parity_compiled(tiny_model, path):
+    """With torch.compile: chunked prefill beside decodes and recompute preemption still equal
+    HF greedy, and 20+ steps of changing batches add at most a few graphs to the two compiled
+    at start-up (no recompile per step)."""
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    arrivals = mixed_workload(8, [40, 70, 20, 90, 3], max_new=16, seed=1)
+    engine = check(tiny_model("llama"), path, arrivals, num_kv_blocks=20, block_size=8, max_num_batched_tokens=64,
+                   max_num_seqs=8, watermark=0.0, compile=True)
+    assert engine.stats()["num_preemptions"] > 0 and engine.stats()["num_steps"] > 20
+    assert 2 <= counters["stats"]["unique_graphs"] - before <= 5

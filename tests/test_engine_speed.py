@@ -1,0 +1,54 @@
+"""The speed options: dtype "auto", the attention backend choice and their validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import model_runner
+from engine.kernels import paged_attention_ops
+
+
+@pytest.mark.parametrize("flags, want", [({"avx2", "fma"}, torch.float32),
+                                         ({"avx512f", "amx_tile", "amx_bf16"}, torch.bfloat16)])
+def test_auto_dtype_is_bf16_only_with_amx(monkeypatch, flags, want):
+    """On CPU "auto" picks bf16 only where the CPU has AMX-bf16; explicit dtypes are kept."""
+    monkeypatch.setattr(model_runner, "_cpu_flags", lambda: flags)
+    assert model_runner.resolve_dtype("auto", torch.device("cpu")) == want
+    assert model_runner.resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    assert model_runner.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_auto_dtype_engine_runs_in_the_resolved_dtype(tiny_model):
+    """An engine with dtype "auto" holds its weights and KV pool in the resolved dtype."""
+    engine = LLMEngine(EngineConfig(model=tiny_model("llama"), dtype="auto", num_kv_blocks=16))
+    want = model_runner.resolve_dtype("auto", torch.device("cpu"))
+    assert engine.runner.kv_cache.k.dtype == want
+    assert next(engine.runner.model.parameters()).dtype == want
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert sum(len(o.new_token_ids) for o in outs) == 3
+
+
+@pytest.mark.parametrize("field, value", [("attention_backend", "flash"), ("dtype", "fp8")])
+def test_bad_speed_options_name_the_field(field, value):
+    """An unknown backend or dtype is refused with the field's name."""
+    with pytest.raises(ValueError, match=f"EngineConfig.{field}"):
+        EngineConfig(**{field: value})
+
+
+def test_kernel_backend_is_cpu_only():
+    """Asking for the CPU kernel on CUDA is refused at construction, naming the field."""
+    with pytest.raises(ValueError, match="EngineConfig.attention_backend"):
+        EngineConfig(device="cuda", attention_backend="kernel")
+
+
+def test_auto_backend_takes_the_kernel_where_it_builds(tiny_model):
+    """On CPU, "auto" runs the C++ kernel when it is built and "torch" never does."""
+    auto = LLMEngine(EngineConfig(model=tiny_model("llama"), num_kv_blocks=8))
+    torch_path = LLMEngine(EngineConfig(model=tiny_model("llama"), num_kv_blocks=8, attention_backend="torch"))
+    assert auto.runner.use_kernel == (paged_attention_ops() is not None)
+    assert not torch_path.runner.use_kernel
