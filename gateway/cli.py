@@ -23,15 +23,18 @@ import time
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a local HF dir or a hub id")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default): bfloat16 on CUDA and on CPUs with AMX-bf16, else float32")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "kernel", "torch"],
+                   help="auto: the C++ paged attention kernel on CPU where it builds, else gather + SDPA")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (start-up takes minutes)")
 
 
 def chat(args: argparse.Namespace) -> int:
     from engine import EngineConfig, LLMEngine, SamplingParams
 
-    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=dtype))
+    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                                    attention_backend=args.attention_backend, compile=args.compile))
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})
     prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -78,8 +81,8 @@ def engine_config_from_args(args: argparse.Namespace):
     """The EngineConfig that `_engine_args` + `_scheduling_args` flags describe."""
     from engine import EngineConfig
 
-    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    return EngineConfig(model=args.model, device=args.device, dtype=dtype, policy=args.policy,
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                        attention_backend=args.attention_backend, compile=args.compile, policy=args.policy,
                         preemption_mode=args.preemption_mode, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         num_kv_blocks=args.num_kv_blocks, num_swap_blocks=args.num_swap_blocks,
