@@ -31,12 +31,17 @@ class EngineConfig:
     chunked_prefill: bool = True          # False: prefill-first, unchunked (for comparison)
     batching: str = "continuous"          # "static": request-level batches (for comparison)
     aging_rate: float = 0.1               # priority classes gained per second of waiting
-    preempt_for_priority: bool | None = None  # None: on for "priority"; "fair" opts in (seat share)
+    preempt_for_priority: bool | None = None  # None: on for "priority" and "fair" (seat share)
     swap_min_tokens: int = 256            # auto mode: swap sequences at least this long
     max_queued_requests: int = 4096       # beyond this add_request raises EngineOverloaded
     max_queued_tokens: int = 4 * 1024 * 1024
     starvation_threshold_s: float = 30.0  # waiting longer than this counts as starving
     seed: int = 0
+    # -- scheduling: fair seats and the adaptive token budget (issues 11 and 14) -----------
+    itl_target_ms: float | None = 1500.0  # None: every step's budget is max_num_batched_tokens
+    max_step_tokens: int = 4096           # ceiling of the adaptive budget (itl_target_ms set)
+    seat_quantum_steps: int = 2           # steps a sequence runs after (re)admission before it may lose its seat
+    max_seat_preemptions: int = 2         # times a sequence may lose its seat to an arrival
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, msg: str) -> None:
@@ -65,6 +70,13 @@ class EngineConfig:
         need(_is_int(self.max_queued_requests) and self.max_queued_requests > 0, "max_queued_requests", "must be > 0")
         need(_is_int(self.max_queued_tokens) and self.max_queued_tokens > 0, "max_queued_tokens", "must be > 0")
         need(self.starvation_threshold_s > 0, "starvation_threshold_s", "must be > 0")
+        need(self.itl_target_ms is None or (isinstance(self.itl_target_ms, (int, float)) and self.itl_target_ms > 0),
+             "itl_target_ms", "must be None or > 0")
+        need(_is_int(self.max_step_tokens) and self.max_step_tokens >= self.max_num_batched_tokens, "max_step_tokens",
+             "must be an int >= max_num_batched_tokens")
+        need(_is_int(self.seat_quantum_steps) and self.seat_quantum_steps >= 0, "seat_quantum_steps", "must be an int >= 0")
+        need(_is_int(self.max_seat_preemptions) and self.max_seat_preemptions >= 0, "max_seat_preemptions",
+             "must be an int >= 0")
         need(self.preemption_mode != "swap" or self.num_swap_blocks > 0, "num_swap_blocks",
              "must be > 0 when preemption_mode is 'swap'")
         if not self.chunked_prefill and self.max_model_len is not None:
@@ -74,7 +86,7 @@ class EngineConfig:
     @property
     def priority_preemption(self) -> bool:
         if self.preempt_for_priority is None:
-            return self.policy == "priority"
+            return self.policy in ("priority", "fair")
         return self.preempt_for_priority
 
 
