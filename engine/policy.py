@@ -122,7 +122,9 @@ class FairPolicy(Policy):
         if seq.tenant not in tenants:
             active = [self.counters.get(t, 0.0) for t in tenants]
             floor = min(active) if active else max(self.counters.values(), default=0.0)
-            self.counters[seq.tenant] = max(self.counters.get(seq.tenant, 0.0), floor)
+            # Just under the floor: a tie goes to the tenant back from idle, whose request
+            # would otherwise queue behind the backlogged tenant's older ones for a step.
+            self.counters[seq.tenant] = max(self.counters.get(seq.tenant, 0.0), math.nextafter(floor, -INF))
 
     def may_preempt(self, victim: Sequence, newcomer: Sequence, now: float, running: list[Sequence]) -> bool:
         """Seats are shared by weight too: a tenant holding fewer seats than its weighted
@@ -133,13 +135,14 @@ class FairPolicy(Policy):
         if victim.tenant == newcomer.tenant:
             return False
         seats = Counter(s.tenant for s in running)
-        present = set(seats) | {newcomer.tenant}
+        return (seats[newcomer.tenant] + 1 <= self.seat_share(newcomer.tenant, seats)
+                and seats[victim.tenant] - 1 >= self.seat_share(victim.tenant, seats, newcomer.tenant))
+
+    def seat_share(self, tenant, seats: Counter, newcomer=None) -> float:
+        """`tenant`'s weighted share of the seats among the tenants holding one (and the newcomer)."""
+        present = set(seats) | {tenant} | ({newcomer} if newcomer is not None else set())
         total = sum(self.weights.get(t, 1.0) for t in present)
-
-        def share(tenant) -> float:
-            return self.config.max_num_seqs * self.weights.get(tenant, 1.0) / total
-
-        return seats[newcomer.tenant] + 1 <= share(newcomer.tenant) and seats[victim.tenant] - 1 >= share(victim.tenant)
+        return self.config.max_num_seqs * self.weights.get(tenant, 1.0) / total
 
     def on_served(self, seq: Sequence, prompt_tokens: int, output_tokens: int) -> None:
         cost = self.INPUT_COST * prompt_tokens + self.OUTPUT_COST * output_tokens

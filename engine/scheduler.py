@@ -161,7 +161,7 @@ class Scheduler:
         """Every running sequence with one token to compute, most urgent first."""
         for seq in [s for s in self.running if not s.is_prefill]:
             if seq.status is SequenceStatus.RUNNING and self._reserve_decode_slot(seq, out, now):
-                out.add(seq, 1)
+                self._add(out, seq, 1)                       # (a prompt's last token is charged)
 
     def _schedule_prefills(self, out: SchedulerOutput) -> None:
         """Ongoing prefills (chunked), in urgency order."""
@@ -185,12 +185,9 @@ class Scheduler:
                 self.waiting.sort(key=key)
                 self.swapped.sort(key=key)
             seq = min(self.waiting[:1] + self.swapped[:1], key=key)
-            if seq in out.preempted:
-                break                                        # do not undo this step's preemption
-            swapping = seq.status is SequenceStatus.SWAPPED
-            need = seq.num_uncomputed_tokens if swapping else seq.num_tokens
-            if self.admission.chunk(need, out.budget_left) == 0 or not self._make_room(seq, swapping, out, now):
+            if not self._can_start(seq, out, now):
                 break
+            swapping = seq.status is SequenceStatus.SWAPPED
             if swapping:
                 self.swapped.remove(seq)
                 pairs = self.bm.swap_in(seq)
@@ -205,6 +202,13 @@ class Scheduler:
             seq.admitted_step = self.num_steps
             self.running.append(seq)
             self._add(out, seq, self.admission.chunk(seq.num_uncomputed_tokens, out.budget_left))
+
+    def _can_start(self, seq: Sequence, out: SchedulerOutput, now: float) -> bool:
+        if seq in out.preempted:
+            return False                                     # do not undo this step's preemption
+        swapping = seq.status is SequenceStatus.SWAPPED
+        need = seq.num_uncomputed_tokens if swapping else seq.num_tokens
+        return self.admission.chunk(need, out.budget_left) > 0 and self._make_room(seq, swapping, out, now)
 
     def _add(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         """Schedule `n` tokens of `seq`. Prompt work is charged to the policy now (as VTC
