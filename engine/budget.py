@@ -6,13 +6,16 @@ A step's time is close to linear in what it carries:
 
 (`a`: per-step overhead; `b`: one decode row, attention over its context included; `c`:
 one prompt token). `AdaptiveBudget` fits a, b, c by least squares over the last steps it
-was told about, and gives each step as many prefill tokens as fit under the target once
-the decodes are paid for. So prefill drains fast while few streams decode (their tokens
-are cheap, and nobody else is waiting on the step) and shrinks when many do, whatever the
-hardware, model or compilation mode: the costs are measured, not configured.
+was told about, and gives each step as many tokens as fit under the target once the
+decodes are paid for. So prefill drains fast while few streams decode and the budget
+shrinks as more do, whatever the hardware, model, dtype or compilation mode: the costs
+are measured, not configured.
 
-Never fewer than `MIN_PREFILL_TOKENS` prefill tokens, so a prompt always progresses even
-when the decodes alone exceed the target; never more than `max_step_tokens` in all.
+Bounds: never more than `max_step_tokens`, and never less than `max_num_batched_tokens`
+(the fixed budget): where the target cannot be met (a slow or busy host, many long
+contexts) the step is what it was before, instead of starving prefill to shave a few
+milliseconds off a step that is slow anyway. A tighter ITL is a smaller
+`max_num_batched_tokens`, as before.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from collections import deque
 
 from .config import EngineConfig
 
-MIN_PREFILL_TOKENS = 64
 WINDOW = 48                  # steps the fit remembers: a few seconds of serving
 MIN_SAMPLES = 4              # steps seen before the fit replaces the fixed budget
 OUTLIER = 4.0                # a step this many times slower than predicted (a compile, a
@@ -55,9 +57,8 @@ class AdaptiveBudget(FixedBudget):
         if self.coef is None:
             return self.fixed
         a, b, c = self.coef
-        prefill = (self.target_s - a - b * num_decodes) / c
-        prefill = max(MIN_PREFILL_TOKENS, min(prefill, self.ceiling - num_decodes))
-        return num_decodes + max(0, int(prefill))
+        fits = num_decodes + int(max(0.0, self.target_s - a - b * num_decodes) / c)
+        return max(self.fixed, min(fits, self.ceiling))
 
     def predict(self, num_decodes: int, num_prefill: int) -> float | None:
         if self.coef is None:

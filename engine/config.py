@@ -38,8 +38,11 @@ class EngineConfig:
     starvation_threshold_s: float = 30.0  # waiting longer than this counts as starving
     seed: int = 0
     # -- scheduling: fair seats and the adaptive token budget (issues 11 and 14) -----------
-    itl_target_ms: float | None = 1500.0  # None: every step's budget is max_num_batched_tokens
-    max_step_tokens: int = 4096           # ceiling of the adaptive budget (itl_target_ms set)
+    # With a target, steps may grow past max_num_batched_tokens while they stay this long
+    # (measured), up to max_step_tokens. None here keeps batch composition independent of
+    # wall-clock time (tests, offline runs); `streamgate serve` sets a target (budget.py).
+    itl_target_ms: float | None = None
+    max_step_tokens: int = 4096
     seat_quantum_steps: int = 2           # steps a sequence runs after (re)admission before it may lose its seat
     max_seat_preemptions: int = 2         # times a sequence may lose its seat to an arrival
 
