@@ -16,21 +16,11 @@ When KV blocks run low there are four answers, each used here:
              generated tokens kept, to be recomputed like a prompt (prefix caching often
              makes that cheap);
 - swap:      a preempted sequence's blocks are copied to a host pool and copied back later.
-`preemption_mode="auto"` swaps when the host pool has room and recomputing would redo at
-least `swap_min_tokens` tokens (more than the copy costs), else recomputes. A sequence that
-loses its seat to an arrival keeps its full blocks in the prefix cache while the pool has
-room, so only its last partial block counts as redone.
+`preemption_mode="auto"` swaps when recomputing would redo at least `swap_min_tokens`
+tokens and the host pool has room (docs/ENGINE.md: seats, and what counts as redone).
 
-Seats (preemption at admission, on by default for `priority` and `fair`): an arrival the
-policy ranks above a running sequence (a more urgent class; a tenant below its weighted
-share of seats taking one from a tenant above its own) preempts it and starts this step.
-Without churn: a sequence runs `seat_quantum_steps` after (re)admission before it can lose
-its seat, and loses it at most `max_seat_preemptions` times. A tenant is never charged for
-recomputing what the scheduler took away (`Sequence.num_billed_tokens`).
-
-After the forward pass, `update()` owns everything: computed tokens catch up, full blocks
-are committed to the prefix cache, sampled tokens are appended and charged, and sequences
-that hit a stop token or their length are finished.
+After the forward pass `update()` owns everything: computed tokens catch up, full blocks
+are committed, sampled tokens are appended and charged, stop tokens and lengths finish.
 """
 
 from __future__ import annotations
