@@ -3,6 +3,7 @@
     python -m bench.scheduling smoothness   # 16 decoding streams while 4 ~2k-token prompts arrive
     python -m bench.scheduling preemption   # cost of a preemption per 1k tokens: recompute vs swap
     python -m bench.scheduling burst        # 32 streams start at once: fixed budget vs ITL targets
+    python -m bench.scheduling model        # the same two traces on a cost model (no torch, seconds)
 
 `smoothness` runs the same trace, in-process: chunked prefill with decode first (a fixed
 budget of 256, and the adaptive budget at `--itl-target-ms`) and prefill-first unchunked
@@ -14,6 +15,11 @@ and the time the long prompts took to their first token.
 at once, each sending its next request (256-token prompt, 64 output tokens) when its
 answer ends; TTFT p50 / p99, ITL p50 / p99 and output tokens/s, once per `--targets` entry
 (`none`: the fixed budget of 512; a number: the adaptive budget at that ITL target).
+
+`model` is not a measurement: it drives the real scheduler and budget with a step time of
+a + b·decodes + c·prompt tokens (defaults: DESIGN.md's idle-host probes for SmolLM2 fp32,
+60 ms, 5 ms, 2.1 ms) and runs the burst and smoothness traces for each target in seconds,
+independent of how busy the host is.
 """
 
 from __future__ import annotations
@@ -144,6 +150,57 @@ def burst(args) -> dict:
     return results
 
 
+def model(args) -> dict:
+    from engine.block_manager import BlockManager
+    from engine.config import EngineConfig, SamplingParams
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+
+    a, b, c = (float(x) for x in args.costs.split(","))
+    rng = random.Random(args.seed)
+
+    def run(target, budget, requests, until):
+        cfg = EngineConfig(num_kv_blocks=20000, max_num_seqs=32, max_num_batched_tokens=budget, itl_target_ms=target,
+                           enable_prefix_caching=False, watermark=0.0)
+        clock = [0.0]
+        s = Scheduler(cfg, BlockManager(20000, 16, False), clock=lambda: clock[0])
+        last, gaps, first, step, measuring = {}, [], {}, 0, False
+        while not until(step, first):
+            for rid, n, max_tokens in requests(step):
+                s.add(Sequence(rid, [rng.randrange(100, 9999) for _ in range(n)], SamplingParams(max_tokens=max_tokens),
+                               arrival_time=clock[0]))
+                measuring |= rid.startswith("long")              # streams' gaps count from the first long arrival
+            out = s.schedule()
+            t = a + b * out.num_decode_tokens + c * out.num_prefill_tokens
+            clock[0] += t
+            s.budget.observe(out.num_decode_tokens, out.num_prefill_tokens, t)
+            for q in s.update(out, [7] * len(out.sampling_seqs)):
+                if q.request_id in last and q.request_id.startswith("s") and measuring:
+                    gaps.append(clock[0] - last[q.request_id])
+                first.setdefault(q.request_id, clock[0] - q.arrival_time)
+                last[q.request_id] = clock[0]
+            step += 1
+        return first, gaps
+
+    results = {}
+    n = args.burst_streams
+    for spec in args.targets.split(","):
+        target = None if spec == "none" else float(spec)
+        first, _ = run(target, 512, lambda st: [(f"r{i}", args.prompt_tokens, args.output_tokens) for i in range(n)] if st == 0 else [],
+                       lambda st, f: len(f) == n)
+        ttft = list(first.values())
+        longs = lambda st: [(f"s{i}", 32, 10**6) for i in range(args.streams)] if st == 0 else (  # noqa: E731
+            [(f"long{(st - 5) // 6}", args.long_tokens, 4)] if st >= 5 and (st - 5) % 6 == 0 and (st - 5) // 6 < args.long_prompts else [])
+        first, gaps = run(target, args.budget, longs, lambda st, f: sum(k.startswith("long") for k in f) == args.long_prompts)
+        r = results[spec] = {"burst_ttft_p50_s": percentile(ttft, 50), "burst_ttft_p99_s": percentile(ttft, 99),
+                             "smooth_itl_p50_ms": 1000 * percentile(gaps, 50),
+                             "smooth_itl_p99_ms": 1000 * percentile(gaps, 99)}
+        print(f"{'fixed' if target is None else f'target {target:g} ms':18s} burst TTFT p50 {r['burst_ttft_p50_s']:5.1f} s "
+              f"p99 {r['burst_ttft_p99_s']:5.1f} s | smoothness ITL p50 {r['smooth_itl_p50_ms']:5.0f} ms "
+              f"p99 {r['smooth_itl_p99_ms']:5.0f} ms (p99/p50 {r['smooth_itl_p99_ms'] / r['smooth_itl_p50_ms']:.2f})")
+    return results
+
+
 def preemption(args) -> dict:
     """Time to bring back 1k tokens of context: recompute (prefill again) vs swap (copy
     blocks out to the host pool and back)."""
@@ -179,7 +236,8 @@ def preemption(args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=["smoothness", "preemption", "burst"])
+    ap.add_argument("which", choices=["smoothness", "preemption", "burst", "model"])
+    ap.add_argument("--costs", default="0.060,0.005,0.0021", help="model: a,b,c seconds (step, decode row, prompt token)")
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--long-prompts", type=int, default=4)
     ap.add_argument("--long-tokens", type=int, default=2000)
@@ -196,7 +254,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
-    res = {"smoothness": smoothness, "preemption": preemption, "burst": burst}[args.which](args)
+    res = {"smoothness": smoothness, "preemption": preemption, "burst": burst, "model": model}[args.which](args)
     out = Path(args.json_out or f"bench/results/{args.which}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
