@@ -135,14 +135,13 @@ class FairPolicy(Policy):
         if victim.tenant == newcomer.tenant:
             return False
         seats = Counter(s.tenant for s in running)
-        return (seats[newcomer.tenant] + 1 <= self.seat_share(newcomer.tenant, seats)
-                and seats[victim.tenant] - 1 >= self.seat_share(victim.tenant, seats, newcomer.tenant))
-
-    def seat_share(self, tenant, seats: Counter, newcomer=None) -> float:
-        """`tenant`'s weighted share of the seats among the tenants holding one (and the newcomer)."""
-        present = set(seats) | {tenant} | ({newcomer} if newcomer is not None else set())
+        present = set(seats) | {newcomer.tenant}
         total = sum(self.weights.get(t, 1.0) for t in present)
-        return self.config.max_num_seqs * self.weights.get(tenant, 1.0) / total
+
+        def share(tenant) -> float:
+            return self.config.max_num_seqs * self.weights.get(tenant, 1.0) / total
+
+        return seats[newcomer.tenant] + 1 <= share(newcomer.tenant) and seats[victim.tenant] - 1 >= share(victim.tenant)
 
     def on_served(self, seq: Sequence, prompt_tokens: int, output_tokens: int) -> None:
         cost = self.INPUT_COST * prompt_tokens + self.OUTPUT_COST * output_tokens
