@@ -39,8 +39,9 @@ class EngineConfig:
     seed: int = 0
     # -- scheduling: fair seats and the adaptive token budget (issues 11 and 14) -----------
     # With a target, steps may grow past max_num_batched_tokens while they stay this long
-    # (measured), up to max_step_tokens. None here keeps batch composition independent of
-    # wall-clock time (tests, offline runs); `streamgate serve` sets a target (budget.py).
+    # (measured), up to max_step_tokens. Off by default: batch composition then never
+    # depends on wall-clock time, and on CPU a target that shortens a burst's TTFT breaks
+    # decode smoothness (docs/BENCHMARKS.md 6.4).
     itl_target_ms: float | None = None
     max_step_tokens: int = 4096
     seat_quantum_steps: int = 2           # steps a sequence runs after (re)admission before it may lose its seat
