@@ -32,7 +32,7 @@ class EngineConfig:
     chunked_prefill: bool = True          # False: prefill-first, unchunked (for comparison)
     batching: str = "continuous"          # "static": request-level batches (for comparison)
     aging_rate: float = 0.1               # priority classes gained per second of waiting
-    preempt_for_priority: bool | None = None  # None: on for "priority"; "fair" opts in (seat share)
+    preempt_for_priority: bool | None = None  # None: on for "priority" and "fair" (seat share)
     swap_min_tokens: int = 256            # auto mode: swap sequences at least this long
     max_queued_requests: int = 4096       # beyond this add_request raises EngineOverloaded
     max_queued_tokens: int = 4 * 1024 * 1024
@@ -41,7 +41,16 @@ class EngineConfig:
     # -- engine speed (issue 14, branch `speed`) --
     attention_backend: str = "auto"       # "kernel": C++ paged attention (CPU), "torch": gather + SDPA,
                                           # "auto": the kernel on CPU where it builds, else torch
-    compile: bool = False                 # torch.compile the model (dynamic batch size; opt-in: see BENCHMARKS §6)
+    compile: bool = False                 # torch.compile the model (dynamic batch size; opt-in: see docs/BENCHMARKS.md §8.3)
+    # -- scheduling: fair seats and the adaptive token budget (issues 11 and 14) -----------
+    # With a target, steps may grow past max_num_batched_tokens while they stay this long
+    # (measured), up to max_step_tokens. Off by default: batch composition then never
+    # depends on wall-clock time, and on CPU a target that shortens a burst's TTFT breaks
+    # decode smoothness (docs/BENCHMARKS.md §9.4).
+    itl_target_ms: float | None = None
+    max_step_tokens: int = 4096
+    seat_quantum_steps: int = 2           # steps a sequence runs after (re)admission before it may lose its seat
+    max_seat_preemptions: int = 2         # times a sequence may lose its seat to an arrival
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, msg: str) -> None:
@@ -70,6 +79,13 @@ class EngineConfig:
         need(_is_int(self.max_queued_requests) and self.max_queued_requests > 0, "max_queued_requests", "must be > 0")
         need(_is_int(self.max_queued_tokens) and self.max_queued_tokens > 0, "max_queued_tokens", "must be > 0")
         need(self.starvation_threshold_s > 0, "starvation_threshold_s", "must be > 0")
+        need(self.itl_target_ms is None or (isinstance(self.itl_target_ms, (int, float)) and self.itl_target_ms > 0),
+             "itl_target_ms", "must be None or > 0")
+        need(_is_int(self.max_step_tokens) and self.max_step_tokens >= self.max_num_batched_tokens, "max_step_tokens",
+             "must be an int >= max_num_batched_tokens")
+        need(_is_int(self.seat_quantum_steps) and self.seat_quantum_steps >= 0, "seat_quantum_steps", "must be an int >= 0")
+        need(_is_int(self.max_seat_preemptions) and self.max_seat_preemptions >= 0, "max_seat_preemptions",
+             "must be an int >= 0")
         need(self.preemption_mode != "swap" or self.num_swap_blocks > 0, "num_swap_blocks",
              "must be > 0 when preemption_mode is 'swap'")
         # -- engine speed (issue 14) --
@@ -84,7 +100,7 @@ class EngineConfig:
     @property
     def priority_preemption(self) -> bool:
         if self.preempt_for_priority is None:
-            return self.policy == "priority"
+            return self.policy in ("priority", "fair")
         return self.preempt_for_priority
 
 

@@ -2,8 +2,12 @@
 
     batch  = scheduler.schedule()
     logits = runner.run(batch)
-    tokens = sample(logits, sampling sequences)
-    postprocess(batch, tokens)   # append, detokenize, stop checks, free finished blocks
+    tokens = sample(logits, batch.sampling_seqs)
+    scheduler.update(batch, tokens)   # catch up, commit, charge, stop tokens, length, free
+    outputs: detokenize (stop strings), metrics
+
+The step's time feeds the scheduler's token budget (budget.py), which keeps steps under
+the inter-token latency target.
 """
 
 from __future__ import annotations
@@ -42,11 +46,9 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, config.max_num_batched_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           num_host_blocks=config.num_swap_blocks)
-        self.scheduler = Scheduler(config, self.block_manager, clock)
+        self.scheduler = Scheduler(config, self.block_manager, clock, self.max_model_len)
         self.metrics = EngineMetrics(self.stats)
         self._swapped_bytes = 0
-        self._prompt_tokens = self._generation_tokens = 0
-        self._served: dict[str, list[int]] = {}      # tenant -> [input tokens, output tokens]
         self.eos_token_ids = _eos_ids(self.tokenizer, self.runner.model)
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
@@ -120,66 +122,50 @@ class LLMEngine:
         try:
             self._swapped_bytes += self.runner.swap(batch)
             if not batch.is_empty:
-                sampling = [s for s, n in zip(batch.seqs, batch.num_new_tokens)
-                            if s.num_computed_tokens + n == s.num_tokens]
                 logits = self.runner.run(batch)
-                tokens = sample(logits, sampling)
-                self._postprocess(batch, sampling, tokens, outputs)
+                tokens = sample(logits, batch.sampling_seqs)
+                now = self.clock()
+                for seq in self.scheduler.update(batch, tokens):
+                    outputs.append(self._emit(seq, now))
         except Exception as exc:                        # fail this batch, keep serving the rest
             log.exception("step failed; failing %d requests", len(batch.seqs))
             outputs += self._fail(batch, exc)
         self._step_time = time.perf_counter() - start
         self._forward_time = self.runner.last_forward_time
         self._num_steps += 1
+        self.scheduler.budget.observe(batch.num_decode_tokens, batch.num_prefill_tokens, self._step_time)
         return outputs
 
-    def _postprocess(self, batch: SchedulerOutput, sampling: list[Sequence], tokens: list[int],
-                     outputs: list[RequestOutput]) -> None:
-        """Appends to `outputs` as it goes, so a failure part-way loses no final output."""
-        policy = self.scheduler.policy
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            prompt_work = seq.computes_prompt
-            seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
-            if prompt_work:                              # (the scheduler charged the policy)
-                self._prompt_tokens += n
-                self._served.setdefault(seq.tenant or "", [0, 0])[0] += n
-        now = self.clock()
-        for seq, token in zip(sampling, tokens):
-            seq.output_token_ids.append(token)
-            self._generation_tokens += 1
-            self._served.setdefault(seq.tenant or "", [0, 0])[1] += 1
-            policy.on_served(seq, 0, 1)
-            self.metrics.on_token(seq, now)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            detok = self.detoks[seq.request_id]
-            is_stop_token = (token in seq.params.stop_token_ids
-                             or (token in seq.eos_token_ids and not seq.params.ignore_eos))
-            text = "" if is_stop_token else detok.add_token(token)
-            reason = self._finish_reason(seq, is_stop_token, detok)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                text += self._retire(seq).new_text
-            outputs.append(self._output(seq, [token], text))
-
-    def _finish_reason(self, seq: Sequence, is_stop_token: bool, detok: IncrementalDetokenizer) -> str | None:
-        if is_stop_token or detok.stopped:
-            return "stop"
-        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+    def _emit(self, seq: Sequence, now: float) -> RequestOutput:
+        """The output for the token `seq` just sampled: its text (none for a stop token),
+        ending the request here if a stop string appeared (which outranks 'length')."""
+        token = seq.output_token_ids[-1]
+        self.metrics.on_token(seq, now)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        detok = self.detoks[seq.request_id]
+        text = "" if seq.finish_reason == "stop" else detok.add_token(token)
+        if detok.stopped:
+            if seq.status.finished:
+                seq.finish_reason = "stop"
+            else:
+                self.scheduler.finish(seq, "stop")
+        if seq.status.finished:
+            text += self._retire(seq).new_text
+        return self._output(seq, [token], text)
 
     def _fail(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         outputs = []
         # Sequences swapped out this step may hold a half-copied host image: fail them too.
         swapped = [s for s in batch.preempted if s.status is SequenceStatus.SWAPPED]
         for seq in batch.seqs + swapped:
+            if seq.request_id not in self.seqs:
+                continue                                 # already retired (its final output is out)
             if not seq.status.finished:
                 self.scheduler.finish(seq, "error")
-                out = self._retire(seq)
-                out.error = f"{type(exc).__name__}: {exc}"
-                outputs.append(out)
+            out = self._retire(seq)
+            out.error = f"{type(exc).__name__}: {exc}"
+            outputs.append(out)
         return outputs
 
     def _retire(self, seq: Sequence) -> RequestOutput:
@@ -227,7 +213,9 @@ class LLMEngine:
             "num_decode_tokens": last.num_decode_tokens,
             "num_prefill_tokens": last.num_prefill_tokens,
             "num_seqs_scheduled": len(last.seqs),
-            "token_budget_usage": last.num_batched_tokens / cfg.max_num_batched_tokens,
+            "token_budget_usage": last.num_batched_tokens / max(1, last.token_budget),
+            "token_budget": last.token_budget,
+            "seat_preemptions": c.seat_preemptions,
             "num_preemptions": c.preemptions,
             "preemptions_recompute": c.preemptions_recompute,
             "preemptions_swap": c.preemptions_swap,
@@ -237,9 +225,9 @@ class LLMEngine:
             "deadline_finishes": c.deadline_finishes,
             "rejections": c.rejections,
             "starving": sum(1 for s in list(sched.waiting) if now - s.arrival_time > cfg.starvation_threshold_s),
-            "prompt_tokens": self._prompt_tokens,
-            "generation_tokens": self._generation_tokens,
-            "tenant_served_tokens": {t: tuple(v) for t, v in dict(self._served).items()},
+            "prompt_tokens": c.prompt_tokens,
+            "generation_tokens": c.generation_tokens,
+            "tenant_served_tokens": {t: tuple(v) for t, v in dict(c.served).items()},
             "fair_counters": {str(t or ""): v for t, v in dict(fair).items()},
             "step_time_s": self._step_time,
             "forward_time_s": self._forward_time,

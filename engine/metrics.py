@@ -54,13 +54,15 @@ class _StatsCollector:
         "num_requests_running": ("running", "Requests in the batch."),
         "num_requests_swapped": ("swapped", "Requests whose KV is in the host pool."),
         "batch_occupancy": ("batch_occupancy", "running / max_num_seqs."),
-        "token_budget_usage": ("token_budget_usage", "Last step's tokens / max_num_batched_tokens."),
+        "token_budget_usage": ("token_budget_usage", "Last step's tokens / its token budget."),
+        "token_budget": ("token_budget", "Last step's token budget (adaptive with itl_target_ms)."),
         "kv_cache_usage": ("kv_cache_usage", "Used KV blocks / all KV blocks."),
         "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache."),
         "num_requests_starving": ("starving", "Waiting requests older than the starvation threshold."),
     }
     COUNTERS = {
         "recomputed_tokens": ("recomputed_tokens", "Tokens recomputed after recompute preemption."),
+        "seat_preemptions": ("seat_preemptions", "Preemptions that gave an arrival its seat (fair / priority)."),
         "swapped_bytes": ("swapped_bytes", "KV bytes copied to and from the host pool."),
         "rejections": ("rejections", "Requests refused because a queue limit was reached."),
         "deadline_drops": ("deadline_drops", "Requests dropped before prefill: deadline passed while queued."),

@@ -149,7 +149,7 @@ class ModelRunner:
             meta.kernel = self._kernel_batch(batch.seqs, batch.num_new_tokens, None)
         elif self.use_kernel:
             # Eager: the kernel takes the one-token rows; prefill chunks stay on SDPA, whose blocked
-            # GEMMs beat the kernel's per-query loop 4-6x on long chunks (docs/BENCHMARKS.md §6.1).
+            # GEMMs beat the kernel's per-query loop 4-6x on long chunks (docs/BENCHMARKS.md §8.1).
             one = [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
             if one:
                 meta.kernel = self._kernel_batch([batch.seqs[i] for i in one], [1] * len(one), dec_rows)
@@ -206,7 +206,7 @@ class ModelRunner:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """"auto" is bf16 where it pays: on CUDA (as before), and on CPUs with AMX-bf16. Without
     native bf16 instructions (e.g. AVX2-only CPUs) torch's bf16 matmuls are emulated and a
-    one-token decode step runs tens of times slower than in fp32 (docs/BENCHMARKS.md §6)."""
+    one-token decode step runs tens of times slower than in fp32 (docs/BENCHMARKS.md §8.2)."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda" or _cpu_flags() >= {"amx_bf16", "amx_tile"}:

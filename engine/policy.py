@@ -122,7 +122,9 @@ class FairPolicy(Policy):
         if seq.tenant not in tenants:
             active = [self.counters.get(t, 0.0) for t in tenants]
             floor = min(active) if active else max(self.counters.values(), default=0.0)
-            self.counters[seq.tenant] = max(self.counters.get(seq.tenant, 0.0), floor)
+            # Just under the floor: a tie goes to the tenant back from idle, whose request
+            # would otherwise queue behind the backlogged tenant's older ones for a step.
+            self.counters[seq.tenant] = max(self.counters.get(seq.tenant, 0.0), math.nextafter(floor, -INF))
 
     def may_preempt(self, victim: Sequence, newcomer: Sequence, now: float, running: list[Sequence]) -> bool:
         """Seats are shared by weight too: a tenant holding fewer seats than its weighted

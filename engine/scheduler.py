@@ -1,7 +1,8 @@
 """Iteration-level scheduler: each step re-forms the batch.
 
 One rule: each step, a sequence's computed tokens catch up with its tokens, under a token
-budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`). Running sequences
+budget (budget.py: fixed, or adapted to an inter-token latency target) and a sequence cap
+(`max_num_seqs`). Running sequences
 that are decoding get their one token first, so streams never stall behind a long prompt;
 ongoing prefills, swapped-out sequences coming back, and newly admitted requests fill what
 budget is left, in chunks. The policy (policy.py) only orders; this module decides.
@@ -15,8 +16,11 @@ When KV blocks run low there are four answers, each used here:
              generated tokens kept, to be recomputed like a prompt (prefix caching often
              makes that cheap);
 - swap:      a preempted sequence's blocks are copied to a host pool and copied back later.
-`preemption_mode="auto"` swaps when the host pool has room and the sequence is at least
-`swap_min_tokens` long (recompute would cost more than the copy), else recomputes.
+`preemption_mode="auto"` swaps when recomputing would redo at least `swap_min_tokens`
+tokens and the host pool has room (docs/ENGINE.md: seats, and what counts as redone).
+
+After the forward pass `update()` owns everything: computed tokens catch up, full blocks
+are committed, sampled tokens are appended and charged, stop tokens and lengths finish.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from .admission import make_admission
 from .block_manager import BlockManager
+from .budget import make_budget
 from .config import EngineConfig
 from .errors import EngineOverloaded
 from .policy import Policy, make_policy
@@ -34,17 +40,21 @@ from .sequence import Sequence, SequenceStatus
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, max_model_len: int | None = None):
         self.config = config
         self.bm = block_manager
         self.clock = clock
+        self.max_model_len = max_model_len or config.max_model_len or 2**62
         self.policy: Policy = make_policy(config)
+        self.admission = make_admission(config)
+        self.budget = make_budget(config)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.watermark_blocks = int(config.watermark * block_manager.num_blocks)
         self.counters = SchedulerStats()
         self.last_output = SchedulerOutput()
+        self.num_steps = 0
 
     # -- queues ---------------------------------------------------------------------------
     def check_capacity(self, num_tokens: int, count: bool = True, pending_requests: int = 0,
@@ -88,39 +98,42 @@ class Scheduler:
     # -- the step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
+        self.num_steps += 1
         out = SchedulerOutput()
         self.bm.end_step()                                   # last step's swap copies are done
         self._expire(now, out)
-        key = lambda s: self.policy.key(s, now)  # noqa: E731
-        self.running.sort(key=key)
-        budget = self.config.max_num_batched_tokens
-
-        if not self.config.chunked_prefill:
-            # Prefill-first, unchunked (vLLM v0 style, kept for comparison): a step that can
-            # admit new prompts runs only those, and the decodes wait.
-            budget = self._admit(out, budget, now)
-            if out.seqs:
-                return self._done(out)
-
-        # 1. Decode: every running sequence with one token to compute, most urgent first.
-        for seq in [s for s in self.running if not s.is_prefill]:
-            if seq.status is SequenceStatus.RUNNING and self._reserve_decode_slot(seq, out, now):
-                out.add(seq, 1)
-                budget -= 1
-        # 2. Ongoing prefills (chunked), in urgency order.
-        for seq in [s for s in self.running if s.is_prefill]:
-            n = self._chunk(seq.num_uncomputed_tokens, budget)
-            if n == 0:
-                break
-            self._add(out, seq, n)
-            budget -= n
-        # 3. Swapped-out sequences come back, then new requests are admitted.
-        self._admit(out, budget, now)
-        return self._done(out)
-
-    def _done(self, out: SchedulerOutput) -> SchedulerOutput:
+        self.running.sort(key=lambda s: self.policy.key(s, now))
+        out.token_budget = self.budget.tokens(sum(1 for s in self.running if not s.is_prefill))
+        if not self.admission.prompts_alone(self, out, now):
+            self._schedule_decodes(out, now)
+            self._schedule_prefills(out)
+            self.admit(out, now)
         self.last_output = out
         return out
+
+    def update(self, batch: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+        """After the forward pass: computed tokens catch up and full blocks are committed;
+        each sampling sequence gets its token, charged to its tenant, and is finished if it
+        is a stop token or the sequence reached its length. Returns the sampling sequences
+        in batch order (finished ones have left the queues and freed their blocks)."""
+        c = self.counters
+        for seq, n, prompt, charged in zip(batch.seqs, batch.num_new_tokens, batch.computes_prompt, batch.charged):
+            seq.num_computed_tokens += n
+            self.bm.commit(seq)
+            c.prompt_tokens += n if prompt else 0
+            c.served.setdefault(seq.tenant or "", [0, 0])[0] += charged
+        sampling = batch.sampling_seqs
+        for seq, token in zip(sampling, sampled, strict=True):
+            seq.output_token_ids.append(token)
+            seq.num_billed_tokens = seq.num_tokens           # its position is paid for by the output charge
+            self.policy.on_served(seq, 0, 1)
+            c.generation_tokens += 1
+            c.served.setdefault(seq.tenant or "", [0, 0])[1] += 1
+            if token in seq.params.stop_token_ids or (token in seq.eos_token_ids and not seq.params.ignore_eos):
+                self.finish(seq, "stop")
+            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                self.finish(seq, "length")
+        return sampling
 
     def _expire(self, now: float, out: SchedulerOutput) -> None:
         """Requests past their deadline: dropped before prefill if still waiting, finished
@@ -134,28 +147,37 @@ class Scheduler:
                 self.finish(seq, "deadline")
                 out.finished.append(seq)
 
-    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
-        """Swap in and admit, most urgent first, while budget, seats and blocks allow.
-        Static batching (for comparison) admits only until the batch's first token, then
-        runs the batch to completion before the next one starts."""
-        if self.config.batching == "static" and any(s.num_output_tokens > 0 for s in self.running):
-            return budget
+    def _schedule_decodes(self, out: SchedulerOutput, now: float) -> None:
+        """Every running sequence with one token to compute, most urgent first."""
+        for seq in [s for s in self.running if not s.is_prefill]:
+            if seq.status is SequenceStatus.RUNNING and self._reserve_decode_slot(seq, out, now):
+                self._add(out, seq, 1)                       # (a prompt's last token is charged)
+
+    def _schedule_prefills(self, out: SchedulerOutput) -> None:
+        """Ongoing prefills (chunked), in urgency order."""
+        for seq in [s for s in self.running if s.is_prefill]:
+            n = self.admission.chunk(seq.num_uncomputed_tokens, out.budget_left)
+            if n == 0:
+                break
+            self._add(out, seq, n)
+
+    def admit(self, out: SchedulerOutput, now: float) -> None:
+        """Swap in and admit, most urgent first, while budget, seats and blocks allow."""
+        if not self.admission.is_open(self.running):
+            return
         if len(self.running) >= self.config.max_num_seqs and not self.config.priority_preemption:
-            return budget                                    # no seat can open this step
+            return                                           # no seat can open this step
         key = lambda s: self.policy.key(s, now)  # noqa: E731
         self.waiting.sort(key=key)
         self.swapped.sort(key=key)
-        while budget > 0 and (self.waiting or self.swapped):
+        while out.budget_left > 0 and (self.waiting or self.swapped):
             if self.policy.dynamic:                          # keys moved with the last admission
                 self.waiting.sort(key=key)
                 self.swapped.sort(key=key)
             seq = min(self.waiting[:1] + self.swapped[:1], key=key)
-            if seq in out.preempted:
-                break                                        # do not undo this step's preemption
-            swapping = seq.status is SequenceStatus.SWAPPED
-            need = seq.num_uncomputed_tokens if swapping else seq.num_tokens
-            if self._chunk(need, budget) == 0 or not self._make_room(seq, swapping, out, now):
+            if not self._can_start(seq, out, now):
                 break
+            swapping = seq.status is SequenceStatus.SWAPPED
             if swapping:
                 self.swapped.remove(seq)
                 pairs = self.bm.swap_in(seq)
@@ -167,25 +189,48 @@ class Scheduler:
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = now
             seq.status = SequenceStatus.RUNNING
+            seq.admitted_step = self.num_steps
             self.running.append(seq)
-            n = self._chunk(seq.num_uncomputed_tokens, budget)
-            self._add(out, seq, n)
-            budget -= n
-        return budget
+            self._add(out, seq, self.admission.chunk(seq.num_uncomputed_tokens, out.budget_left))
+
+    def _can_start(self, seq: Sequence, out: SchedulerOutput, now: float) -> bool:
+        if seq in out.preempted:
+            return False                                     # do not undo this step's preemption
+        swapping = seq.status is SequenceStatus.SWAPPED
+        need = seq.num_uncomputed_tokens if swapping else seq.num_tokens
+        return self.admission.chunk(need, out.budget_left) > 0 and self._make_room(seq, swapping, out, now)
 
     def _add(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         """Schedule `n` tokens of `seq`. Prompt work is charged to the policy now (as VTC
-        does at admission), so the next pick in this same step already sees it; output
+        does at admission), so the next pick in this same step already sees it, but only
+        for positions never billed before: a recompute after a preemption is free. Output
         tokens are charged when they are sampled."""
-        out.add(seq, n)
+        charged = 0
         if seq.computes_prompt:
-            self.policy.on_served(seq, n, 0)
+            end = seq.num_computed_tokens + n
+            charged = max(0, end - seq.num_billed_tokens)
+            seq.num_billed_tokens += charged
+            self.policy.on_served(seq, charged, 0)
+        out.add(seq, n, charged)
+
+    def _take_back(self, out: SchedulerOutput, seq: Sequence) -> None:
+        """Undo `seq`'s entry in this step, if any: its tokens return to the budget (the
+        budget is what the entries leave) and its prompt charge is refunded."""
+        taken = out.remove(seq)
+        if taken is not None and taken[1]:
+            seq.num_billed_tokens -= taken[1]
+            self.policy.on_served(seq, -taken[1], 0)
 
     def _fits(self, seq: Sequence, swapping: bool) -> bool:
         if len(self.running) >= self.config.max_num_seqs:
             return False
         reserve = self.watermark_blocks
         return self.bm.can_swap_in(seq, reserve) if swapping else self.bm.can_allocate(seq, reserve)
+
+    def _may_lose_seat(self, seq: Sequence) -> bool:
+        """Not before it has run its quantum since (re)admission, and not too often."""
+        ran = self.num_steps - (seq.admitted_step or 0)
+        return ran >= self.config.seat_quantum_steps and seq.num_seat_preemptions < self.config.max_seat_preemptions
 
     def _make_room(self, seq: Sequence, swapping: bool, out: SchedulerOutput, now: float) -> bool:
         """Whether `seq` can start now; with preemption at admission on, it may preempt
@@ -195,7 +240,8 @@ class Scheduler:
             return True
         if not self.config.priority_preemption:
             return False
-        lower = [s for s in self.running if self.policy.may_preempt(s, seq, now, self.running)]
+        lower = [s for s in self.running
+                 if self._may_lose_seat(s) and self.policy.may_preempt(s, seq, now, self.running)]
         lower.sort(key=lambda s: self.policy.victim_key(s, now), reverse=True)
         # Preempt only if giving up all of them would be enough: never lose work for nothing.
         need = self.bm.blocks_for(seq.num_tokens) if swapping else self.bm.blocks_needed(seq)
@@ -204,17 +250,11 @@ class Scheduler:
         if seats < 1 or need + self.watermark_blocks > self.bm.num_free_blocks + freeable:
             return False
         for victim in lower:
-            out.remove(victim)
-            self._preempt(victim, out)
+            self._take_back(out, victim)
+            self._preempt(victim, out, for_seat=True)
             if self._fits(seq, swapping):
                 return True
         return False
-
-    def _chunk(self, left: int, budget: int) -> int:
-        """Tokens to compute this step: all that is left, or a chunk of the budget."""
-        if not self.config.chunked_prefill:
-            return left if left <= budget else 0
-        return min(left, budget)
 
     def _reserve_decode_slot(self, seq: Sequence, out: SchedulerOutput, now: float) -> bool:
         """Find a KV slot for `seq`'s next token, preempting less urgent sequences if needed.
@@ -231,14 +271,13 @@ class Scheduler:
         self.bm.append_slots(seq, 1)
         return True
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, for_seat: bool = False) -> None:
         self.running.remove(seq)
         seq.num_preemptions += 1
+        seq.num_seat_preemptions += for_seat
+        self.counters.seat_preemptions += for_seat
         out.preempted.append(seq)
-        mode = self.config.preemption_mode
-        swap = self.bm.can_swap_out(seq) and (
-            mode == "swap" or (mode == "auto" and seq.num_computed_tokens >= self.config.swap_min_tokens))
-        if swap:
+        if self._swap_is_cheaper(seq, for_seat):
             pairs = self.bm.swap_out(seq)
             out.swap_out += pairs
             self.counters.preemptions_swap += 1
@@ -251,3 +290,14 @@ class Scheduler:
             self.bm.free(seq)                               # tokens kept: recomputed as a prompt
             seq.status = SequenceStatus.WAITING
             self.waiting.insert(0, seq)
+
+    def _swap_is_cheaper(self, seq: Sequence, for_seat: bool) -> bool:
+        mode = self.config.preemption_mode
+        if mode == "recompute" or not self.bm.can_swap_out(seq):
+            return False
+        if mode == "swap":
+            return True
+        redo = seq.num_computed_tokens
+        if for_seat and self.bm.enable_prefix_caching:      # the pool is not short: its blocks stay cached
+            redo -= len(seq.block_hashes) * self.bm.block_size
+        return redo >= self.config.swap_min_tokens

@@ -52,6 +52,11 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0            # prefix-cache hits at the last allocation
         self.num_preemptions = 0
+        self.num_seat_preemptions = 0         # preemptions to give an arrival its seat (bounded)
+        self.admitted_step: int | None = None  # scheduler step of the last (re)admission
+        # Positions [0, num_billed_tokens) have been charged to the tenant (input at
+        # scheduling, output at sampling); recomputing them after a preemption is free.
+        self.num_billed_tokens = 0
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None

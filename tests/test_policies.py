@@ -76,13 +76,15 @@ def test_fair_serves_the_least_served_tenant_and_divides_by_weight():
 
 
 def test_fair_returning_tenant_starts_at_the_backlogged_minimum():
-    """A tenant back from idle is lifted to the smallest counter among backlogged tenants,
-    so its idle time is not banked; a tenant already ahead keeps its counter."""
+    """A tenant back from idle is lifted to (just under) the smallest counter among
+    backlogged tenants, so its idle time is not banked but it wins the tie against the
+    backlogged tenant's older requests; a tenant already ahead keeps its counter."""
     p = make_policy(EngineConfig(policy="fair"))
     p.counters = {"a": 500.0, "b": 800.0, "idle": 10.0, "ahead": 900.0}
     p.on_add(seq("x", tenant="idle"), backlogged=lambda: {"a", "b"})
-    assert p.counters["idle"] == 500.0
+    assert 499.999 < p.counters["idle"] < 500.0
+    assert order(p, [seq("a-old", t=0, tenant="a"), seq("x", t=5, tenant="idle")], now=6) == ["x", "a-old"]
     p.on_add(seq("y", tenant="ahead"), backlogged=lambda: {"a", "b"})
     assert p.counters["ahead"] == 900.0
     p.on_add(seq("z", tenant="new"), backlogged=lambda: {"a", "b"})
-    assert p.counters["new"] == 500.0
+    assert 499.999 < p.counters["new"] < 500.0

@@ -23,12 +23,8 @@ def req(rid: str, n: int, t: float, max_tokens: int = 100) -> Sequence:
 
 
 def advance(sched: Scheduler, out) -> None:
-    """What the engine does after the model ran: computed tokens catch up, samplers append."""
-    for seq, n in zip(out.seqs, out.num_new_tokens):
-        seq.num_computed_tokens += n
-        sched.bm.commit(seq)
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.output_token_ids.append(1)
+    """The model ran: the real `update` with token 1 for every sampling row."""
+    sched.update(out, [1] * len(out.sampling_seqs))
 
 
 def test_scheduler_and_block_manager_do_not_import_torch():
