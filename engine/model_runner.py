@@ -126,14 +126,14 @@ class ModelRunner:
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
         prefills: list[tuple[int, int, int, list[int]]] = []       # (row, start_pos, n, block table)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq, n, samples, is_decode in zip(batch.seqs, batch.num_new_tokens, batch.samples, batch.is_decode):
             start, row, table = seq.num_computed_tokens, len(ids), seq.block_table
             ids.extend(seq.token_ids(start, start + n))
             pos.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if start + n == seq.num_tokens:
+            if samples:
                 sample_rows.append(row + n - 1)
-            if n == 1:
+            if is_decode:
                 dec_rows.append(row)
                 dec_tables.append(table)
                 dec_lens.append(start + 1)
@@ -150,7 +150,7 @@ class ModelRunner:
         elif self.use_kernel:
             # Eager: the kernel takes the one-token rows; prefill chunks stay on SDPA, whose blocked
             # GEMMs beat the kernel's per-query loop 4-6x on long chunks (docs/BENCHMARKS.md §8.1).
-            one = [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
+            one = [i for i, is_decode in enumerate(batch.is_decode) if is_decode]
             if one:
                 meta.kernel = self._kernel_batch([batch.seqs[i] for i in one], [1] * len(one), dec_rows)
             self._torch_groups(meta, [], [], [], prefills)

@@ -73,8 +73,16 @@ def _scheduling_args(p: argparse.ArgumentParser) -> None:
                    help="static: request-level batches (comparison)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--preempt-at-admission", default="auto", choices=["auto", "on", "off"],
-                   help="let an arrival preempt running sequences (auto: on for --policy priority; "
-                        "with fair: by seat share)")
+                   help="let an arrival preempt running sequences (auto: on for --policy priority "
+                        "and fair, by seat share)")
+    p.add_argument("--itl-target-ms", type=float, default=0.0,
+                   help="let a step grow past --max-num-batched-tokens while its measured time stays "
+                        "under this (0: fixed budget)")
+    p.add_argument("--max-step-tokens", type=int, default=4096, help="cap on an adaptive step's tokens")
+    p.add_argument("--seat-quantum-steps", type=int, default=2,
+                   help="steps a sequence runs after (re)admission before it may lose its seat")
+    p.add_argument("--max-seat-preemptions", type=int, default=2,
+                   help="times a sequence may lose its seat to an arrival")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -88,7 +96,9 @@ def engine_config_from_args(args: argparse.Namespace):
                         num_kv_blocks=args.num_kv_blocks, num_swap_blocks=args.num_swap_blocks,
                         chunked_prefill=not args.no_chunked_prefill, batching=args.batching,
                         enable_prefix_caching=not args.no_prefix_caching,
-                        preempt_for_priority={"auto": None, "on": True, "off": False}[args.preempt_at_admission])
+                        preempt_for_priority={"auto": None, "on": True, "off": False}[args.preempt_at_admission],
+                        itl_target_ms=args.itl_target_ms or None, max_step_tokens=args.max_step_tokens,
+                        seat_quantum_steps=args.seat_quantum_steps, max_seat_preemptions=args.max_seat_preemptions)
 
 
 def serve(args: argparse.Namespace) -> int:
