@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
-from bench.redis_server import RedisServer, free_port
+from bench.redis_server import free_port
 from tenants import hash_key
+
+from .redis_server import started, wait_healthy
 
 STREAMGATE = [sys.executable, "-m", "gateway.cli"]
 LIMITS = {  # tenant -> limits; each test uses its own tenant, so they share two replicas
@@ -48,16 +48,8 @@ class Replicas:
                  "--max-model-len", "2048", "--drain-grace", "1", "--redis-lease-ttl", str(TTL)],
                 stdout=subprocess.DEVNULL, stderr=open(workdir / f"replica{i}.log", "w"), env=env))
             self.urls.append(f"http://127.0.0.1:{port}")
-        deadline = time.monotonic() + 120
         for url, proc in zip(self.urls, self.procs):
-            while True:
-                assert proc.poll() is None and time.monotonic() < deadline, f"{url} did not come up"
-                try:
-                    if httpx.get(f"{url}/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
+            wait_healthy(url, proc, 120)
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -71,13 +63,7 @@ class Replicas:
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    try:
-        server.start()
-    except RuntimeError as exc:
-        pytest.fail(str(exc))
-    yield server
-    server.stop()
+    yield from started(tmp_path_factory.mktemp("redis"))
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 
 from tenants import Registry
+
+from .redis_server import wait_healthy
 
 STREAMGATE = [sys.executable, "-m", "gateway.cli"]
 SECRET_PROMPT = "my-secret-prompt-do-not-log"
@@ -63,15 +64,7 @@ def test_serve_streams_logs_json_and_drains_on_a_real_sigterm(tiny_model, tmp_pa
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "serve did not come up"
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(url, proc, 90)
         r = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
                        json={"messages": [{"role": "user", "content": SECRET_PROMPT}], "max_tokens": 3})
         assert r.status_code == 200

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.redis_server import free_port
 
+from .redis_server import wait_healthy
 from .replicas import LONG, TTL, key, redis_server, replicas  # noqa: F401  (fixtures)
 
 async def post(client: httpx.AsyncClient, url: str, tenant: str, **body) -> httpx.Response:
@@ -95,7 +96,6 @@ def test_daily_budget_holds_and_billed_tokens_equal_redis_ledger(replicas, redis
     need = 0  # what one request reserves: its prompt + max_tokens
 
     async def scenario() -> int:
-        nonlocal need
         billed = 0
         async with httpx.AsyncClient(timeout=60) as client:
             async def client_loop(i: int) -> None:
@@ -157,15 +157,8 @@ def test_sse_streams_through_vllm_router_to_both_replicas(replicas, tmp_path):
                               stdout=open(tmp_path / "router.log", "w"), stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:     # the router answers once it has seen the workers' /health at 200
-            assert router.poll() is None and time.monotonic() < deadline, (tmp_path / "router.log").read_text()[-2000:]
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        # the router answers once it has seen the workers' /health at 200
+        wait_healthy(url, router, 90, lambda: (tmp_path / "router.log").read_text()[-2000:])
         before = [served(u) for u in replicas.urls]
         for _ in range(8):
             with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60,
