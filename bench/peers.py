@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-stream", type=float, default=2.0)
     p.add_argument("--min-requests", type=int, default=8, help="at least this many requests per level")
     p.add_argument("--max-seconds", type=float, default=300.0, help="bound on each level's run")
-    p.add_argument("--start-timeout", type=float, default=600.0, help="bound on a server's start-up (s)")
+    p.add_argument("--start-timeout", type=float, default=1800.0,
+                   help="bound on a server's start-up (s); vLLM compiles its model on first start")
     p.add_argument("--peer", default="vllm-bf16", help="server the ratios are against")
     p.add_argument("--max-load", type=float, default=0.5, help="warn when the 1-min load average is above this")
     p.add_argument("--out-dir", default="bench/results")
@@ -129,12 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, _terminate)
 
     report = {"args": vars(args), "model_dir": model_dir, "cpus": os.cpu_count(), "loads": [asdict(ld) for ld in loads],
-              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "servers": {}}
-    notes = []
+              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "servers": {}, "skipped": []}
     out = Path(args.out_dir)
     for spec in specs:
         if why := available(spec, args):
-            notes.append(f"{spec.name} skipped: {why}")
+            report["skipped"].append(f"{spec.name} skipped: {why}")
             print(f"skipping {spec.name}: {why}", file=sys.stderr, flush=True)
             continue
         workdir = out / "peers" / spec.name             # its log and GuideLLM's reports stay for a look
@@ -142,23 +142,30 @@ def main(argv: list[str] | None = None) -> int:
         try:
             report["servers"][spec.name] = measure(spec, args, model_dir, loads, workdir, prompts)
         except RuntimeError as exc:
-            notes.append(f"{spec.name} failed to start: {str(exc).splitlines()[0]}")
-            report["servers"][spec.name] = {"rows": [], "errors": [str(exc)[:3000]]}
+            report["servers"][spec.name] = {"rows": [], "errors": [f"failed to start: {str(exc)[:3000]}"]}
             print(f"{spec.name}: {exc}", file=sys.stderr, flush=True)
-    results = {name: s["rows"] for name, s in report["servers"].items()}
-    for name, s in report["servers"].items():
-        if "load_before" in s:
-            notes.append(f"{name}: load average {s['load_before']:.2f} before, {s['load_after']:.2f} after; "
-                         f"threads {json.dumps({k: v for k, v in s['info'].items() if k not in ('kind', 'flags')})}")
-        notes += [f"{name} failed at {e.splitlines()[0]}" for e in s["errors"] if s["rows"]]
-    report["notes"] = notes
+        write(report, out, args.peer)                   # after each server: a later failure loses nothing
+    results, notes = write(report, out, args.peer)
     print("\n".join(peers_report.format_text(results, args.peer)))
     print("\n".join(notes))
-    (out / "peers.json").write_text(json.dumps(report, indent=1))
-    (out / "peers.md").write_text(peers_report.format_markdown(results, args.peer, notes))
     print(f"wrote {out / 'peers.json'} and {out / 'peers.md'}")
     return 0 if all(s["rows"] for s in report["servers"].values()) and report["servers"] else 1
 
+
+def write(report: dict, out: Path, peer: str) -> tuple[dict, list[str]]:
+    """peers.json and peers.md in `out` from what has been measured so far."""
+    results = {name: s["rows"] for name, s in report["servers"].items()}
+    notes = list(report["skipped"])
+    for name, s in report["servers"].items():
+        if "load_before" in s:
+            threads = {k: v for k, v in s["info"].items() if k not in ("kind", "flags")}
+            notes.append(f"{name}: load average {s['load_before']:.2f} before, {s['load_after']:.2f} after; "
+                         f"threads {json.dumps(threads)}")
+        notes += [f"{name}: {e.splitlines()[0]}" for e in s["errors"]]
+    report["notes"] = notes
+    (out / "peers.json").write_text(json.dumps(report, indent=1))
+    (out / "peers.md").write_text(peers_report.format_markdown(results, peer, notes))
+    return results, notes
 
 if __name__ == "__main__":
     sys.exit(main())

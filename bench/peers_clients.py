@@ -1,7 +1,7 @@
 """The two load clients of `bench.peers`, both closed loops of C concurrent streams with
 synthetic prompts of P tokens and outputs of exactly N tokens (`ignore_eos`):
 
-- `guidellm`: GuideLLM's CLI from its own venv (`benchmark run --profile concurrent`),
+- `guidellm`: GuideLLM's CLI from its own venv (`guidellm run`, concurrent profile),
   run as a bounded subprocess; its JSON report is parsed by `peers_report`.
 - `loadgen`: this repository's own client (`bench.loadgen.replay` over SSE through
   `bench.drivers.SseDriver`), for when GuideLLM is not installed or cannot run.

@@ -72,7 +72,7 @@ def threads_info(kind: str, log: Path | None = None) -> dict:
         info["torch_threads"] = int(env.get("OMP_NUM_THREADS", os.cpu_count() or 1))
     if kind == "vllm" and log is not None and log.exists():
         lines = [ln.strip()[-200:] for ln in log.read_text(errors="replace").splitlines()
-                 if re.search(r"OMP|thread", ln, re.I)]
+                 if re.search(r"OMP|threads|core ids|reserve", ln)]
         info["vllm_log"] = lines[:12]
     return info
 
@@ -96,8 +96,8 @@ def start(spec: ServerSpec, model_dir: str, workdir: Path, *, vllm_python: str |
                    "--host", "127.0.0.1", "--port", str(port), *spec.flags]
             env = {**VLLM_ENV, **os.environ}
         else:
-            cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", "--host", "127.0.0.1",
-                   "--port", str(port), "--force-model", model_dir, *spec.flags]
+            cmd = [str(Path(sys.executable).parent / "transformers"), "serve", "--host", "127.0.0.1",
+                   "--port", str(port), *spec.flags, model_dir]
             env = dict(os.environ)
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         run = Running(launch(cmd, env, log, f"http://127.0.0.1:{port}", timeout_s), f"http://127.0.0.1:{port}",
