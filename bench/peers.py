@@ -79,11 +79,11 @@ def measure(spec: peers_servers.ServerSpec, args, model_dir: str, loads: list[Lo
                 else:
                     row = peers_clients.run_loadgen(run.url, run.model, run.api_key, load, prompts)
                 result["rows"].append(row)
-            except RuntimeError as exc:
+            except Exception as exc:            # recorded; the other levels and servers still run
                 print(f"{spec.name} at {load.concurrency} streams failed: {exc}", file=sys.stderr, flush=True)
                 result["errors"].append(f"{load.concurrency} streams: {str(exc)[:2000]}")
     finally:
-        peers_servers.stop(run.proc)
+        peers_servers.stop(run)
         result["info"] = {**run.info, **peers_servers.threads_info(spec.kind, run.log)}
         result["load_after"] = os.getloadavg()[0]
     return result
@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         try:
             report["servers"][spec.name] = measure(spec, args, model_dir, loads, workdir, prompts)
-        except RuntimeError as exc:
-            report["servers"][spec.name] = {"rows": [], "errors": [f"failed to start: {str(exc)[:3000]}"]}
+        except Exception as exc:                # e.g. it did not start: recorded, the next one runs
+            report["servers"][spec.name] = {"rows": [], "errors": [f"failed: {str(exc)[:3000]}"]}
             print(f"{spec.name}: {exc}", file=sys.stderr, flush=True)
         write(report, out, args.peer)                   # after each server: a later failure loses nothing
     results, notes = write(report, out, args.peer)

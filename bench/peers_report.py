@@ -109,7 +109,8 @@ def format_markdown(results: dict[str, list[dict]], peer: str | None, notes: lis
     cells = table_rows(results, peer)
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(c) + " |" for c in cells]
+    lines.append("\n\"failed\" counts requests that errored or were still running at the level's time bound.")
     if peer in results:
-        lines.append(f"\n\"x peer\" is against {peer}: output tok/s over its (higher is better), "
+        lines.append(f"\"x peer\" is against {peer}: output tok/s over its (higher is better), "
                      "TTFT p99 over its (lower is better).")
     return "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n"

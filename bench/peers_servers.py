@@ -12,6 +12,7 @@ each used is recorded from the environment and from vLLM's log.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -60,6 +61,7 @@ class Running:
     model: str                      # the name its /v1/models reports (clients send it back)
     api_key: str
     log: Path
+    own_group: bool                 # started in its own process group (the peers), or streamgate in ours
     info: dict = field(default_factory=dict)
 
 
@@ -88,7 +90,7 @@ def start(spec: ServerSpec, model_dir: str, workdir: Path, *, vllm_python: str |
         proc, url = server.launch(["--model", model_dir, "--tenants", str(workdir / "tenants.toml"),
                                    "--ledger", str(workdir / f"{spec.name}.sqlite3"), *STREAMGATE_FLAGS,
                                    *spec.flags], log, timeout_s=timeout_s)
-        run = Running(proc, url, "", key, log)
+        run = Running(proc, url, "", key, log, own_group=False)
     else:
         port = server.free_port()
         if spec.kind == "vllm":
@@ -101,11 +103,11 @@ def start(spec: ServerSpec, model_dir: str, workdir: Path, *, vllm_python: str |
             env = dict(os.environ)
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         run = Running(launch(cmd, env, log, f"http://127.0.0.1:{port}", timeout_s), f"http://127.0.0.1:{port}",
-                      "", "none", log)
+                      "", "none", log, own_group=True)
     try:
         run.model = served_model(run.url, run.api_key)
     except Exception:
-        stop(run.proc)
+        stop(run)
         raise
     run.info = {"kind": spec.kind, "flags": list(spec.flags), **threads_info(spec.kind, log)}
     return run
@@ -118,17 +120,19 @@ def launch(cmd: list[str], env: dict, log: Path, url: str, timeout_s: float) -> 
     with open(log, "w") as sink:
         proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop(proc)
-            raise RuntimeError(f"{cmd[0]} did not start within {timeout_s:.0f} s; its log:\n"
-                               + log.read_text(errors="replace")[-3000:])
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    return proc
+            time.sleep(0.5)
+    except BaseException:                   # interrupted while waiting: leave nothing running
+        stop_group(proc)
+        raise
+    why = f"exited with {proc.returncode}" if proc.poll() is not None else f"did not answer in {timeout_s:.0f} s"
+    stop_group(proc)
+    raise RuntimeError(f"{cmd[0]} {why}; its log:\n"
+                       + log.read_text(errors="replace")[-3000:])
 
 
 def served_model(url: str, key: str) -> str:
@@ -138,19 +142,21 @@ def served_model(url: str, key: str) -> str:
     return r.json()["data"][0]["id"]
 
 
-def stop(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    """SIGTERM the server's process group (or the server, if it shares ours), then SIGKILL."""
-    if proc.poll() is not None:
-        return
-    own_group = os.getpgid(proc.pid) != os.getpgid(0)
-    if not own_group:
-        return server.stop(proc, timeout_s)
-    with_group = lambda sig: os.killpg(proc.pid, sig)  # noqa: E731
-    try:
-        with_group(signal.SIGTERM)
+def stop(run: Running, timeout_s: float = 60.0) -> None:
+    """Stop a server: streamgate drains on SIGTERM (`bench.server.stop`); a peer gets
+    SIGTERM to its whole process group, then SIGKILL to whatever of the group is left."""
+    if not run.own_group:
+        return server.stop(run.proc, timeout_s)
+    stop_group(run.proc, timeout_s)
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM the process group led by `proc`, wait, then SIGKILL the group (vLLM's
+    engine and worker processes must not outlive it)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with_group(signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
