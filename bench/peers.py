@@ -54,10 +54,16 @@ def requests_for(concurrency: int, per_stream: float, minimum: int) -> int:
     return max(minimum, round(per_stream * concurrency))
 
 
+def peer_python(args) -> dict[str, str]:
+    """The python of each peer's own venv, by kind."""
+    return {"vllm": args.vllm_python, "hf": args.hf_python}
+
+
 def available(spec: peers_servers.ServerSpec, args) -> str | None:
     """Why a server cannot run here (its program is missing), else None."""
-    if spec.kind == "vllm" and not Path(args.vllm_python).exists():
-        return f"vLLM's python {args.vllm_python} not found (see docs/BENCHMARKS.md for its venv)"
+    python = peer_python(args).get(spec.kind)
+    if python and not Path(python).exists():
+        return f"{python} not found (python -m bench.peers_setup installs it)"
     return None
 
 
@@ -65,7 +71,7 @@ def measure(spec: peers_servers.ServerSpec, args, model_dir: str, loads: list[Lo
             prompts: list[str]) -> dict:
     """Start one server, warm it up, run every load level, stop it."""
     result = {"load_before": load_average(args.max_load), "rows": [], "errors": []}
-    run = peers_servers.start(spec, model_dir, workdir, vllm_python=args.vllm_python, timeout_s=args.start_timeout)
+    run = peers_servers.start(spec, model_dir, workdir, peer_python=peer_python(args), timeout_s=args.start_timeout)
     result["url"] = run.url
     try:
         result["warmup_s"] = peers_clients.warm_up(run.url, run.model, run.api_key)
@@ -98,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client", default="guidellm", choices=["guidellm", "loadgen"])
     p.add_argument("--guidellm", default=os.environ.get("GUIDELLM", str(PEERS_DIR / "guidellm/bin/guidellm")))
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", str(PEERS_DIR / "vllm/bin/python")))
+    p.add_argument("--hf-python", default=os.environ.get("HF_SERVE_PYTHON", str(PEERS_DIR / "hf/bin/python")),
+                   help="python of a venv with transformers[serving] (for --server NAME=hf)")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated stream counts")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--output-tokens", type=int, default=64)
@@ -132,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"args": vars(args), "model_dir": model_dir, "cpus": os.cpu_count(), "loads": [asdict(ld) for ld in loads],
               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "servers": {}, "skipped": []}
     out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     for spec in specs:
         if why := available(spec, args):
             report["skipped"].append(f"{spec.name} skipped: {why}")

@@ -1,6 +1,7 @@
 """The servers `bench.peers` compares, each started on loopback one at a time: streamgate
 (through `bench.server`), vLLM for CPU from its own venv, and optionally Hugging Face's
-`transformers serve`. A server spec on the command line is `NAME=KIND[:FLAGS]`, e.g.
+`transformers serve` (from its own venv too: the project's does not carry its serving
+extras). A server spec on the command line is `NAME=KIND[:FLAGS]`, e.g.
 `sg-bf16=streamgate:--dtype bfloat16` or `vllm-fp32=vllm:--dtype float32`.
 
 Threads: streamgate's engine takes torch's default (one OpenMP thread per core) unless
@@ -79,7 +80,7 @@ def threads_info(kind: str, log: Path | None = None) -> dict:
     return info
 
 
-def start(spec: ServerSpec, model_dir: str, workdir: Path, *, vllm_python: str | None, timeout_s: float) -> Running:
+def start(spec: ServerSpec, model_dir: str, workdir: Path, *, peer_python: dict[str, str], timeout_s: float) -> Running:
     """Start one server on a free loopback port and wait (bounded) until it answers."""
     log = workdir / f"{spec.name}.log"
     if spec.kind == "streamgate":
@@ -94,11 +95,11 @@ def start(spec: ServerSpec, model_dir: str, workdir: Path, *, vllm_python: str |
     else:
         port = server.free_port()
         if spec.kind == "vllm":
-            cmd = [vllm_python or "", "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+            cmd = [peer_python["vllm"], "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                    "--host", "127.0.0.1", "--port", str(port), *spec.flags]
             env = {**VLLM_ENV, **os.environ}
         else:
-            cmd = [str(Path(sys.executable).parent / "transformers"), "serve", "--host", "127.0.0.1",
+            cmd = [str(Path(peer_python["hf"]).parent / "transformers"), "serve", "--host", "127.0.0.1",
                    "--port", str(port), *spec.flags, model_dir]
             env = dict(os.environ)
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
