@@ -83,7 +83,7 @@ def measure(spec: peers_servers.ServerSpec, args, model_dir: str, loads: list[Lo
                     row = peers_clients.run_guidellm(args.guidellm, run.url, run.model, model_dir, run.api_key,
                                                      load, workdir)
                 else:
-                    row = peers_clients.run_loadgen(run.url, run.model, run.api_key, load, prompts)
+                    row = peers_clients.run_loadgen(run.url, run.api_key, load, prompts)
                 result["rows"].append(row)
             except Exception as exc:            # recorded; the other levels and servers still run
                 print(f"{spec.name} at {load.concurrency} streams failed: {exc}", file=sys.stderr, flush=True)

@@ -97,8 +97,9 @@ def token_prompts(model_dir: str, n: int, tokens: int, seed: int = 0) -> list[st
     return out
 
 
-def run_loadgen(url: str, model: str, api_key: str, load: Load, prompts: list[str]) -> dict:
-    """`load.concurrency` users each sending its next request when the previous ends."""
+def run_loadgen(url: str, api_key: str, load: Load, prompts: list[str]) -> dict:
+    """`load.concurrency` users each sending its next request when the previous ends. The
+    requests name no model: each server answers with the one it serves."""
     reqs = [Req(f"peers-c{load.concurrency}-{i}", "bench", "peers", None, i % load.concurrency, 0.0,
                 [{"role": "user", "content": prompts[i % len(prompts)]}], load.prompt_tokens, load.output_tokens)
             for i in range(load.requests)]
