@@ -32,9 +32,11 @@ def rows_from_guidellm(doc: dict) -> list[dict]:
         get = lambda path: _get(bench, path, f"benchmarks[{i}]")  # noqa: E731
         totals = get("metrics.request_totals")
         out_tokens, duration = get("metrics.output_token_count.successful.total_sum"), get("duration")
-        pct = lambda metric, q: get(f"metrics.{metric}.successful.percentiles.{q}")  # noqa: E731
+        ok = int(totals["successful"])
+        # GuideLLM reports 0 for the percentiles of no requests: no number, not a fast one.
+        pct = lambda metric, q: get(f"metrics.{metric}.successful.percentiles.{q}") if ok else None  # noqa: E731
         rows.append({
-            "concurrency": int(get("config.strategy.streams")), "ok": int(totals["successful"]),
+            "concurrency": int(get("config.strategy.streams")), "ok": ok,
             "failed": int(totals.get("errored", 0)) + int(totals.get("incomplete", 0)),
             "output_tokens": int(out_tokens), "output_tps": out_tokens / duration if duration else 0.0,
             "ttft_p50_ms": pct("time_to_first_token_ms", "p50"), "ttft_p99_ms": pct("time_to_first_token_ms", "p99"),

@@ -45,6 +45,16 @@ def test_guidellm_report_becomes_one_row_per_concurrency():
     assert (eight["ttft_p50_ms"], eight["ttft_p99_ms"], eight["itl_p50_ms"]) == (300.0, 900.0, 70.0)
 
 
+def test_a_level_with_no_successful_request_has_no_latencies():
+    """When every request of a level failed or was cut off, its TTFT and ITL are None (GuideLLM
+    writes zeros there), and the table shows '-' rather than 0 ms."""
+    rows = rows_from_guidellm({"benchmarks": [_benchmark(32, 300.0, 0, 0, 32, (0.0, 0.0), (0.0, 0.0))]})
+    (row,) = rows
+    assert (row["ok"], row["failed"], row["output_tps"]) == (0, 32, 0.0)
+    assert row["ttft_p50_ms"] is row["ttft_p99_ms"] is row["itl_p50_ms"] is None
+    assert "0 ms" not in format_text({"sg": rows}, None)[1]
+
+
 def test_a_report_missing_a_metric_names_it():
     """A report without a metric the table needs fails with that metric's path."""
     bench = _benchmark(1, 10.0, 128, 2, 0, (1.0, 2.0), (1.0, 2.0))
