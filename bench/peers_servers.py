@@ -75,7 +75,7 @@ def threads_info(kind: str, log: Path | None = None) -> dict:
         info["torch_threads"] = int(env.get("OMP_NUM_THREADS", os.cpu_count() or 1))
     if kind == "vllm" and log is not None and log.exists():
         lines = [ln.strip()[-200:] for ln in log.read_text(errors="replace").splitlines()
-                 if re.search(r"OMP|threads|core ids|reserve", ln)]
+                 if re.search(r"ompmultiprocessing|Torch threads", ln)]
         info["vllm_log"] = lines[:12]
     return info
 
