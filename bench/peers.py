@@ -5,17 +5,17 @@ outside client at 1, 8 and 32 concurrent streams of synthetic 256-token prompts 
 
     python -m bench.peers                                   # the default four servers, GuideLLM
     python -m bench.peers --client loadgen                  # this repository's own client instead
-    python -m bench.peers --server sg=streamgate:"--dtype bfloat16" --server vllm-bf16 \\
-        --concurrency 1,8,32 --peer vllm-bf16
+    python -m bench.peers --server sg=streamgate:"--dtype bfloat16" \\
+        --server vllm-bf16=vllm:"--dtype bfloat16" --concurrency 1,8,32 --peer vllm-bf16
 
 Each server is started on 127.0.0.1 (`bench.peers_servers`), warmed up with one short
 request, measured at each concurrency (GuideLLM's concurrent profile, or `--client
-loadgen`), and stopped before the next starts. vLLM runs from its own venv
-(`--vllm-python`, default $VLLM_PYTHON or /work/peers/vllm/bin/python); servers of a kind
-whose program is missing are skipped with a note. Output: a table on stdout with ratios
-against `--peer`, and JSON + markdown in `--out-dir`. The machine should be otherwise
-idle: the 1-minute load average is recorded before each server and a warning is printed
-when it is above `--max-load`.
+loadgen`), and stopped before the next starts. vLLM and `transformers serve` run from
+their own venvs (`--vllm-python`, `--hf-python`; `python -m bench.peers_setup` makes them
+under /work/peers); a server whose venv is missing is skipped with a note. Output: a
+table on stdout with ratios against `--peer`, and JSON + markdown in `--out-dir`. The
+machine should be otherwise idle: the 1-minute load average is recorded before each
+server and a warning is printed when it is above `--max-load`.
 """
 
 from __future__ import annotations
