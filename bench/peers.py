@@ -1,0 +1,180 @@
+"""Peer benchmark (issue 14): streamgate against vLLM for CPU (and optionally Hugging Face's
+`transformers serve`) on this machine, one server at a time, each driven by the same
+outside client at 1, 8 and 32 concurrent streams of synthetic 256-token prompts and
+64-token outputs.
+
+    python -m bench.peers                                   # the default four servers, GuideLLM
+    python -m bench.peers --client loadgen                  # this repository's own client instead
+    python -m bench.peers --server sg=streamgate:"--dtype bfloat16" \\
+        --server vllm-bf16=vllm:"--dtype bfloat16" --concurrency 1,8,32 --peer vllm-bf16
+
+Each server is started on 127.0.0.1 (`bench.peers_servers`), warmed up with one short
+request, measured at each concurrency (GuideLLM's concurrent profile, or `--client
+loadgen`), and stopped before the next starts. vLLM and `transformers serve` run from
+their own venvs (`--vllm-python`, `--hf-python`; `python -m bench.peers_setup` makes them
+under /work/peers); a server whose venv is missing is skipped with a note. Output: a
+table on stdout with ratios against `--peer`, and JSON + markdown in `--out-dir`. The
+machine should be otherwise idle: the 1-minute load average is recorded before each
+server and a warning is printed when it is above `--max-load`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from . import peers_clients, peers_report, peers_servers
+from .peers_clients import Load
+
+PEERS_DIR = Path(os.environ.get("STREAMGATE_PEERS_DIR", "/work/peers"))
+
+
+def _terminate(signum, frame):
+    """SIGTERM/SIGHUP unwind like Ctrl-C, so every `finally` stops its server."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def load_average(max_load: float) -> float:
+    """The 1-minute load average, with a warning on stderr when it is above `max_load`."""
+    load = os.getloadavg()[0]
+    if load > max_load:
+        print(f"warning: 1-min load average is {load:.2f} (> {max_load:g}): the machine is not idle, "
+              "numbers will be noisy", file=sys.stderr, flush=True)
+    return load
+
+
+def requests_for(concurrency: int, per_stream: float, minimum: int) -> int:
+    """Requests sent at one level: `per_stream` per stream, at least `minimum`."""
+    return max(minimum, round(per_stream * concurrency))
+
+
+def peer_python(args) -> dict[str, str]:
+    """The python of each peer's own venv, by kind."""
+    return {"vllm": args.vllm_python, "hf": args.hf_python}
+
+
+def available(spec: peers_servers.ServerSpec, args) -> str | None:
+    """Why a server cannot run here (its program is missing), else None."""
+    python = peer_python(args).get(spec.kind)
+    if python and not Path(python).exists():
+        return f"{python} not found (python -m bench.peers_setup installs it)"
+    return None
+
+
+def measure(spec: peers_servers.ServerSpec, args, model_dir: str, loads: list[Load], workdir: Path,
+            prompts: list[str]) -> dict:
+    """Start one server, warm it up, run every load level, stop it."""
+    result = {"load_before": load_average(args.max_load), "rows": [], "errors": []}
+    run = peers_servers.start(spec, model_dir, workdir, peer_python=peer_python(args), timeout_s=args.start_timeout)
+    result["url"] = run.url
+    try:
+        result["warmup_s"] = peers_clients.warm_up(run.url, run.model, run.api_key)
+        for load in loads:
+            print(f"== {spec.name}: {load.concurrency} streams, {load.requests} requests via {args.client}",
+                  file=sys.stderr, flush=True)
+            try:
+                if args.client == "guidellm":
+                    row = peers_clients.run_guidellm(args.guidellm, run.url, run.model, model_dir, run.api_key,
+                                                     load, workdir)
+                else:
+                    row = peers_clients.run_loadgen(run.url, run.api_key, load, prompts)
+                result["rows"].append(row)
+            except Exception as exc:            # recorded; the other levels and servers still run
+                print(f"{spec.name} at {load.concurrency} streams failed: {exc}", file=sys.stderr, flush=True)
+                result["errors"].append(f"{load.concurrency} streams: {str(exc)[:2000]}")
+    finally:
+        peers_servers.stop(run)
+        result["info"] = {**run.info, **peers_servers.threads_info(spec.kind, run.log)}
+        result["load_after"] = os.getloadavg()[0]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0])
+    p.add_argument("--server", action="append", default=None,
+                   help="NAME=KIND[:FLAGS], KIND in streamgate|vllm|hf (repeatable; default: "
+                        + ", ".join(peers_servers.DEFAULT_SERVERS) + ")")
+    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a local HF dir")
+    p.add_argument("--client", default="guidellm", choices=["guidellm", "loadgen"])
+    p.add_argument("--guidellm", default=os.environ.get("GUIDELLM", str(PEERS_DIR / "guidellm/bin/guidellm")))
+    p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", str(PEERS_DIR / "vllm/bin/python")))
+    p.add_argument("--hf-python", default=os.environ.get("HF_SERVE_PYTHON", str(PEERS_DIR / "hf/bin/python")),
+                   help="python of a venv with transformers[serving] (for --server NAME=hf)")
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated stream counts")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--requests-per-stream", type=float, default=2.0)
+    p.add_argument("--min-requests", type=int, default=8, help="at least this many requests per level")
+    p.add_argument("--max-seconds", type=float, default=300.0, help="bound on each level's run")
+    p.add_argument("--start-timeout", type=float, default=1800.0,
+                   help="bound on a server's start-up (s); vLLM compiles its model on first start")
+    p.add_argument("--peer", default="vllm-bf16", help="server the ratios are against")
+    p.add_argument("--max-load", type=float, default=0.5, help="warn when the 1-min load average is above this")
+    p.add_argument("--out-dir", default="bench/results")
+    args = p.parse_args(argv)
+
+    try:
+        specs = [peers_servers.parse_server(s) for s in args.server or peers_servers.DEFAULT_SERVERS]
+    except ValueError as exc:
+        p.error(str(exc))
+    if len({s.name for s in specs}) != len(specs):
+        p.error("--server names must be unique")
+    if args.client == "guidellm" and not Path(args.guidellm).exists():
+        p.error(f"--guidellm {args.guidellm}: not found (install it, or use --client loadgen)")
+    from engine.models import resolve_model
+
+    model_dir = str(resolve_model(args.model))
+    loads = [Load(c, requests_for(c, args.requests_per_stream, args.min_requests), args.prompt_tokens,
+                  args.output_tokens, args.max_seconds) for c in map(int, args.concurrency.split(","))]
+    prompts = (peers_clients.token_prompts(model_dir, max(ld.requests for ld in loads), args.prompt_tokens)
+               if args.client == "loadgen" else [])
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
+
+    report = {"args": vars(args), "model_dir": model_dir, "cpus": os.cpu_count(), "loads": [asdict(ld) for ld in loads],
+              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "servers": {}, "skipped": []}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for spec in specs:
+        if why := available(spec, args):
+            report["skipped"].append(f"{spec.name} skipped: {why}")
+            print(f"skipping {spec.name}: {why}", file=sys.stderr, flush=True)
+            continue
+        workdir = out / "peers" / spec.name             # its log and GuideLLM's reports stay for a look
+        workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            report["servers"][spec.name] = measure(spec, args, model_dir, loads, workdir, prompts)
+        except Exception as exc:                # e.g. it did not start: recorded, the next one runs
+            report["servers"][spec.name] = {"rows": [], "errors": [f"failed: {str(exc)[:3000]}"]}
+            print(f"{spec.name}: {exc}", file=sys.stderr, flush=True)
+        write(report, out, args.peer)                   # after each server: a later failure loses nothing
+    results, notes = write(report, out, args.peer)
+    print("\n".join(peers_report.format_text(results, args.peer)))
+    print("\n".join(notes))
+    print(f"wrote {out / 'peers.json'} and {out / 'peers.md'}")
+    return 0 if all(s["rows"] for s in report["servers"].values()) and report["servers"] else 1
+
+
+def write(report: dict, out: Path, peer: str) -> tuple[dict, list[str]]:
+    """peers.json and peers.md in `out` from what has been measured so far."""
+    results = {name: s["rows"] for name, s in report["servers"].items()}
+    notes = list(report["skipped"])
+    for name, s in report["servers"].items():
+        if "load_before" in s:
+            threads = {k: v for k, v in s["info"].items() if k not in ("kind", "flags")}
+            notes.append(f"{name}: load average {s['load_before']:.2f} before, {s['load_after']:.2f} after; "
+                         f"threads {json.dumps(threads)}")
+        notes += [f"{name}: {e.splitlines()[0]}" for e in s["errors"]]
+    report["notes"] = notes
+    (out / "peers.json").write_text(json.dumps(report, indent=1))
+    (out / "peers.md").write_text(peers_report.format_markdown(results, peer, notes))
+    return results, notes
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The two load clients of `bench.peers`, both closed loops of C concurrent streams with
+synthetic prompts of P tokens and outputs of exactly N tokens (`ignore_eos`):
+
+- `guidellm`: GuideLLM's CLI from its own venv (`guidellm run`, concurrent profile),
+  run as a bounded subprocess; its JSON report is parsed by `peers_report`.
+- `loadgen`: this repository's own client (`bench.loadgen.replay` over SSE through
+  `bench.drivers.SseDriver`), for when GuideLLM is not installed or cannot run.
+
+Both report one row per concurrency (see `peers_report`), with the same
+definitions: output tokens/s over the level's wall time, TTFT per request, and ITL as
+each request's (latency - TTFT) / (tokens - 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import peers_report, servestats
+from .drivers import SseDriver
+from .loadgen import Req, Workload, replay
+from .workload import _text
+
+
+@dataclass(frozen=True)
+class Load:
+    """What every client sends at one concurrency level."""
+
+    concurrency: int
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    max_seconds: float
+
+
+# -- GuideLLM ---------------------------------------------------------------------------------------
+def guidellm_command(exe: str, url: str, model: str, model_dir: str, api_key: str, load: Load, out: Path) -> list[str]:
+    """GuideLLM 0.8.1's CLI (`guidellm run`, options as `kind=...,key=value`) for one
+    concurrency level. Its tokenizer is the local model dir, so synthetic prompts are
+    counted in the model's own tokens without a hub."""
+    return [exe, "run", "--disable-console-interactive",
+            "--backend", f"kind=openai_http,target={url},model={model},api_key={api_key},"
+                         "request_format=/v1/chat/completions",
+            "--tokenizer", f"kind=huggingface_auto,model={model_dir}",
+            "--profile", f"kind=concurrent,streams={load.concurrency}",
+            "--data", f"kind=synthetic_text,prompt_tokens={load.prompt_tokens},output_tokens={load.output_tokens}",
+            "--constraint", f"kind=max_requests,count={load.requests}",
+            "--constraint", f"kind=max_duration,seconds={int(load.max_seconds)}",
+            "--output", f"kind=json,path={out}"]
+
+
+def run_guidellm(exe: str, url: str, model: str, model_dir: str, api_key: str, load: Load, workdir: Path) -> dict:
+    """One GuideLLM run, bounded by `max_seconds` plus a margin; returns its row."""
+    out = workdir / f"guidellm-c{load.concurrency}.json"
+    log = workdir / f"guidellm-c{load.concurrency}.log"
+    cmd = guidellm_command(exe, url, model, model_dir, api_key, load, out)
+    print(f"running: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=load.max_seconds + 180)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if rc != 0 or not out.exists():
+        why = "timed out" if rc is None else f"exited {rc}"
+        raise RuntimeError(f"GuideLLM {why}; its log:\n" + log.read_text(errors="replace")[-3000:])
+    rows = peers_report.rows_from_guidellm(json.loads(out.read_text()))
+    return next(r for r in rows if r["concurrency"] == load.concurrency)
+
+
+# -- loadgen ------------------------------------------------------------------------------------------
+def token_prompts(model_dir: str, n: int, tokens: int, seed: int = 0) -> list[str]:
+    """n texts of `tokens` tokens each in the model's tokenizer (random English words cut
+    to length), distinct from their first words on so no prefix cache helps."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        ids = tok(_text(rng, tokens), add_special_tokens=False)["input_ids"]
+        out.append(tok.decode(ids[:tokens]))
+    return out
+
+
+def run_loadgen(url: str, api_key: str, load: Load, prompts: list[str]) -> dict:
+    """`load.concurrency` users each sending its next request when the previous ends. The
+    requests name no model: each server answers with the one it serves."""
+    reqs = [Req(f"peers-c{load.concurrency}-{i}", "bench", "peers", None, i % load.concurrency, 0.0,
+                [{"role": "user", "content": prompts[i % len(prompts)]}], load.prompt_tokens, load.output_tokens)
+            for i in range(load.requests)]
+    wl = Workload(name=f"peers-c{load.concurrency}", num_requests=load.requests, duration_s=load.max_seconds,
+                  arrival="closed", users=load.concurrency)
+    driver = SseDriver(url, {"bench": api_key})
+
+    async def go() -> list[dict]:
+        await driver.open(reqs)
+        try:
+            return await replay(reqs, wl, driver.send, time_limit=load.max_seconds + 120,
+                                label=f"c={load.concurrency}")
+        finally:
+            await driver.close()
+
+    recs = asyncio.run(go())
+    return peers_report.row_from_summary(servestats.summarize(recs, [], 1e9, 1e9), load.concurrency)
+
+
+def warm_up(url: str, model: str, api_key: str, timeout_s: float = 300.0) -> float:
+    """One short chat request before measuring (first-call costs stay out of the numbers);
+    returns its seconds."""
+    import httpx
+
+    body = {"model": model, "messages": [{"role": "user", "content": "Hello, how are you today?"}],
+            "max_tokens": 8, "temperature": 0}
+    t0 = time.perf_counter()
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {api_key}"},
+                   timeout=timeout_s)
+    r.raise_for_status()
+    return time.perf_counter() - t0

@@ -1,0 +1,123 @@
+"""The peer benchmark (bench/peers*.py): GuideLLM's report parsed into rows, the table and
+its ratios, server specs, and one real run of the harness with its own client against
+streamgate on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from bench.peers_report import ReportError, format_markdown, format_text, ratios, rows_from_guidellm
+from bench.peers_servers import parse_server
+
+
+def _dist(p50: float, p99: float) -> dict:
+    """A GuideLLM distribution summary by request status, only the parts the parser reads
+    plus a few it must ignore."""
+    return {"successful": {"mean": (p50 + p99) / 2, "median": p50, "count": 9,
+                           "percentiles": {"p50": p50, "p90": (p50 + p99) / 2, "p99": p99}},
+            "errored": None, "incomplete": None}
+
+
+def _benchmark(streams: int, duration: float, tokens: int, ok: int, errored: int,
+               ttft: tuple[float, float], itl: tuple[float, float]) -> dict:
+    return {"type_": "generative_benchmark", "config": {"strategy": {"type_": "concurrent", "streams": streams}},
+            "duration": duration,
+            "metrics": {"request_totals": {"successful": ok, "errored": errored, "incomplete": 0, "total": ok + errored},
+                        "output_token_count": {"successful": {"total_sum": tokens, "mean": tokens / max(ok, 1)}},
+                        "time_to_first_token_ms": _dist(*ttft), "inter_token_latency_ms": _dist(*itl)}}
+
+
+def test_guidellm_report_becomes_one_row_per_concurrency():
+    """Each benchmark of a concurrent-profile report is one row, sorted by streams, with
+    output tok/s = successful output tokens / duration and the TTFT/ITL percentiles."""
+    doc = {"benchmarks": [_benchmark(8, 20.0, 1000, 16, 0, (300.0, 900.0), (70.0, 90.0)),
+                          _benchmark(1, 10.0, 128, 2, 1, (150.0, 200.0), (40.0, 45.0))]}
+    rows = rows_from_guidellm(doc)
+    assert [r["concurrency"] for r in rows] == [1, 8]
+    one, eight = rows
+    assert one["output_tps"] == pytest.approx(12.8) and eight["output_tps"] == pytest.approx(50.0)
+    assert (one["ok"], one["failed"], one["output_tokens"]) == (2, 1, 128)
+    assert (eight["ttft_p50_ms"], eight["ttft_p99_ms"], eight["itl_p50_ms"]) == (300.0, 900.0, 70.0)
+
+
+def test_a_level_with_no_successful_request_has_no_latencies():
+    """When every request of a level failed or was cut off, its TTFT and ITL are None (GuideLLM
+    writes zeros there), and the table shows '-' rather than 0 ms."""
+    rows = rows_from_guidellm({"benchmarks": [_benchmark(32, 300.0, 0, 0, 32, (0.0, 0.0), (0.0, 0.0))]})
+    (row,) = rows
+    assert (row["ok"], row["failed"], row["output_tps"]) == (0, 32, 0.0)
+    assert row["ttft_p50_ms"] is row["ttft_p99_ms"] is row["itl_p50_ms"] is None
+    assert "0 ms" not in format_text({"sg": rows}, None)[1]
+
+
+def test_a_report_missing_a_metric_names_it():
+    """A report without a metric the table needs fails with that metric's path."""
+    bench = _benchmark(1, 10.0, 128, 2, 0, (1.0, 2.0), (1.0, 2.0))
+    del bench["metrics"]["time_to_first_token_ms"]
+    with pytest.raises(ReportError, match=r"metrics\.time_to_first_token_ms"):
+        rows_from_guidellm({"benchmarks": [bench]})
+
+
+def _row(c: int, tps: float, ttft99: float | None) -> dict:
+    return {"concurrency": c, "ok": 4, "failed": 0, "output_tokens": 256, "output_tps": tps,
+            "ttft_p50_ms": 100.0, "ttft_p99_ms": ttft99, "itl_p50_ms": 50.0, "itl_p99_ms": 60.0}
+
+
+def test_ratios_are_against_the_peer_at_the_same_concurrency():
+    """Output tok/s and TTFT p99 are divided by the peer's at the same concurrency; a level
+    the peer lacks, or a missing number, gives None rather than a made-up ratio."""
+    results = {"vllm": [_row(1, 20.0, 200.0), _row(32, 180.0, 4000.0)],
+               "sg": [_row(1, 10.0, 300.0), _row(8, 40.0, 900.0), _row(32, 200.0, None)]}
+    rel = ratios(results, "vllm")
+    assert rel["sg"][1] == {"output_tps": pytest.approx(0.5), "ttft_p99": pytest.approx(1.5)}
+    assert rel["sg"][8] == {"output_tps": None, "ttft_p99": None}
+    assert rel["sg"][32]["output_tps"] == pytest.approx(200 / 180) and rel["sg"][32]["ttft_p99"] is None
+    assert rel["vllm"][32]["output_tps"] == pytest.approx(1.0)
+
+
+def test_text_and_markdown_tables_show_each_level_and_ratio():
+    """Both tables have one line per server and level with its ratio; long TTFTs read in
+    seconds; the markdown names the peer and carries the notes."""
+    results = {"vllm": [_row(32, 180.0, 4200.0)], "sg": [_row(32, 90.0, 18600.0)]}
+    text = format_text(results, "vllm")
+    assert len(text) == 3 and "0.50x" in text[2] and "18.6 s" in text[2] and "4.43x" in text[2]
+    md = format_markdown(results, "vllm", ["load average 3.1"])
+    lines = md.splitlines()
+    assert lines[0].startswith("| server |") and lines[3].startswith("| sg | 32 | 4/0 | 90.0 | 0.50x |")
+    assert "against vllm" in md and "- load average 3.1" in md
+
+
+def test_server_specs_parse_and_bad_ones_name_the_option():
+    """NAME=KIND:FLAGS splits flags like a shell; a bare kind names itself; an unknown kind
+    is refused naming --server."""
+    spec = parse_server('sg-bf16=streamgate:--dtype bfloat16 --max-num-seqs "64"')
+    assert (spec.name, spec.kind, spec.flags) == ("sg-bf16", "streamgate", ("--dtype", "bfloat16", "--max-num-seqs", "64"))
+    assert parse_server("vllm").name == "vllm" and parse_server("vllm").flags == ()
+    with pytest.raises(ValueError, match="--server"):
+        parse_server("x=llamacpp")
+
+
+def test_harness_runs_streamgate_with_its_own_client(tiny_model, tmp_path):
+    """`python -m bench.peers --client loadgen` starts streamgate, measures two levels with
+    every request producing exactly its output tokens, writes JSON and markdown, records
+    the load average and threads, and stops the server."""
+    cmd = [sys.executable, "-m", "bench.peers", "--client", "loadgen", "--model", tiny_model("llama"),
+           "--server", "sg=streamgate:--max-num-seqs 8", "--peer", "sg", "--concurrency", "1,4",
+           "--requests-per-stream", "1", "--min-requests", "2", "--prompt-tokens", "48", "--output-tokens", "5",
+           "--max-seconds", "60", "--start-timeout", "120", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "peers.json").read_text())
+    sg = report["servers"]["sg"]
+    assert [(r["concurrency"], r["ok"], r["failed"], r["output_tokens"]) for r in sg["rows"]] == [(1, 2, 0, 10), (4, 4, 0, 20)]
+    for r in sg["rows"]:
+        assert r["output_tps"] > 0 and 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["itl_p50_ms"] > 0
+    assert sg["info"]["torch_threads"] >= 1 and sg["load_before"] >= 0
+    assert "| sg | 4 | 4/0 |" in (tmp_path / "peers.md").read_text()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(sg["url"] + "/health", timeout=2)
