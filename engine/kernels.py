@@ -44,7 +44,7 @@ def paged_attention_ops():
     start = time.perf_counter()
     try:
         module = load(name=NAME, sources=[str(SOURCE)], build_directory=str(build_dir()),
-                      extra_cflags=["-O3", "-march=native", "-fno-math-errno"],
+                      extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"],
                       verbose=os.environ.get("STREAMGATE_VERBOSE_BUILD") == "1")
     except Exception as e:  # noqa: BLE001 (no compiler, bad toolchain: fall back, say why)
         log.warning("paged attention kernel did not build (%s); using the torch attention path", e)
