@@ -106,6 +106,8 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.close)       # tensor-parallel ranks: bounded
         if self._loader is not None:
             self._loader.shutdown(wait=False)
         self._dispatch([RequestOutput(rid, [], "", True, "abort", error="engine stopped")
@@ -209,6 +211,7 @@ class AsyncEngine:
         engine = self.engine
         while self._running:
             try:
+                engine.check_health()                # a failed tensor-parallel rank ends the engine
                 changed = self._drain_commands()
                 if not engine.has_unfinished():
                     if changed:

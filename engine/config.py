@@ -51,6 +51,9 @@ class EngineConfig:
     max_step_tokens: int = 4096
     seat_quantum_steps: int = 2           # steps a sequence runs after (re)admission before it may lose its seat
     max_seat_preemptions: int = 2         # times a sequence may lose its seat to an arrival
+    # -- tensor parallelism (issue 13): N ranks, one per device; see docs/ENGINE.md ------------
+    tensor_parallel_size: int = 1         # 1: one process, no torch.distributed
+    tp_timeout_s: float = 30.0            # a collective (or a silent rank) failing past this fails the engine
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, msg: str) -> None:
@@ -93,6 +96,11 @@ class EngineConfig:
         need(self.attention_backend != "kernel" or self.device == "cpu", "attention_backend",
              "'kernel' is the CPU kernel; use 'auto' or 'torch' on CUDA")
         need(isinstance(self.compile, bool), "compile", "must be a bool")
+        need(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
+             "must be an int >= 1")
+        need(self.tensor_parallel_size == 1 or not self.compile, "compile",
+             "is not supported with tensor_parallel_size > 1")
+        need(isinstance(self.tp_timeout_s, (int, float)) and self.tp_timeout_s > 0, "tp_timeout_s", "must be > 0")
         if not self.chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
                  "must be >= max_model_len when chunked_prefill is off (a whole prompt runs in one step)")

@@ -34,7 +34,12 @@ class LLMEngine:
         fake one."""
         self.config = config
         self.clock = clock
-        self.runner = ModelRunner(config)
+        if config.tensor_parallel_size == 1:
+            self.runner = ModelRunner(config)
+        else:
+            from .tp_runner import TPModelRunner
+
+            self.runner = TPModelRunner(config)
         self.tokenizer = self.runner.tokenizer
         self.vocab_size = self.runner.vocab_size
         # One sequence must always fit alone with the watermark left free, or a long
@@ -108,6 +113,14 @@ class LLMEngine:
         if seq is not None and not seq.status.finished:
             self.scheduler.finish(seq, "abort")
             self._pending.append(self._retire(seq))
+
+    def check_health(self) -> None:
+        """Raise if the engine can no longer step (a tensor-parallel rank failed)."""
+        self.runner.check_health()
+
+    def close(self) -> None:
+        """Stop what the engine runs besides this thread (tensor-parallel ranks)."""
+        self.runner.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)

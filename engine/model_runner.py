@@ -27,11 +27,12 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model, self.tokenizer = load_model(config.model, self.dtype, self.device)
+        tp = config.tensor_parallel_size
+        self.model, self.tokenizer = load_model(config.model, self.dtype, self.device, tp)
         hf = self.model.config
         self.vocab_size = hf.vocab_size
         self.max_position_embeddings = getattr(hf, "max_position_embeddings", None)
-        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        num_kv_heads = (getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads) // tp   # this rank's
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.num_blocks = config.num_kv_blocks or self._auto_num_blocks(hf.num_hidden_layers, num_kv_heads, head_dim)
         self.kv_cache = PagedKVCache(hf.num_hidden_layers, self.num_blocks, config.block_size,
@@ -92,6 +93,12 @@ class ModelRunner:
                  num_blocks * per_block / 2**30)
         return num_blocks
 
+    def check_health(self) -> None:
+        """Raise if the runner can no longer step (one process: it always can)."""
+
+    def close(self) -> None:
+        """Release what the runner holds beyond memory (one process: nothing)."""
+
     # -- one step --------------------------------------------------------------------------
     @torch.inference_mode()
     def swap(self, batch: SchedulerOutput) -> int:
@@ -107,7 +114,12 @@ class ModelRunner:
     def run(self, batch: SchedulerOutput) -> torch.Tensor:
         """Returns float32 logits [num_sampling_rows, V], one row per sequence that
         reaches its last token this step, in batch order."""
-        input_ids, positions, sample_rows, meta = self._prepare(batch)
+        return self.execute(*self._prepare(batch))
+
+    @torch.inference_mode()
+    def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """The forward pass on a prepared batch (every tensor-parallel rank runs it)."""
         start = time.perf_counter()
         logits = self.forward(input_ids=input_ids, position_ids=positions, cache=self.kv_cache,
                             use_cache=False, paged=meta, logits_to_keep=sample_rows).logits

@@ -88,15 +88,34 @@ def check_supported(config) -> None:
                          f"(sliding_window={config.sliding_window})")
 
 
-def load_model(name: str, dtype, device):
-    """Load (model, tokenizer) with the paged attention implementation plugged in."""
+def check_tensor_parallel(config, tp_size: int) -> None:
+    """Each rank holds num_heads / N query heads and num_kv_heads / N KV heads."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % tp_size or kv_heads % tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} must divide the model's attention heads "
+                         f"(num_attention_heads={heads}, num_key_value_heads={kv_heads})")
+
+
+def load_model(name: str, dtype, device, tp_size: int = 1):
+    """Load (model, tokenizer) with the paged attention implementation plugged in. With
+    tp_size > 1 (torch.distributed initialised, one process per rank) transformers shards
+    it by the model's own tensor-parallel plan and places this rank's shard itself."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from .attention import ATTN_IMPLEMENTATION
 
     path = resolve_model(name)
     check_supported(AutoConfig.from_pretrained(path))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
-    model.to(device).eval()
+    if tp_size > 1:
+        from transformers.distributed import DistributedConfig
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
+                                                     distributed_config=DistributedConfig(tp_plan="auto",
+                                                                                          tp_size=tp_size))
+        model.eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

@@ -1,0 +1,128 @@
+"""torch.distributed plumbing for tensor parallelism: the process group, the ranks'
+processes, and the channel that carries each step from rank 0 to the others.
+
+Rank 0 is the serving process (its engine thread); ranks 1..N-1 are processes it spawns.
+The group is gloo on CPU; on CUDA the model's collectives run on NCCL (one device per
+rank) while the step messages, which are small pickled CPU objects, stay on gloo. Every
+collective has the group's timeout, so a hung rank fails the engine within it; a rank
+that dies closes its sockets and its peers' collectives fail at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+log = logging.getLogger("streamgate.engine")
+
+_CPU = torch.device("cpu")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank: int, world_size: int, port: int, device: str, timeout_s: float) -> None:
+    backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def rank_device(device: str, rank: int) -> str:
+    """One device per rank: rank r uses cuda:r."""
+    return f"cuda:{rank}" if device.startswith("cuda") else device
+
+
+def moved(obj, device: torch.device):
+    """`obj` with every tensor inside it (through lists, tuples and dataclasses) on `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(moved(x, device) for x in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: moved(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj)})
+    return obj
+
+
+class StepChannel:
+    """Rank 0 broadcasts one message per step (or swap, ping, stop); every other rank
+    receives them in the same order. Tensors travel on CPU and land on the receiver's
+    device. `seconds` adds up the time spent broadcasting (the benchmark reads it)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds = 0.0
+
+    def send(self, message: tuple) -> None:
+        start = time.perf_counter()
+        dist.broadcast_object_list([moved(message, _CPU)], src=0, device=_CPU)
+        self.seconds += time.perf_counter() - start
+
+    def recv(self) -> tuple:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, device=_CPU)
+        return moved(box[0], self.device)
+
+
+def barrier() -> None:
+    """A one-number all_reduce on gloo: returns once every rank took part (or raises
+    after the group's timeout), which is what a heartbeat needs."""
+    dist.all_reduce(torch.ones(1))
+
+
+class Ranks:
+    """The spawned ranks 1..N-1 (daemon processes: they die with the serving process)."""
+
+    def __init__(self, target, world_size: int, args: tuple):
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=target, args=(rank, *args, os.getpid()), daemon=True,
+                                  name=f"streamgate-rank{rank}") for rank in range(1, world_size)]
+        for p in self.procs:
+            p.start()
+
+    def dead(self) -> list[str]:
+        """'rank R (exit code C)' for each rank process that is gone."""
+        return [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs, 1) if not p.is_alive()]
+
+    def stop(self, grace_s: float) -> None:
+        """Wait up to `grace_s` for the ranks to exit, then terminate, then kill."""
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+
+
+def exit_with_parent(parent_pid: int, interval_s: float = 0.5) -> None:
+    """In a spawned rank: leave at once if the serving process is gone (even by SIGKILL,
+    which runs no clean-up there)."""
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(interval_s)
+
+    threading.Thread(target=watch, name="streamgate-parent-watch", daemon=True).start()
+
+
+def destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
