@@ -100,6 +100,8 @@ class EngineConfig:
              "must be an int >= 1")
         need(self.tensor_parallel_size == 1 or not self.compile, "compile",
              "is not supported with tensor_parallel_size > 1")
+        need(self.tensor_parallel_size == 1 or self.device in ("cpu", "cuda"), "device",
+             "must be 'cpu' or 'cuda' with tensor_parallel_size > 1 (rank r uses cuda:r)")
         need(isinstance(self.tp_timeout_s, (int, float)) and self.tp_timeout_s > 0, "tp_timeout_s", "must be > 0")
         if not self.chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",

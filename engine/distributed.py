@@ -33,10 +33,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, world_size: int, port: int, device: str, timeout_s: float) -> None:
+# Start-up (spawning, imports, loading weights, maybe building the kernel) may take minutes
+# on a busy host; the group's collectives get their real timeout once every rank is loaded.
+STARTUP_TIMEOUT_S = 600.0
+
+
+def init_group(rank: int, world_size: int, port: int, device: str) -> None:
     backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+                            timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+
+
+def loaded(timeout_s: float) -> None:
+    """Every rank calls this once its shard is loaded: wait for the others, then let each
+    collective wait at most `timeout_s` from now on."""
+    barrier()
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
 
 
 def rank_device(device: str, rank: int) -> str:

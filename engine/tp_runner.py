@@ -67,13 +67,14 @@ class TPModelRunner(ShardRunner):
         # The serving process's threads are shared out among the ranks on CPU.
         threads = max(1, torch.get_num_threads() // n) if config.device == "cpu" else torch.get_num_threads()
         self.ranks = tpd.Ranks(serve_rank, n, (n, port, config, threads))
-        self.failed: BaseException | None = None
+        self.failed: str | None = None             # why the ranks can no longer step
         self._lock = threading.Lock()               # one collective sequence at a time
         self._stopped = threading.Event()
         try:
             torch.set_num_threads(threads)
-            tpd.init_group(0, n, port, config.device, config.tp_timeout_s)
+            tpd.init_group(0, n, port, config.device)
             super().__init__(dataclasses.replace(config, device=tpd.rank_device(config.device, 0)))
+            tpd.loaded(config.tp_timeout_s)
         except BaseException:
             self.ranks.stop(grace_s=0.0)
             tpd.destroy_group()
@@ -104,10 +105,12 @@ class TPModelRunner(ShardRunner):
 
     # -- health ---------------------------------------------------------------------------------
     def check_health(self) -> None:
-        if self.failed is None and (dead := self.ranks.dead()):
-            self.failed = RankFailure(f"tensor-parallel {', '.join(dead)} exited")
-        if self.failed is not None:
-            raise RankFailure(f"tensor parallelism failed: {self.failed}")
+        reasons = [f"{rank} exited" for rank in self.ranks.dead()]
+        if self.failed is not None and self.failed not in reasons:
+            reasons.append(self.failed)
+        if reasons:
+            self.failed = self.failed or reasons[0]
+            raise RankFailure(f"tensor parallelism failed: {'; '.join(reasons)}")
 
     def _beat(self) -> None:
         """Ping the ranks when idle; notice dead ones between steps."""
@@ -165,8 +168,8 @@ class _Collective:
         self.runner._last_sent = time.monotonic()
         self.runner._lock.release()
         if exc is not None and not isinstance(exc, RankFailure):
-            self.runner.failed = exc
-            raise RankFailure(f"tensor parallelism failed: {type(exc).__name__}: {exc}") from exc
+            self.runner.failed = f"{type(exc).__name__}: {exc}"
+            raise RankFailure(f"tensor parallelism failed: {self.runner.failed}") from exc
         return False
 
 
@@ -177,8 +180,9 @@ def serve_rank(rank: int, world_size: int, port: int, config: EngineConfig, thre
     torch.set_num_threads(threads)
     tpd.exit_with_parent(parent_pid)
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(levelname)s %(name)s: %(message)s")
-    tpd.init_group(rank, world_size, port, config.device, config.tp_timeout_s)
+    tpd.init_group(rank, world_size, port, config.device)
     runner = ShardRunner(dataclasses.replace(config, device=tpd.rank_device(config.device, rank)))
+    tpd.loaded(config.tp_timeout_s)
     channel = tpd.StepChannel(runner.device)
     try:
         while True:

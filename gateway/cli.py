@@ -28,13 +28,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "kernel", "torch"],
                    help="auto: the C++ paged attention kernel on CPU where it builds, else gather + SDPA")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (start-up takes minutes)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over N ranks (processes; one GPU each on CUDA, gloo on CPU)")
+    p.add_argument("--tp-timeout", type=float, default=30.0,
+                   help="seconds a tensor-parallel collective may wait before the engine fails")
 
 
 def chat(args: argparse.Namespace) -> int:
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                    attention_backend=args.attention_backend, compile=args.compile))
+                                    attention_backend=args.attention_backend, compile=args.compile,
+                                    tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout))
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})
     prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -57,6 +62,7 @@ def chat(args: argparse.Namespace) -> int:
                 rate = (n - 1) / (elapsed - first) if n > 1 and first is not None and elapsed > first else 0.0
                 print(f"\n\n[{n} tokens, finish_reason={out.finish_reason}, TTFT {first or 0:.2f} s, "
                       f"{rate:.1f} tokens/s]", file=sys.stderr)
+    engine.close()
     return 0
 
 
@@ -91,6 +97,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                         attention_backend=args.attention_backend, compile=args.compile, policy=args.policy,
+                        tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout,
                         preemption_mode=args.preemption_mode, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         num_kv_blocks=args.num_kv_blocks, num_swap_blocks=args.num_swap_blocks,

@@ -1,0 +1,153 @@
+"""Tensor parallelism on CPU with gloo, 2 ranks: greedy parity with one process and HF
+under chunked prefill, prefix caching and both kinds of preemption (tiny Llama on the
+kernel path, tiny Qwen2 on the torch path), start-up errors, an idle engine outliving its
+collective timeout, and a rank killed under a real `streamgate serve`."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from bench.redis_server import free_port
+from engine import EngineConfig, LLMEngine, SamplingParams
+from tenants import hash_key
+from tests.models import assert_greedy_parity, load_reference, run_to_completion
+
+from .redis_server import wait_healthy
+
+TP_TIMEOUT_S = 4.0
+# 30 blocks of 8 tokens for ~700 tokens of requests: deferral, recompute preemption of the
+# short sequences and swap preemption of those >= 80 tokens; a 48-token budget chunks prefill.
+PRESSURE = dict(num_kv_blocks=30, block_size=8, max_num_batched_tokens=48, max_num_seqs=8, watermark=0.0,
+                num_swap_blocks=64, swap_min_tokens=80)
+FAMILIES = {"llama": "kernel", "qwen2": "torch"}     # family -> attention backend it runs on
+
+
+def workload(seed: int = 3) -> dict[int, list[tuple]]:
+    """Eight prompts of 5..160 tokens, one arriving per step; every third starts with the same
+    40 tokens (prefix cache hits)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(100, 40_000) for _ in range(40)]
+    arrivals: dict[int, list[tuple]] = {}
+    for i, n in enumerate([60, 5, 90, 30, 120, 17, 45, 75]):
+        prompt = (shared if i % 3 == 0 else []) + [rng.randrange(100, 40_000) for _ in range(n)]
+        params = SamplingParams(max_tokens=24 - i % 3 * 4, temperature=0.0, ignore_eos=True)
+        arrivals.setdefault(i, []).append((f"r{i}", prompt, params))
+    return arrivals
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def tp_engine(request, tiny_model):
+    """One 2-rank engine per family, shared by the module's tests (spawning ranks costs seconds)."""
+    family = request.param
+    cfg = EngineConfig(model=tiny_model(family), attention_backend=FAMILIES[family], tensor_parallel_size=2,
+                       tp_timeout_s=TP_TIMEOUT_S, **PRESSURE)
+    engine = LLMEngine(cfg)
+    yield engine
+    engine.close()
+    assert all(not p.is_alive() for p in engine.runner.ranks.procs)
+
+
+def test_tp_greedy_parity_with_one_process_and_hf(tp_engine):
+    """Mixed arrivals with chunked prefill, prefix hits, recompute and swap preemption:
+    2 ranks give exactly the single-process engine's tokens, which match HF generate."""
+    cfg = tp_engine.config
+    got = run_to_completion(tp_engine, workload())
+    stats = tp_engine.stats()
+    assert stats["preemptions_recompute"] > 0 and stats["preemptions_swap"] > 0
+    assert stats["prefix_cache_hit_tokens"] > 0 and stats["kv_blocks_used"] == 0
+    one = LLMEngine(EngineConfig(model=cfg.model, attention_backend=cfg.attention_backend, **PRESSURE))
+    assert got == run_to_completion(one, workload())
+    ref = load_reference(cfg.model)
+    for reqs in workload().values():
+        for rid, prompt, params in reqs:
+            assert len(got[rid]) == params.max_tokens
+            assert_greedy_parity(ref, prompt, got[rid], 1e-4)
+
+
+def test_each_rank_holds_its_share_of_kv_heads(tp_engine):
+    """Rank 0's KV pool is sized for num_key_value_heads / 2 heads, with the configured blocks."""
+    hf = tp_engine.runner.model.config
+    k = tp_engine.runner.kv_cache.k                            # [L, S, H_kv_local, D]
+    assert k.shape[2] == hf.num_key_value_heads // 2
+    assert k.shape[1] == PRESSURE["num_kv_blocks"] * PRESSURE["block_size"]
+
+
+def test_idle_engine_outlives_the_collective_timeout(tp_engine):
+    """Heartbeats keep idle ranks in step: after idling past tp_timeout_s, a request still runs."""
+    time.sleep(TP_TIMEOUT_S + 1.5)
+    tp_engine.check_health()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    out = run_to_completion(tp_engine, {0: [("idle", [11, 12, 13], params)]})
+    assert len(out["idle"]) == 4
+
+
+def test_heads_that_do_not_divide_fail_at_start_naming_them(tiny_model):
+    """tensor_parallel_size=3 on 4 query / 2 KV heads is refused before any rank starts."""
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3.*num_attention_heads=4, num_key_value_heads=2"):
+        LLMEngine(EngineConfig(model=tiny_model("llama"), tensor_parallel_size=3))
+
+
+def test_bad_tensor_parallel_settings_name_the_field():
+    """A non-positive size, an indexed CUDA device or compile with TP is a ValueError naming the field."""
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="EngineConfig.device"):
+        EngineConfig(tensor_parallel_size=2, device="cuda:1")
+    with pytest.raises(ValueError, match="EngineConfig.compile"):
+        EngineConfig(tensor_parallel_size=2, compile=True)
+
+
+def _rank_processes(server: psutil.Process) -> list[psutil.Process]:
+    return [p for p in server.children() if any("spawn_main" in part for part in p.cmdline())]
+
+
+def test_killed_rank_fails_the_stream_and_health_and_sigterm_ends_the_tree(tiny_model, tmp_path):
+    """`serve --tensor-parallel-size 2`: SIGKILL rank 1 mid-stream; the stream ends with an
+    error event, /health turns 503 naming the failure, and SIGTERM ends every process."""
+    key = "sk-tp-test"
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.acme]\napi_key_sha256 = ["{hash_key(key)}"]\n')
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--model", tiny_model("llama"),
+                             "--tenants", str(tenants), "--port", str(port), "--drain-grace", "1",
+                             "--tensor-parallel-size", "2", "--tp-timeout", str(TP_TIMEOUT_S),
+                             "--attention-backend", "torch"],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "w"))
+    try:
+        wait_healthy(url, proc, 180, lambda: (tmp_path / "serve.log").read_text()[-2000:])
+        server = psutil.Process(proc.pid)
+        ranks = _rank_processes(server)
+        assert len(ranks) == 1
+        events = []
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {key}"}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line[6:]))
+                if len(events) == 3:
+                    ranks[0].kill()
+        assert len(events) > 3 and "error" in events[-1], events[-3:]
+        assert not any("error" in e for e in events[:-1])
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and "rank 1" in health.text
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        gone, alive = psutil.wait_procs(ranks, timeout=10)
+        assert not alive
+    finally:
+        if proc.poll() is None:
+            proc.kill()
