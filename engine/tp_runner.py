@@ -89,19 +89,16 @@ class TPModelRunner(ShardRunner):
     # -- the step -----------------------------------------------------------------------------
     def run(self, batch: SchedulerOutput) -> torch.Tensor:
         input_ids, positions, sample_rows, meta = prepared = self._prepare(batch)
-        with self._collective():
+        with _Collective(self):
             self.channel.send(("run", input_ids, positions, sample_rows, dataclasses.replace(meta, cache=None)))
             return self.execute(*prepared)
 
     def swap(self, batch: SchedulerOutput) -> int:
         if not (batch.swap_out or batch.swap_in):
             return 0
-        with self._collective():
+        with _Collective(self):
             self.channel.send(("swap", batch.swap_out, batch.swap_in))
             return super().swap(batch)
-
-    def _collective(self):
-        return _Collective(self)
 
     # -- health ---------------------------------------------------------------------------------
     def check_health(self) -> None:
@@ -113,22 +110,20 @@ class TPModelRunner(ShardRunner):
             raise RankFailure(f"tensor parallelism failed: {'; '.join(reasons)}")
 
     def _beat(self) -> None:
-        """Ping the ranks when idle; notice dead ones between steps."""
-        while not self._stopped.wait(_HEARTBEAT_S / 4):
-            try:
+        """Ping the ranks after a second without a step; notice dead ones between steps."""
+        try:
+            while not self._stopped.wait(_HEARTBEAT_S / 4):
                 self.check_health()
-            except RankFailure:
-                log.error("tensor parallelism failed: %s", self.failed)
-                return
-            if time.monotonic() - self._last_sent < _HEARTBEAT_S or not self._lock.acquire(blocking=False):
-                continue
-            try:
+                if time.monotonic() - self._last_sent < _HEARTBEAT_S or not self._lock.acquire(blocking=False):
+                    continue
+                if self._stopped.is_set():              # close() ran in between
+                    self._lock.release()
+                    return
                 with _Collective(self, locked=True):
                     self.channel.send(("ping",))
                     tpd.barrier()
-            except RankFailure:
-                log.error("tensor parallelism failed: %s", self.failed)
-                return
+        except RankFailure as exc:
+            log.error("%s", exc)
 
     def close(self) -> None:
         """Stop the heartbeat and every rank, and leave the group (bounded: never hangs)."""
