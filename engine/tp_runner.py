@@ -131,12 +131,14 @@ class TPModelRunner(ShardRunner):
             return
         self._stopped.set()
         got = self._lock.acquire(timeout=self.config.tp_timeout_s)
+        told = False
         try:
             if got and self.failed is None and not self.ranks.dead():
                 self.channel.send(("stop",))
+                told = True
         except Exception as exc:                   # the ranks are stopped below either way
             log.warning("tensor parallel: stop message failed: %s", exc)
-        self.ranks.stop(grace_s=10.0)
+        self.ranks.stop(grace_s=10.0 if told else 0.0)
         tpd.destroy_group()
         if got:
             self._lock.release()

@@ -6,6 +6,7 @@ collective timeout, and a rank killed under a real `streamgate serve`."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -18,13 +19,14 @@ import pytest
 
 from bench.redis_server import free_port
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.tp_runner import RankFailure
 from tenants import hash_key
 from tests.conftest import cuda_available
 from tests.models import assert_greedy_parity, load_reference, run_to_completion
 
 from .redis_server import wait_healthy
 
-TP_TIMEOUT_S = 4.0
+TP_TIMEOUT_S = 3.0
 # 30 blocks of 8 tokens for ~700 tokens of requests: deferral, recompute preemption of the
 # short sequences and swap preemption of those >= 80 tokens; a 48-token budget chunks prefill.
 PRESSURE = dict(num_kv_blocks=30, block_size=8, max_num_batched_tokens=48, max_num_seqs=8, watermark=0.0,
@@ -107,6 +109,21 @@ def test_idle_engine_outlives_the_collective_timeout(tp_engine):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     out = run_to_completion(tp_engine, {0: [("idle", [11, 12, 13], params)]})
     assert len(out["idle"]) == 4
+
+
+def test_hung_rank_fails_the_step_within_the_timeout(tp_engine):
+    """SIGSTOP rank 1 (runs last: it ends the shared engine): the next step's requests end
+    with an error within about tp_timeout_s, health checks raise from then on, and close()
+    still stops the frozen rank."""
+    rank = tp_engine.runner.ranks.procs[0]
+    os.kill(rank.pid, signal.SIGSTOP)
+    tp_engine.add_request("hung", [11, 12, 13], SamplingParams(max_tokens=4, temperature=0.0))
+    start = time.monotonic()
+    outs = tp_engine.step()
+    assert time.monotonic() - start < TP_TIMEOUT_S + 5
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("hung", "error")] and outs[0].error
+    with pytest.raises(RankFailure):
+        tp_engine.check_health()
 
 
 def test_heads_that_do_not_divide_fail_at_start_naming_them(tiny_model):
