@@ -11,7 +11,9 @@ spends per layer is the point; `--model DIR` takes any local Llama/Qwen2/Qwen3 i
 Per TP size, B sequences of P-token prompts: the prefill step (all B prompts in one step)
 and the mean decode step (B tokens). Then a profiled window of decode steps on rank 0:
 the time inside collectives (gloo/NCCL all_reduce after o_proj and down_proj, all_gather
-of the logits, the step broadcast) over the window's wall time. On CPU a run is `N@T`:
+of the logits, the step broadcast) over the window's wall time, and the floor under it: the
+median of 50 idle round trips (a broadcast + a one-number all_reduce, the heartbeat's
+ping) while no rank computes. On CPU a run is `N@T`:
 N ranks sharing T threads (T / N each), so TP=2 on 2 cores is compared with TP=1 on one
 core and on both.
 """
@@ -95,12 +97,15 @@ def measure(model: str, tp: int, threads: int, args: argparse.Namespace) -> dict
                 engine.step()
             window = time.perf_counter() - start
         comm = _collective_seconds(prof, args.device)
+        # The floor: a broadcast + all_reduce round trip while the other ranks wait idle.
+        pings = sorted(engine.runner.ping() for _ in range(50)) if tp > 1 else [0.0]
     finally:
         engine.close()
     return {"tp": tp, "threads": threads,
             "prefill_step_ms": prefill * 1e3, "decode_step_ms": 1e3 * sum(decode) / len(decode),
             "broadcast_share": broadcast / sum(decode), "comm_share_profiled": comm / window,
-            "profiled_step_ms": 1e3 * window / args.profile_steps}
+            "profiled_step_ms": 1e3 * window / args.profile_steps, "ping_p50_ms": 1e3 * pings[len(pings) // 2],
+            "collectives_per_step": 2 * engine.runner.model.config.num_hidden_layers + 1 if tp > 1 else 0}
 
 
 def main() -> None:
@@ -129,11 +134,11 @@ def main() -> None:
                 for run in (args.tp or ("1@1,1@2,2@2" if args.device == "cpu" else "1,2")).split(",")]
         rows = [measure(model, int(tp), int(threads), args) for tp, threads in runs]
     print(f"{'TP':>3} {'threads':>7} {'prefill ms':>11} {'decode ms':>10} {'vs first':>8} {'broadcast':>10} "
-          f"{'collectives':>12}")
+          f"{'collectives':>12} {'ping ms':>8}")
     for row in rows:
         print(f"{row['tp']:>3} {row['threads']:>7} {row['prefill_step_ms']:>11.1f} {row['decode_step_ms']:>10.1f} "
               f"{row['decode_step_ms'] / rows[0]['decode_step_ms']:>7.2f}x {row['broadcast_share']:>10.1%} "
-              f"{row['comm_share_profiled']:>12.1%}")
+              f"{row['comm_share_profiled']:>12.1%} {row['ping_p50_ms']:>8.2f}")
     load = os.getloadavg()[0]
     print(f"(1-min load average after the run: {load:.1f} on {os.cpu_count()} CPUs)")
     if args.json_out:

@@ -119,11 +119,18 @@ class TPModelRunner(ShardRunner):
                 if self._stopped.is_set():              # close() ran in between
                     self._lock.release()
                     return
-                with _Collective(self, locked=True):
-                    self.channel.send(("ping",))
-                    tpd.barrier()
+                self.ping(locked=True)
         except RankFailure as exc:
             log.error("%s", exc)
+
+    def ping(self, locked: bool = False) -> float:
+        """One broadcast and one all_reduce with every rank (the heartbeat; the benchmark's
+        latency floor); returns the seconds it took."""
+        start = time.perf_counter()
+        with _Collective(self, locked=locked):
+            self.channel.send(("ping",))
+            tpd.barrier()
+        return time.perf_counter() - start
 
     def close(self) -> None:
         """Stop the heartbeat and every rank, and leave the group (bounded: never hangs)."""
