@@ -63,6 +63,9 @@ class TPModelRunner(ShardRunner):
         check_tensor_parallel(AutoConfig.from_pretrained(resolve_model(config.model)), n)
         if config.device.startswith("cuda") and torch.cuda.device_count() < n:
             raise ValueError(f"tensor_parallel_size={n} needs {n} CUDA devices, found {torch.cuda.device_count()}")
+        if dist.is_initialized():
+            raise RuntimeError("one tensor-parallel engine per process: torch.distributed's default group is "
+                               "in use (close() the other engine first)")
         port = tpd.free_port()
         # The serving process's threads are shared out among the ranks on CPU.
         threads = max(1, torch.get_num_threads() // n) if config.device == "cpu" else torch.get_num_threads()

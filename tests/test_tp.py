@@ -132,6 +132,13 @@ def test_heads_that_do_not_divide_fail_at_start_naming_them(tiny_model):
         LLMEngine(EngineConfig(model=tiny_model("llama"), tensor_parallel_size=3))
 
 
+@pytest.mark.skipif(cuda_devices() >= 2, reason="this machine has the GPUs")
+def test_too_few_gpus_fail_at_start_naming_the_count(tiny_model):
+    """tensor_parallel_size=2 on CUDA with fewer than 2 devices is refused before any rank starts."""
+    with pytest.raises(ValueError, match=f"needs 2 CUDA devices, found {cuda_devices()}"):
+        LLMEngine(EngineConfig(model=tiny_model("llama"), device="cuda", tensor_parallel_size=2))
+
+
 def test_bad_tensor_parallel_settings_name_the_field():
     """A non-positive size, an indexed CUDA device or compile with TP is a ValueError naming the field."""
     with pytest.raises(ValueError, match="tensor_parallel_size"):
