@@ -10,6 +10,7 @@ that dies closes its sockets and its peers' collectives fail at once.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -95,7 +96,7 @@ def barrier() -> None:
 
 
 class Ranks:
-    """The spawned ranks 1..N-1 (daemon processes: they die with the serving process)."""
+    """The spawned ranks 1..N-1: daemon processes, stopped by rank 0 (or by its exit)."""
 
     def __init__(self, target, world_size: int, args: tuple):
         ctx = mp.get_context("spawn")
@@ -103,23 +104,23 @@ class Ranks:
                                   name=f"streamgate-rank{rank}") for rank in range(1, world_size)]
         for p in self.procs:
             p.start()
+        # Before multiprocessing's own exit hook (atexit runs last-registered first), which
+        # would SIGTERM the daemon ranks, which ignore it, and then join them forever.
+        atexit.register(self.stop, grace_s=0.0)
 
     def dead(self) -> list[str]:
         """'rank R (exit code C)' for each rank process that is gone."""
         return [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs, 1) if not p.is_alive()]
 
     def stop(self, grace_s: float) -> None:
-        """Wait up to `grace_s` for the ranks to exit, then terminate, then kill."""
+        """Wait up to `grace_s` for the ranks to exit, then kill them (they ignore SIGTERM)."""
         deadline = time.monotonic() + grace_s
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
-                p.terminate()
-                p.join(2.0)
-            if p.is_alive():
                 p.kill()
-                p.join(2.0)
+                p.join(5.0)
 
 
 def exit_with_parent(parent_pid: int, interval_s: float = 0.5) -> None:

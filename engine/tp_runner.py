@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -184,6 +185,10 @@ def serve_rank(rank: int, world_size: int, port: int, config: EngineConfig, thre
     """A spawned rank's whole life: join the group, load its shard, then run what rank 0
     broadcasts until it says stop (or the group fails, which ends the process)."""
     os.environ["LOCAL_RANK"] = str(rank)          # transformers binds the rank's device by it
+    # Rank 0 decides when the ranks end: a Ctrl-C or a SIGTERM sent to the whole process
+    # group must not kill them under a server that is still draining its streams.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(threads)
     tpd.exit_with_parent(parent_pid)
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(levelname)s %(name)s: %(message)s")
