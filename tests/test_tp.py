@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU with gloo, 2 ranks: greedy parity with one process and HF
 under chunked prefill, prefix caching and both kinds of preemption (tiny Llama on the
-kernel path, tiny Qwen2 on the torch path), start-up errors, an idle engine outliving its
-collective timeout, and a rank killed under a real `streamgate serve`."""
+kernel path, tiny Qwen2 on the torch path; CUDA/NCCL where 2 GPUs exist), start-up errors,
+an idle engine outliving its collective timeout, a hung rank failing the step within it,
+and a rank killed under a real `streamgate serve`."""
 
 from __future__ import annotations
 
