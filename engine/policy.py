@@ -43,9 +43,11 @@ class Policy:
 
     def may_preempt(self, victim: Sequence, newcomer: Sequence, now: float, running: list[Sequence]) -> bool:
         """Whether `newcomer` may take `victim`'s seat at admission (with preemption on):
-        only a strictly less urgent class, and only one that aging has not already lifted
-        above the newcomer (else an aged request would be preempted forever)."""
-        return victim.priority > newcomer.priority and self.key(victim, now) > self.key(newcomer, now)
+        only a strictly less urgent class. Classes only: aging orders the queue, but if it
+        counted here a batch request aged past a fresh interactive one on a slow host would
+        keep its seat and the interactive one would wait for it. A victim cannot be
+        preempted forever: the scheduler gives each sequence a quantum and a limit."""
+        return victim.priority > newcomer.priority
 
     # Hooks for stateful policies (fair); no-ops elsewhere.
     def on_add(self, seq: Sequence, backlogged: Callable[[], set[str | None]]) -> None:
@@ -141,7 +143,9 @@ class FairPolicy(Policy):
         def share(tenant) -> float:
             return self.config.max_num_seqs * self.weights.get(tenant, 1.0) / total
 
-        return seats[newcomer.tenant] + 1 <= share(newcomer.tenant) and seats[victim.tenant] - 1 >= share(victim.tenant)
+        lead = self.counters.get(newcomer.tenant, 0.0) - self.counters.get(victim.tenant, 0.0)
+        return (seats[newcomer.tenant] + 1 <= share(newcomer.tenant) and seats[victim.tenant] - 1 >= share(victim.tenant)
+                and lead <= self.config.max_num_batched_tokens / self.weights.get(newcomer.tenant, 1.0))
 
     def on_served(self, seq: Sequence, prompt_tokens: int, output_tokens: int) -> None:
         cost = self.INPUT_COST * prompt_tokens + self.OUTPUT_COST * output_tokens

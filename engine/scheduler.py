@@ -25,6 +25,7 @@ are committed, sampled tokens are appended and charged, stop tokens and lengths 
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable
 
@@ -162,22 +163,36 @@ class Scheduler:
             self._add(out, seq, n)
 
     def admit(self, out: SchedulerOutput, now: float) -> None:
-        """Swap in and admit, most urgent first, while budget, seats and blocks allow."""
+        """Swap in and admit, most urgent first, while budget, seats and blocks allow.
+        A head that cannot start does not block the others: after it, a request may still
+        start by taking a seat the policy lets it claim (another tenant's beyond its share,
+        a lower class), so a flooder's queue or an aged batch request never holds a polite
+        or interactive arrival back. Requests of a blocked head's group (tenant and class)
+        are not tried again this step."""
         if not self.admission.is_open(self.running):
             return
         if len(self.running) >= self.config.max_num_seqs and not self.config.priority_preemption:
             return                                           # no seat can open this step
         key = lambda s: self.policy.key(s, now)  # noqa: E731
+        group = lambda s: (s.tenant, s.priority)  # noqa: E731
+        blocked: set[tuple] = set()
         self.waiting.sort(key=key)
         self.swapped.sort(key=key)
-        while out.budget_left > 0 and (self.waiting or self.swapped):
+        while out.budget_left > 0:
             if self.policy.dynamic:                          # keys moved with the last admission
                 self.waiting.sort(key=key)
                 self.swapped.sort(key=key)
-            seq = min(self.waiting[:1] + self.swapped[:1], key=key)
-            if not self._can_start(seq, out, now):
+            seq = next((s for s in heapq.merge(self.waiting, self.swapped, key=key) if group(s) not in blocked), None)
+            if seq is None:
                 break
             swapping = seq.status is SequenceStatus.SWAPPED
+            if self.admission.chunk(seq.num_uncomputed_tokens if swapping else seq.num_tokens, out.budget_left) == 0:
+                break                                        # the budget is spent (unchunked: for this prompt)
+            if seq in out.preempted or not self._make_room(seq, swapping, out, now, claim=bool(blocked)):
+                if not self.config.priority_preemption:
+                    break
+                blocked.add(group(seq))
+                continue
             if swapping:
                 self.swapped.remove(seq)
                 pairs = self.bm.swap_in(seq)
@@ -192,13 +207,6 @@ class Scheduler:
             seq.admitted_step = self.num_steps
             self.running.append(seq)
             self._add(out, seq, self.admission.chunk(seq.num_uncomputed_tokens, out.budget_left))
-
-    def _can_start(self, seq: Sequence, out: SchedulerOutput, now: float) -> bool:
-        if seq in out.preempted:
-            return False                                     # do not undo this step's preemption
-        swapping = seq.status is SequenceStatus.SWAPPED
-        need = seq.num_uncomputed_tokens if swapping else seq.num_tokens
-        return self.admission.chunk(need, out.budget_left) > 0 and self._make_room(seq, swapping, out, now)
 
     def _add(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         """Schedule `n` tokens of `seq`. Prompt work is charged to the policy now (as VTC
@@ -232,16 +240,21 @@ class Scheduler:
         ran = self.num_steps - (seq.admitted_step or 0)
         return ran >= self.config.seat_quantum_steps and seq.num_seat_preemptions < self.config.max_seat_preemptions
 
-    def _make_room(self, seq: Sequence, swapping: bool, out: SchedulerOutput, now: float) -> bool:
+    def _make_room(self, seq: Sequence, swapping: bool, out: SchedulerOutput, now: float, claim: bool = False) -> bool:
         """Whether `seq` can start now; with preemption at admission on, it may preempt
         running sequences the policy lets it displace (a less urgent class under `priority`,
-        a tenant holding more than its share of seats under `fair`)."""
-        if self._fits(seq, swapping):
+        a tenant holding more than its share of seats under `fair`). With `claim`, only if
+        it has such a claim (it is being let past a head that could not start)."""
+        if not claim and self._fits(seq, swapping):
             return True
         if not self.config.priority_preemption:
             return False
         lower = [s for s in self.running
                  if self._may_lose_seat(s) and self.policy.may_preempt(s, seq, now, self.running)]
+        if claim and not lower:
+            return False
+        if self._fits(seq, swapping):
+            return True
         lower.sort(key=lambda s: self.policy.victim_key(s, now), reverse=True)
         # Preempt only if giving up all of them would be enough: never lose work for nothing.
         need = self.bm.blocks_for(seq.num_tokens) if swapping else self.bm.blocks_needed(seq)
