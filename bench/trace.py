@@ -115,11 +115,12 @@ def replay_model(reqs, prompts: dict[str, list[int]], config, costs) -> tuple[li
     clock = [0.0]
     s = Scheduler(config, BlockManager(4096, config.block_size, config.enable_prefix_caching), clock=lambda: clock[0])
     pending = sorted(reqs, key=lambda r: r.at)
-    recs, steps = {}, []
+    recs, steps, served = {}, [], {}
     while pending or s.has_unfinished():
         if not s.has_unfinished() and pending[0].at > clock[0]:
             clock[0] = pending[0].at
         while pending and pending[0].at <= clock[0]:
+            served = {t: inp + 2 * out for t, (inp, out) in s.counters.served.items()}
             r = pending.pop(0)
             s.add(Sequence(r.id, prompts[r.id], SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
                            priority=r.priority, tenant=r.tenant, weight=r.weight, arrival_time=r.at))
@@ -135,7 +136,8 @@ def replay_model(reqs, prompts: dict[str, list[int]], config, costs) -> tuple[li
             recs[q.request_id]["deltas"].append([clock[0], 1])
     tokens = sum(len(r["deltas"]) for r in recs.values())
     return list(recs.values()), steps, {"output_tps": tokens / clock[0], "seat_preemptions": s.counters.seat_preemptions,
-                                        "preemptions_per_request": s.counters.preemptions / max(1, len(recs))}
+                                        "preemptions_per_request": s.counters.preemptions / max(1, len(recs)),
+                                        "served": served}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,7 +190,8 @@ def model_main(args, wl, reqs) -> int:
         recs, steps, tot = replay_model(mine, prompts, engine_config(args.model, flags), costs)
         report(label, recs, steps, args.tenant, args.slowest)
         print(f"   {tot['output_tps']:.1f} out tok/s, {tot['preemptions_per_request']:.2f} preemptions/request "
-              f"({tot['seat_preemptions']} for seats)", flush=True)
+              f"({tot['seat_preemptions']} for seats); weighted service (input + 2 x output) up to the "
+              f"last arrival: {tot['served']}", flush=True)
     return 0
 
 
