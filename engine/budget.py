@@ -9,11 +9,11 @@ one prompt token). `AdaptiveBudget` fits a, b, c by least squares over the last 
 was told about, and gives each step as many tokens as fit under a limit once the
 decodes are paid for: the target when nothing decodes, and while streams decode the
 smaller of the target and twice their decode-only step (a + b · decodes), so a step
-never costs more than two of the steps the streams would otherwise get: the smoothness
-target (ITL p99 <= 2x p50) holds by construction above the floor. So prefill drains fast while few streams
-decode (a per-step overhead `a` that dominates, as on a GPU, gives big chunks) and the
-budget shrinks as more do, whatever the hardware, model, dtype or compilation mode: the
-costs are measured, not configured.
+never costs more than two of the steps the streams would otherwise get and the
+smoothness target (ITL p99 <= 2x p50) holds by construction above the floor. So prefill
+drains fast while few streams decode (a dominant per-step overhead `a`, as on a GPU,
+gives big chunks) and the budget shrinks as more do, whatever the hardware, model, dtype
+or compilation mode: the costs are measured, not configured.
 
 Bounds: never more than `max_step_tokens`, and never less than `max_num_batched_tokens`
 (the fixed budget): where the target cannot be met (a slow or busy host, many long

@@ -133,7 +133,10 @@ class FairPolicy(Policy):
         share of `max_num_seqs` may take one from a tenant holding more than its own. VTC
         orders the queue but cannot open a seat; without this, a tenant arriving while a
         flooder holds every seat waits for one of the flooder's requests to finish. Both
-        sides stay within their shares, so a seat never moves back and forth."""
+        sides stay within their shares, so a seat never moves back and forth. And only
+        while the newcomer's counter leads the victim's by at most one step's budget:
+        the claim may bypass VTC order (a blocked head does not end admission), and this
+        keeps the service gap within VTC's bound plus that slack."""
         if victim.tenant == newcomer.tenant:
             return False
         seats = Counter(s.tenant for s in running)
