@@ -164,6 +164,8 @@ def model(args) -> dict:
                            enable_prefix_caching=False, watermark=0.0)
         clock = [0.0]
         s = Scheduler(cfg, BlockManager(20000, 16, False), clock=lambda: clock[0])
+        for d, p in ((0, 64), (4, 0), (8, 256), (16, 0), (32, 128), (2, 512)):    # a server that has been serving
+            s.budget.observe(d, p, a + b * d + c * p)
         last, gaps, first, step, measuring = {}, [], {}, 0, False
         while not until(step, first):
             for rid, n, max_tokens in requests(step):

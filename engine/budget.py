@@ -6,10 +6,14 @@ A step's time is close to linear in what it carries:
 
 (`a`: per-step overhead; `b`: one decode row, attention over its context included; `c`:
 one prompt token). `AdaptiveBudget` fits a, b, c by least squares over the last steps it
-was told about, and gives each step as many tokens as fit under the target once the
-decodes are paid for. So prefill drains fast while few streams decode and the budget
-shrinks as more do, whatever the hardware, model, dtype or compilation mode: the costs
-are measured, not configured.
+was told about, and gives each step as many tokens as fit under a limit once the
+decodes are paid for: the target when nothing decodes, and while streams decode the
+smaller of the target and twice their decode-only step (a + b · decodes), so a step
+never costs more than two of the steps the streams would otherwise get and the
+smoothness target (ITL p99 <= 2x p50) holds by construction above the floor. So prefill
+drains fast while few streams decode (a dominant per-step overhead `a`, as on a GPU,
+gives big chunks) and the budget shrinks as more do, whatever the hardware, model, dtype
+or compilation mode: the costs are measured, not configured.
 
 Bounds: never more than `max_step_tokens`, and never less than `max_num_batched_tokens`
 (the fixed budget): where the target cannot be met (a slow or busy host, many long
@@ -26,6 +30,8 @@ from .config import EngineConfig
 
 WINDOW = 48                  # steps the fit remembers: a few seconds of serving
 MIN_SAMPLES = 4              # steps seen before the fit replaces the fixed budget
+RELATIVE = 2.0               # while streams decode, a step costs at most this many decode-only
+                             # steps (the smoothness target: ITL p99 <= 2x p50)
 OUTLIER = 4.0                # a step this many times slower than predicted (a compile, a
                              # stall on a shared host) is not learned from
 
@@ -57,7 +63,9 @@ class AdaptiveBudget(FixedBudget):
         if self.coef is None:
             return self.fixed
         a, b, c = self.coef
-        fits = num_decodes + int(max(0.0, self.target_s - a - b * num_decodes) / c)
+        decode_only = a + b * num_decodes
+        limit = self.target_s if num_decodes == 0 else min(self.target_s, RELATIVE * decode_only)
+        fits = num_decodes + int(max(0.0, limit - decode_only) / c)
         return max(self.fixed, min(fits, self.ceiling))
 
     def predict(self, num_decodes: int, num_prefill: int) -> float | None:

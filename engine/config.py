@@ -44,9 +44,9 @@ class EngineConfig:
     compile: bool = False                 # torch.compile the model (dynamic batch size; opt-in: see docs/BENCHMARKS.md §8.3)
     # -- scheduling: fair seats and the adaptive token budget (issues 11 and 14) -----------
     # With a target, steps may grow past max_num_batched_tokens while they stay this long
-    # (measured), up to max_step_tokens. Off by default: batch composition then never
-    # depends on wall-clock time, and on CPU a target that shortens a burst's TTFT breaks
-    # decode smoothness (docs/BENCHMARKS.md §9.4).
+    # (measured) and, while streams decode, within 2x their decode-only step; up to
+    # max_step_tokens. Off by default: batch composition then never depends on wall-clock
+    # time, and on CPU it gains a burst's TTFT 0-2 % (docs/BENCHMARKS.md §9.7).
     itl_target_ms: float | None = None
     max_step_tokens: int = 4096
     seat_quantum_steps: int = 2           # steps a sequence runs after (re)admission before it may lose its seat

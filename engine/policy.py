@@ -43,9 +43,11 @@ class Policy:
 
     def may_preempt(self, victim: Sequence, newcomer: Sequence, now: float, running: list[Sequence]) -> bool:
         """Whether `newcomer` may take `victim`'s seat at admission (with preemption on):
-        only a strictly less urgent class, and only one that aging has not already lifted
-        above the newcomer (else an aged request would be preempted forever)."""
-        return victim.priority > newcomer.priority and self.key(victim, now) > self.key(newcomer, now)
+        only a strictly less urgent class. Classes only: aging orders the queue, but if it
+        counted here a batch request aged past a fresh interactive one on a slow host would
+        keep its seat and the interactive one would wait for it. A victim cannot be
+        preempted forever: the scheduler gives each sequence a quantum and a limit."""
+        return victim.priority > newcomer.priority
 
     # Hooks for stateful policies (fair); no-ops elsewhere.
     def on_add(self, seq: Sequence, backlogged: Callable[[], set[str | None]]) -> None:
@@ -131,7 +133,10 @@ class FairPolicy(Policy):
         share of `max_num_seqs` may take one from a tenant holding more than its own. VTC
         orders the queue but cannot open a seat; without this, a tenant arriving while a
         flooder holds every seat waits for one of the flooder's requests to finish. Both
-        sides stay within their shares, so a seat never moves back and forth."""
+        sides stay within their shares, so a seat never moves back and forth. And only
+        while the newcomer's counter leads the victim's by at most one step's budget:
+        the claim may bypass VTC order (a blocked head does not end admission), and this
+        keeps the service gap within VTC's bound plus that slack."""
         if victim.tenant == newcomer.tenant:
             return False
         seats = Counter(s.tenant for s in running)
@@ -141,7 +146,9 @@ class FairPolicy(Policy):
         def share(tenant) -> float:
             return self.config.max_num_seqs * self.weights.get(tenant, 1.0) / total
 
-        return seats[newcomer.tenant] + 1 <= share(newcomer.tenant) and seats[victim.tenant] - 1 >= share(victim.tenant)
+        lead = self.counters.get(newcomer.tenant, 0.0) - self.counters.get(victim.tenant, 0.0)
+        return (seats[newcomer.tenant] + 1 <= share(newcomer.tenant) and seats[victim.tenant] - 1 >= share(victim.tenant)
+                and lead <= self.config.max_num_batched_tokens / self.weights.get(newcomer.tenant, 1.0))
 
     def on_served(self, seq: Sequence, prompt_tokens: int, output_tokens: int) -> None:
         cost = self.INPUT_COST * prompt_tokens + self.OUTPUT_COST * output_tokens

@@ -18,6 +18,7 @@ When KV blocks run low there are four answers, each used here:
 - swap:      a preempted sequence's blocks are copied to a host pool and copied back later.
 `preemption_mode="auto"` swaps when recomputing would redo at least `swap_min_tokens`
 tokens and the host pool has room (docs/ENGINE.md: seats, and what counts as redone).
+Preemption itself, for KV room and for seats at admission, is preemption.py.
 
 After the forward pass `update()` owns everything: computed tokens catch up, full blocks
 are committed, sampled tokens are appended and charged, stop tokens and lengths finish.
@@ -25,6 +26,7 @@ are committed, sampled tokens are appended and charged, stop tokens and lengths 
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable
 
@@ -34,11 +36,12 @@ from .budget import make_budget
 from .config import EngineConfig
 from .errors import EngineOverloaded
 from .policy import Policy, make_policy
+from .preemption import Preemption
 from .scheduler_output import SchedulerOutput, SchedulerStats
 from .sequence import Sequence, SequenceStatus
 
 
-class Scheduler:
+class Scheduler(Preemption):
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
                  clock: Callable[[], float] = time.monotonic, max_model_len: int | None = None):
         self.config = config
@@ -162,22 +165,36 @@ class Scheduler:
             self._add(out, seq, n)
 
     def admit(self, out: SchedulerOutput, now: float) -> None:
-        """Swap in and admit, most urgent first, while budget, seats and blocks allow."""
+        """Swap in and admit, most urgent first, while budget, seats and blocks allow.
+        A head that cannot start does not block the others: after it, a request may still
+        start by taking a seat the policy lets it claim (another tenant's beyond its share,
+        a lower class), so a flooder's queue or an aged batch request never holds a polite
+        or interactive arrival back. Requests of a blocked head's group (tenant and class)
+        are not tried again this step."""
         if not self.admission.is_open(self.running):
             return
         if len(self.running) >= self.config.max_num_seqs and not self.config.priority_preemption:
             return                                           # no seat can open this step
         key = lambda s: self.policy.key(s, now)  # noqa: E731
+        group = lambda s: (s.tenant, s.priority)  # noqa: E731
+        blocked: set[tuple] = set()
         self.waiting.sort(key=key)
         self.swapped.sort(key=key)
-        while out.budget_left > 0 and (self.waiting or self.swapped):
+        while out.budget_left > 0:
             if self.policy.dynamic:                          # keys moved with the last admission
                 self.waiting.sort(key=key)
                 self.swapped.sort(key=key)
-            seq = min(self.waiting[:1] + self.swapped[:1], key=key)
-            if not self._can_start(seq, out, now):
+            seq = next((s for s in heapq.merge(self.waiting, self.swapped, key=key) if group(s) not in blocked), None)
+            if seq is None:
                 break
             swapping = seq.status is SequenceStatus.SWAPPED
+            if self.admission.chunk(seq.num_uncomputed_tokens if swapping else seq.num_tokens, out.budget_left) == 0:
+                break                                        # the budget is spent (unchunked: for this prompt)
+            if seq in out.preempted or not self._make_room(seq, swapping, out, now, claim=bool(blocked)):
+                if not self.config.priority_preemption:
+                    break
+                blocked.add(group(seq))
+                continue
             if swapping:
                 self.swapped.remove(seq)
                 pairs = self.bm.swap_in(seq)
@@ -193,13 +210,6 @@ class Scheduler:
             self.running.append(seq)
             self._add(out, seq, self.admission.chunk(seq.num_uncomputed_tokens, out.budget_left))
 
-    def _can_start(self, seq: Sequence, out: SchedulerOutput, now: float) -> bool:
-        if seq in out.preempted:
-            return False                                     # do not undo this step's preemption
-        swapping = seq.status is SequenceStatus.SWAPPED
-        need = seq.num_uncomputed_tokens if swapping else seq.num_tokens
-        return self.admission.chunk(need, out.budget_left) > 0 and self._make_room(seq, swapping, out, now)
-
     def _add(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         """Schedule `n` tokens of `seq`. Prompt work is charged to the policy now (as VTC
         does at admission), so the next pick in this same step already sees it, but only
@@ -212,92 +222,3 @@ class Scheduler:
             seq.num_billed_tokens += charged
             self.policy.on_served(seq, charged, 0)
         out.add(seq, n, charged)
-
-    def _take_back(self, out: SchedulerOutput, seq: Sequence) -> None:
-        """Undo `seq`'s entry in this step, if any: its tokens return to the budget (the
-        budget is what the entries leave) and its prompt charge is refunded."""
-        taken = out.remove(seq)
-        if taken is not None and taken[1]:
-            seq.num_billed_tokens -= taken[1]
-            self.policy.on_served(seq, -taken[1], 0)
-
-    def _fits(self, seq: Sequence, swapping: bool) -> bool:
-        if len(self.running) >= self.config.max_num_seqs:
-            return False
-        reserve = self.watermark_blocks
-        return self.bm.can_swap_in(seq, reserve) if swapping else self.bm.can_allocate(seq, reserve)
-
-    def _may_lose_seat(self, seq: Sequence) -> bool:
-        """Not before it has run its quantum since (re)admission, and not too often."""
-        ran = self.num_steps - (seq.admitted_step or 0)
-        return ran >= self.config.seat_quantum_steps and seq.num_seat_preemptions < self.config.max_seat_preemptions
-
-    def _make_room(self, seq: Sequence, swapping: bool, out: SchedulerOutput, now: float) -> bool:
-        """Whether `seq` can start now; with preemption at admission on, it may preempt
-        running sequences the policy lets it displace (a less urgent class under `priority`,
-        a tenant holding more than its share of seats under `fair`)."""
-        if self._fits(seq, swapping):
-            return True
-        if not self.config.priority_preemption:
-            return False
-        lower = [s for s in self.running
-                 if self._may_lose_seat(s) and self.policy.may_preempt(s, seq, now, self.running)]
-        lower.sort(key=lambda s: self.policy.victim_key(s, now), reverse=True)
-        # Preempt only if giving up all of them would be enough: never lose work for nothing.
-        need = self.bm.blocks_for(seq.num_tokens) if swapping else self.bm.blocks_needed(seq)
-        freeable = sum(self.bm.num_exclusive_blocks(s) for s in lower)
-        seats = self.config.max_num_seqs - len(self.running) + len(lower)
-        if seats < 1 or need + self.watermark_blocks > self.bm.num_free_blocks + freeable:
-            return False
-        for victim in lower:
-            self._take_back(out, victim)
-            self._preempt(victim, out, for_seat=True)
-            if self._fits(seq, swapping):
-                return True
-        return False
-
-    def _reserve_decode_slot(self, seq: Sequence, out: SchedulerOutput, now: float) -> bool:
-        """Find a KV slot for `seq`'s next token, preempting less urgent sequences if needed.
-        Returns False if `seq` itself had to be preempted."""
-        while not self.bm.can_append(seq, 1):
-            scheduled = {id(s) for s in out.seqs}
-            candidates = [s for s in self.running if id(s) not in scheduled]
-            victim = max(candidates, key=lambda s: self.policy.victim_key(s, now))
-            if self.policy.urgency(victim, now) < self.policy.urgency(seq, now):
-                victim = seq                                 # never preempt a more urgent one
-            self._preempt(victim, out)
-            if victim is seq:
-                return False
-        self.bm.append_slots(seq, 1)
-        return True
-
-    def _preempt(self, seq: Sequence, out: SchedulerOutput, for_seat: bool = False) -> None:
-        self.running.remove(seq)
-        seq.num_preemptions += 1
-        seq.num_seat_preemptions += for_seat
-        self.counters.seat_preemptions += for_seat
-        out.preempted.append(seq)
-        if self._swap_is_cheaper(seq, for_seat):
-            pairs = self.bm.swap_out(seq)
-            out.swap_out += pairs
-            self.counters.preemptions_swap += 1
-            self.counters.swapped_out_blocks += len(pairs)
-            seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(seq)
-        else:
-            self.counters.preemptions_recompute += 1
-            self.counters.recomputed_tokens += seq.num_computed_tokens
-            self.bm.free(seq)                               # tokens kept: recomputed as a prompt
-            seq.status = SequenceStatus.WAITING
-            self.waiting.insert(0, seq)
-
-    def _swap_is_cheaper(self, seq: Sequence, for_seat: bool) -> bool:
-        mode = self.config.preemption_mode
-        if mode == "recompute" or not self.bm.can_swap_out(seq):
-            return False
-        if mode == "swap":
-            return True
-        redo = seq.num_computed_tokens
-        if for_seat and self.bm.enable_prefix_caching:      # the pool is not short: its blocks stay cached
-            redo -= len(seq.block_hashes) * self.bm.block_size
-        return redo >= self.config.swap_min_tokens

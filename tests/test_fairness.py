@@ -23,8 +23,8 @@ class Clock:
 
 
 def make(clock, num_blocks=400, block_size=4, **cfg) -> Scheduler:
-    config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, policy="fair", watermark=0.0,
-                          itl_target_ms=None, **cfg)
+    config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, watermark=0.0, itl_target_ms=None,
+                          **{"policy": "fair", **cfg})
     return Scheduler(config, BlockManager(num_blocks, block_size, config.enable_prefix_caching), clock=clock)
 
 
@@ -39,11 +39,11 @@ class Load:
         self.first: dict[str, int] = {}
         self.step_no = 0
 
-    def arrive(self, tenant: str, weight: float, prompt: int, max_tokens: int) -> Sequence:
+    def arrive(self, tenant: str, weight: float, prompt: int, max_tokens: int, priority: int = 0) -> Sequence:
         self.n += 1
         rid = f"{tenant}{self.n}"
         seq = Sequence(rid, [self.rng.randrange(100, 10_000) for _ in range(prompt)], SamplingParams(max_tokens=max_tokens),
-                       tenant=tenant, weight=weight, arrival_time=self.clock())
+                       tenant=tenant, weight=weight, arrival_time=self.clock(), priority=priority)
         self.s.add(seq)
         self.seqs[rid], self.arrived[rid] = seq, self.step_no
         return seq
@@ -99,13 +99,15 @@ def test_polite_tenant_gets_a_seat_at_once_under_a_flood(weights):
 @pytest.mark.parametrize("weights", [(1.0, 1.0), (2.0, 1.0)])
 def test_backlogged_tenants_stay_within_the_vtc_bound_with_seats_on(weights):
     """Both tenants backlogged (a queues 4x as many requests): the weighted service gap
-    stays within 2 x max(longest prompt, one full batch of output tokens x 2) at every step,
-    and with weights 2:1 the service splits 2:1 within 5 %."""
+    stays within VTC's 2 x max(longest prompt, one full batch of output tokens x 2) plus
+    the seat-claim slack (a tenant under its seat share may take a seat while its counter
+    leads by up to one step's budget) at every step, and with weights 2:1 the service
+    splits 2:1 within 5 %."""
     clock = Clock()
-    seats, longest = 8, 40
-    s = make(clock, max_num_seqs=seats, max_num_batched_tokens=64)
+    seats, longest, budget = 8, 40, 64
+    s = make(clock, max_num_seqs=seats, max_num_batched_tokens=budget)
     load = Load(s, clock, seed=1)
-    bound = 2 * max(longest, 2 * seats)
+    bound = 2 * max(longest, 2 * seats) + budget
     worst = 0.0
     for step in range(600):
         for tenant, backlog, w in (("a", 16, weights[0]), ("b", 4, weights[1])):
@@ -156,3 +158,49 @@ def test_preempting_a_victim_scheduled_this_step_returns_its_budget_and_its_char
     assert [q.tenant for q in out.seqs] == ["a", "b"] and out.num_new_tokens == [1, 14]
     assert a1.num_billed_tokens == billed_before
     assert s.policy.counters["a"] == counter_before      # only output tokens are charged later
+
+
+@pytest.mark.parametrize("lead", [30, 100])
+def test_a_flooders_blocked_queue_head_does_not_hold_back_another_tenants_seat(lead):
+    """The flooder holds every seat and heads the queue (its counter is lower), so its next
+    request cannot start; a polite tenant under its seat share, whose counter leads by less
+    than one step's budget (64), still takes a seat in the next step. With a lead past that
+    slack it waits: the VTC order holds beyond it."""
+    clock = Clock()
+    s = make(clock, max_num_seqs=4, max_num_batched_tokens=64)
+    load = Load(s, clock)
+    for _ in range(8):
+        load.arrive("flood", 1.0, 8, 200)
+    for _ in range(4):
+        load.step()
+    s.policy.counters["polite"] = s.policy.counters["flood"] + lead
+    polite = load.arrive("polite", 1.0, 8, 5)
+    assert min(s.waiting, key=lambda q: s.policy.key(q, clock())).tenant == "flood"
+    load.step()
+    if lead < 64:
+        assert polite.request_id in load.first and s.counters.seat_preemptions == 1
+    else:
+        assert polite.request_id not in load.first and s.counters.seat_preemptions == 0
+
+
+def test_interactive_request_starts_within_a_step_under_an_aged_batch_flood():
+    """priority: batch (class 2) requests fill every seat and queue for 60 s, so aging lifts
+    the queued ones past class 0; each interactive (class 0) arrival still takes a batch
+    seat within one step, because preemption compares classes only and the aged batch head
+    that cannot start does not block it; no batch sequence loses its seat past the limit."""
+    clock = Clock()
+    s = make(clock, policy="priority", aging_rate=0.1, max_num_seqs=4, max_num_batched_tokens=64)
+    load = Load(s, clock)
+    waits = []
+    for step in range(200):
+        for _ in range(10 - load.queued("batch")):
+            load.arrive("batch", 1.0, load.rng.randrange(8, 30), load.rng.randrange(20, 60), priority=2)
+        if step >= 60 and step % 20 == 0:
+            rid = load.arrive("interactive", 1.0, 12, 6, priority=0).request_id
+        load.step()
+        if step >= 60 and step % 20 == 1:
+            waits.append(load.first.get(rid, 10**6) - load.arrived[rid])
+    aged = [q for q in s.waiting if q.tenant == "batch" and s.policy.effective_priority(q, clock()) < 0]
+    assert aged, "the batch queue should have aged past class 0"
+    assert len(waits) == 7 and max(waits) <= 1, waits
+    assert max(q.num_seat_preemptions for q in load.seqs.values()) <= s.config.max_seat_preemptions

@@ -1,0 +1,199 @@
+"""Where a tenant's time to first token goes: a serving workload replayed in-process with
+every engine step recorded (issue 11's "understand it with a trace").
+
+    python -m bench.trace --workload two_tenants --tenant polite --compare 'fair,fcfs'
+    python -m bench.trace --workload priority --tenant interactive --compare priority --slowest 8
+
+For each of the tenant's slowest requests (by TTFT) it splits the time from arrival to
+the first token into: waiting (in the queue, no seat) and prefill (from the step that
+first scheduled it to the one that sampled its first token: how many steps, the chunk
+sizes, the step times, how many preemptions it took). The same workload file, seed and
+flags as `bench.serve`, with `--driver inprocess` (no gateway, no HTTP): the numbers are the
+engine's own. The full per-step log goes to --json-out.
+
+`--costs a,b,c` replays the same requests on the real `Scheduler` with a fake clock and a
+step time of a + b·decodes + c·prompt tokens instead (no model, seconds per run, immune
+to a shared host): not a measurement, a way to see what the scheduler does with this
+arrival pattern. Prompt lengths come from the model's tokenizer and chat template. It
+also replays `--tenant` alone, for the unloaded baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from .drivers import InprocDriver
+from .loadgen import load_workload, make_requests
+from .serve import drive, engine_config, parse_presets
+from .servestats import percentile
+
+
+class TracingDriver(InprocDriver):
+    """The in-process driver, with each `LLMEngine.step()` recorded: when it started, how
+    long it took, what it ran (request, tokens, decode or not) and who was preempted."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.steps: list[dict] = []
+        self.t0 = time.perf_counter()
+
+    async def open(self, reqs) -> None:
+        await super().open(reqs)
+        engine = self.eng.engine
+        run_step = engine.step
+
+        def step():
+            start = time.perf_counter()
+            outs = run_step()
+            b = engine.scheduler.last_output
+            self.steps.append({"t": start - self.t0, "dur": time.perf_counter() - start,
+                               "entries": [(s.request_id, n, d) for s, n, d in zip(b.seqs, b.num_new_tokens, b.is_decode)],
+                               "preempted": [s.request_id for s in b.preempted],
+                               "waiting": len(engine.scheduler.waiting), "budget": b.token_budget})
+            return outs
+
+        engine.step = step                 # the engine thread looks the method up every step
+
+    async def send(self, req, rec: dict, t0: float) -> None:
+        self.t0 = t0
+        await super().send(req, rec, t0)
+
+
+def breakdown(rec: dict, steps: list[dict], own: set[str]) -> dict | None:
+    """Arrival → first scheduled → first token for one request, from the step log, and how
+    many of its tenant's (`own`) requests were running in the step it arrived in."""
+    if rec["send"] is None or not rec["deltas"]:
+        return None
+    mine = [(s, n, d) for s in steps for rid, n, d in s["entries"] if rid == rec["id"]]
+    if not mine:
+        return None
+    first = mine[0][0]
+    at = next((s for s in steps if s["t"] >= rec["send"]), first)
+    prefill = [(s, n) for s, n, d in mine if not d and s["t"] < rec["deltas"][0][0]]
+    last = prefill[-1][0] if prefill else first
+    return {"id": rec["id"], "ttft": rec["deltas"][0][0] - rec["send"],
+            "wait": first["t"] - rec["send"], "prefill": last["t"] + last["dur"] - first["t"],
+            "prefill_steps": len({id(s) for s, _ in prefill}), "chunks": [n for _, n in prefill],
+            "step_s": [round(s["dur"], 3) for s, _ in prefill],
+            "preempted": sum(rec["id"] in s["preempted"] for s in steps),
+            "waiting_at_arrival": at["waiting"], "own_running": len({rid for rid, _, _ in at["entries"]} & own)}
+
+
+def report(label: str, recs: list[dict], steps: list[dict], tenant: str, slowest: int) -> dict:
+    own = {r["id"] for r in recs if r["tenant"] == tenant}
+    rows = [b for r in recs if r["tenant"] == tenant and (b := breakdown(r, steps, own))]
+    rows.sort(key=lambda b: b["ttft"], reverse=True)
+    durs = [s["dur"] for s in steps]
+    ttft = [b["ttft"] for b in rows]
+    print(f"== {label}: {tenant} TTFT p50 {percentile(ttft, 50):.2f} s p99 {percentile(ttft, 99):.2f} s "
+          f"({len(rows)} requests); step time p50 {percentile(durs, 50) * 1000:.0f} ms "
+          f"p99 {percentile(durs, 99) * 1000:.0f} ms over {len(steps)} steps")
+    for b in rows[:slowest]:
+        print(f"  {b['id']:>14s} TTFT {b['ttft']:6.2f} s = waiting {b['wait']:6.2f} s + prefill {b['prefill']:5.2f} s "
+              f"({b['prefill_steps']} steps, chunks {b['chunks']}, step s {b['step_s']}); "
+              f"at arrival {b['own_running']} of its own running, {b['waiting_at_arrival']} queued; "
+              f"preempted {b['preempted']}x")
+    return {"label": label, "rows": rows}
+
+
+def replay_model(reqs, prompts: dict[str, list[int]], config, costs) -> tuple[list[dict], list[dict], dict]:
+    """The requests on the real scheduler, stepped on a fake clock (see the module doc):
+    records and a step log shaped like the traced run's, and the run's totals."""
+    from engine.block_manager import BlockManager
+    from engine.config import SamplingParams
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+
+    a, b, c = costs
+    clock = [0.0]
+    s = Scheduler(config, BlockManager(4096, config.block_size, config.enable_prefix_caching), clock=lambda: clock[0])
+    pending = sorted(reqs, key=lambda r: r.at)
+    recs, steps, served = {}, [], {}
+    while pending or s.has_unfinished():
+        if not s.has_unfinished() and pending[0].at > clock[0]:
+            clock[0] = pending[0].at
+        while pending and pending[0].at <= clock[0]:
+            served = {t: inp + 2 * out for t, (inp, out) in s.counters.served.items()}
+            r = pending.pop(0)
+            s.add(Sequence(r.id, prompts[r.id], SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
+                           priority=r.priority, tenant=r.tenant, weight=r.weight, arrival_time=r.at))
+            recs[r.id] = {"id": r.id, "tenant": r.tenant, "send": r.at, "deltas": []}
+        out = s.schedule()
+        t = a + b * out.num_decode_tokens + c * out.num_prefill_tokens
+        steps.append({"t": clock[0], "dur": t, "preempted": [q.request_id for q in out.preempted],
+                      "entries": [(q.request_id, n, d) for q, n, d in zip(out.seqs, out.num_new_tokens, out.is_decode)],
+                      "waiting": len(s.waiting), "budget": out.token_budget})
+        clock[0] += t
+        s.budget.observe(out.num_decode_tokens, out.num_prefill_tokens, t)
+        for q in s.update(out, [7] * len(out.sampling_seqs)):
+            recs[q.request_id]["deltas"].append([clock[0], 1])
+    tokens = sum(len(r["deltas"]) for r in recs.values())
+    return list(recs.values()), steps, {"output_tps": tokens / clock[0], "seat_preemptions": s.counters.seat_preemptions,
+                                        "preemptions_per_request": s.counters.preemptions / max(1, len(recs)),
+                                        "served": served}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.trace", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default="two_tenants")
+    p.add_argument("--tenant", default="polite", help="whose requests to break down")
+    p.add_argument("--compare", default="fair", help="presets as in bench.serve")
+    p.add_argument("--model", default="default")
+    p.add_argument("--engine-args", default="")
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--duration", type=float, default=None)
+    p.add_argument("--slowest", type=int, default=6)
+    p.add_argument("--time-limit", type=float, default=600.0)
+    p.add_argument("--costs", default=None, help="a,b,c: replay on the cost model instead (seconds)")
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    wl = load_workload(args.workload)
+    wl = replace(wl, **{k: v for k, v in (("num_requests", args.num_requests), ("duration_s", args.duration))
+                        if v is not None})
+    reqs = make_requests(wl)
+    if args.costs:
+        return model_main(args, wl, reqs)
+    out = []
+    for preset, flags in parse_presets(args.compare):
+        flags = shlex.split(wl.server_args) + flags + shlex.split(args.engine_args)
+        driver = TracingDriver(engine_config(args.model, flags))
+        print(f"== {preset}: {len(reqs)} requests of {wl.name!r}, flags {' '.join(flags)}", file=sys.stderr, flush=True)
+        recs, _ = asyncio.run(drive(driver, reqs, wl, args.time_limit, preset))
+        out.append({**report(preset, recs, driver.steps, args.tenant, args.slowest), "steps": driver.steps})
+    path = Path(args.json_out or f"bench/results/trace-{wl.name}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out))
+    print(f"wrote {path}")
+    return 0
+
+
+def model_main(args, wl, reqs) -> int:
+    from transformers import AutoTokenizer
+
+    from engine.models import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
+    prompts = {r.id: list(tok.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+                          ["input_ids"]) for r in reqs}
+    costs = tuple(float(x) for x in args.costs.split(","))
+    runs = [(preset, flags, reqs) for preset, flags in parse_presets(args.compare)]
+    runs.append((f"{args.tenant}-alone", [], [r for r in reqs if r.tenant == args.tenant]))
+    for label, flags, mine in runs:
+        flags = shlex.split(wl.server_args) + flags + shlex.split(args.engine_args)
+        recs, steps, tot = replay_model(mine, prompts, engine_config(args.model, flags), costs)
+        report(label, recs, steps, args.tenant, args.slowest)
+        print(f"   {tot['output_tps']:.1f} out tok/s, {tot['preemptions_per_request']:.2f} preemptions/request "
+              f"({tot['seat_preemptions']} for seats); weighted service (input + 2 x output) up to the "
+              f"last arrival: {tot['served']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
