@@ -75,8 +75,10 @@ class GatewaySettings:
     allowed_origins: tuple[str, ...] = ()   # browser Origins allowed on the WebSocket; (): same host only
     max_frame_bytes: int = 1 << 20
     max_body_bytes: int = 1 << 20           # HTTP request bodies; larger ones get 413 unread
+    body_timeout_s: float = 30.0            # to send a whole request body; slower ones get 408
     max_sockets: int = 1024                 # authenticated WebSockets, all tenants
     max_unauthenticated_sockets: int = 64   # sockets that have not authenticated yet (their own pool)
+    max_unauthenticated_sockets_per_address: int = 16   # of those, from one client address (429 before the upgrade)
     max_sockets_per_tenant: int = 64
     max_requests_per_socket: int = 32
     max_stats_streams_per_tenant: int = 4   # GET /v1/stats streams + WebSocket subscriptions
@@ -113,6 +115,7 @@ class Gateway:
         self.started_at = int(time.time())
         self.sockets = Slots()              # authenticated WebSockets: ws.AUTHENTICATED and tenant:<name>
         self.pending_sockets: dict = {}     # ws.Connection -> None, not yet authenticated, oldest first
+        self.pending_by_address = Slots()   # the same sockets, counted per client address
         self.stats_slots = Slots()          # stats streams per tenant
         self.stats = StatsHub(self)
         self.drain_started = asyncio.Event()
