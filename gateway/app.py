@@ -76,6 +76,7 @@ class GatewaySettings:
     max_frame_bytes: int = 1 << 20
     max_body_bytes: int = 1 << 20           # HTTP request bodies; larger ones get 413 unread
     body_timeout_s: float = 30.0            # to send a whole request body; slower ones get 408
+    max_json_values: int = 100_000          # commas + brackets in a body or frame (bounds decoding time)
     max_sockets: int = 1024                 # authenticated WebSockets, all tenants
     max_unauthenticated_sockets: int = 64   # sockets that have not authenticated yet (their own pool)
     max_unauthenticated_sockets_per_address: int = 16   # of those, from one client address (429 before the upgrade)

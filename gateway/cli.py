@@ -122,7 +122,7 @@ def serve(args: argparse.Namespace) -> int:
                                    ws_auth_timeout_s=args.ws_auth_timeout, ws_idle_timeout_s=args.ws_idle_timeout,
                                    tokenize_workers=args.tokenize_workers,
                                    max_unauthenticated_sockets_per_address=args.max_unauthenticated_sockets_per_address,
-                                   body_timeout_s=args.body_timeout)
+                                   body_timeout_s=args.body_timeout, max_json_values=args.max_json_values)
         app = create_app(settings)
     except (ValueError, TenantConfigError) as exc:
         print(f"streamgate: {exc}", file=sys.stderr)
@@ -155,6 +155,8 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a connection has to send a request's headers (slow or silent clients)")
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a client has to send a request's whole body (408 past it)")
+    p.add_argument("--max-json-values", type=int, default=100_000,
+                   help="commas and brackets a body or frame may hold (bounds JSON decoding time)")
     p.add_argument("--max-unauthenticated-sockets-per-address", type=int, default=16,
                    help="WebSockets still authenticating from one client address (429 before the upgrade)")
     p.add_argument("--ws-keyless-rate", type=float, default=20.0,

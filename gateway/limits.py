@@ -29,12 +29,15 @@ class Slots:
 
 
 class AddressRate:
-    """A token bucket per client address: `burst` at once, then `rate` per second. Full
-    buckets are forgotten once more than `max_addresses` are tracked, so the table stays
-    bounded however many addresses a client uses."""
+    """A token bucket per client address: `burst` at once, then `rate` per second. Once
+    more than `max_addresses` are tracked, the full buckets are forgotten (a bucket is
+    full again `burst / rate` seconds after its last use), so the table holds only the
+    addresses seen lately; the next clean-up waits until the table has doubled, so the
+    sweeps cost O(1) per call however many addresses a client uses."""
 
     def __init__(self, rate: float, burst: int, *, clock=time.monotonic, max_addresses: int = 4096):
-        self.rate, self.burst, self.clock, self.max_addresses = rate, burst, clock, max_addresses
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.max_addresses = self.sweep_at = max_addresses
         self.buckets: dict[str, tuple[float, float]] = {}      # address -> (tokens, at)
 
     def admit(self, address: str) -> bool:
@@ -45,7 +48,7 @@ class AddressRate:
             self.buckets[address] = (tokens, now)
             return False
         self.buckets[address] = (tokens - 1, now)
-        if len(self.buckets) > self.max_addresses:
+        if len(self.buckets) > self.sweep_at:
             self._forget_full(now)
         return True
 
@@ -53,3 +56,4 @@ class AddressRate:
         full = [a for a, (tokens, at) in self.buckets.items() if tokens + (now - at) * self.rate >= self.burst]
         for address in full:
             del self.buckets[address]
+        self.sweep_at = max(self.max_addresses, 2 * len(self.buckets))

@@ -126,8 +126,10 @@ class Connection(Socket):
 
     async def _handle(self, text: str) -> None:
         try:
-            msg = parse_json(text)
-        except BadRequest:
+            msg = parse_json(text, self.gw.settings.max_json_values)
+        except BadRequest as exc:
+            if exc.code != "invalid_json":
+                return await self.send_error(None, exc)
             return await self.send_error(None, BadRequest("the frame is not valid JSON", code="invalid_json"))
         kind = msg.get("type") if isinstance(msg, dict) else None
         cid = msg.get("id") if isinstance(msg, dict) else None
