@@ -122,6 +122,11 @@ class Gateway:
         self.drain_started = asyncio.Event()
         self.load_error: BaseException | None = None
 
+    def unauthenticated_full(self, address: str) -> bool:
+        """Whether `address` holds its share of the sockets still authenticating (checked
+        by the HTTP protocol before a keyless upgrade: gateway/protocols.py)."""
+        return self.pending_by_address[address] >= self.settings.max_unauthenticated_sockets_per_address
+
     def authenticate(self, key: str | None):
         return authenticate(self.registry, key)
 

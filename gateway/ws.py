@@ -54,10 +54,6 @@ class Connection(Socket):
             self._to(State.CLOSED)
             await self.ws.close(code=PolicyViolation.ws_close, reason="origin not allowed")  # before accept: 403
             return
-        header_key = bearer_key(self.ws.headers.get("authorization"))
-        if header_key is None and self.address_full():
-            return await self.deny(TooManyConnections(
-                "too many WebSockets from your address are still authenticating; retry later"))
         await self.ws.accept()
         self._to(State.AUTHENTICATING)
         if self.gw.chat.draining:
@@ -65,6 +61,7 @@ class Connection(Socket):
         self.gw.metrics.websockets.inc()
         drain_watch = asyncio.ensure_future(self._close_when_drained())
         try:
+            header_key = bearer_key(self.ws.headers.get("authorization"))
             if header_key is not None:
                 if await self._auth(header_key):
                     await self._receive_loop()

@@ -19,7 +19,6 @@ import json
 from urllib.parse import urlsplit
 
 import structlog
-from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from .auth import authenticate
@@ -73,25 +72,13 @@ class Socket:
         client = self.ws.client
         return client.host if client else ""
 
-    def address_full(self) -> bool:
-        """Whether this socket's client address already has its share of unauthenticated
-        sockets (checked before the upgrade, so refusing costs no handshake)."""
-        return self.gw.pending_by_address[self.address()] >= self.gw.settings.max_unauthenticated_sockets_per_address
-
-    async def deny(self, exc: GatewayError) -> None:
-        """Refuse before the upgrade: an HTTP answer in OpenAI's error shape (where the
-        server offers the denial-response extension; else uvicorn's plain 403)."""
-        self._to(State.CLOSED)
-        if "websocket.http.response" in self.ws.scope.get("extensions", {}):
-            await self.ws.send_denial_response(JSONResponse(exc.body(), exc.status, headers=exc.headers))
-        else:
-            await self.ws.close(code=exc.ws_close)
-
     async def _wait_in_pending(self) -> None:
         """Join the unauthenticated sockets; when they are at their cap, the one waiting
         longest is closed 1013 to make room, so keyless sockets can delay a newcomer's
         auth by at most one round of the pool, never lock it out. One client address
-        holds at most `max_unauthenticated_sockets_per_address` of them."""
+        holds at most `max_unauthenticated_sockets_per_address` of them: the HTTP protocol refuses
+        the upgrade with a 429 past that (gateway/protocols.py); a socket that raced past
+        that check is closed 1013 here."""
         settings = self.gw.settings
         if not self.gw.pending_by_address.take(self.address(), settings.max_unauthenticated_sockets_per_address):
             return await self.close(TooManyConnections("too many unauthenticated connections from your address"))
