@@ -6,6 +6,7 @@ before the upgrade), the body read deadline and the JSON value bound."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import socket
 import time
@@ -48,11 +49,18 @@ def test_address_rate_gives_a_burst_then_its_rate_and_forgets_full_buckets():
     assert len(rate.buckets) == 12 and rate.sweep_at >= 8
 
 
-async def test_keyless_upgrades_past_the_address_rate_get_a_429_before_the_handshake(tiny_model, tmp_path):
+def has_httptools() -> bool:
+    return importlib.util.find_spec("httptools") is not None
+
+
+@pytest.mark.parametrize("http", ["h11", pytest.param("httptools", marks=pytest.mark.skipif(
+    not has_httptools(), reason="httptools is not installed in this environment (pip install -e .)"))])
+async def test_keyless_upgrades_past_the_address_rate_get_a_429_before_the_handshake(tiny_model, tmp_path, http):
     """Past --ws-keyless-burst keyless upgrades from one address, the next gets HTTP 429
-    too_many_connections (no WebSocket handshake); a socket sending its key in the header
-    still connects."""
-    with serve(tiny_model("llama"), tmp_path, uvicorn_limits={"ws_keyless_rate": 0.01, "ws_keyless_burst": 2}) as live:
+    too_many_connections (no WebSocket handshake), with either HTTP parser; a socket
+    sending its key in the header still connects."""
+    limits = {"ws_keyless_rate": 0.01, "ws_keyless_burst": 2, "http": http}
+    with serve(tiny_model("llama"), tmp_path, uvicorn_limits=limits) as live:
         first = [await websockets.connect(live.ws_url) for _ in range(2)]
         with pytest.raises(websockets.InvalidStatus) as exc:
             await websockets.connect(live.ws_url)
