@@ -159,9 +159,9 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
                    help="commas and brackets a body or frame may hold (bounds JSON decoding time)")
     p.add_argument("--max-unauthenticated-sockets-per-address", type=int, default=16,
                    help="WebSockets still authenticating from one client address (429 before the upgrade)")
-    p.add_argument("--ws-keyless-rate", type=float, default=20.0,
+    p.add_argument("--ws-keyless-rate", type=float, default=10.0,
                    help="WebSocket upgrades without a key per client address and second (0: no limit)")
-    p.add_argument("--ws-keyless-burst", type=int, default=40, help="... and at once")
+    p.add_argument("--ws-keyless-burst", type=int, default=16, help="... and at once")
     p.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
                    help="uvicorn's event loop (auto: uvloop where installed)")
     p.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],

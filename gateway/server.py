@@ -59,8 +59,8 @@ class DrainingServer(uvicorn.Server):
 def config(app, host: str, port: int, *, max_frame_bytes: int, log_config=None, log_level=None,
            limit_concurrency: int | None = None, timeout_keep_alive: float = 5, timeout_headers: float = 10,
            ws_ping_interval: float | None = 20.0, ws_ping_timeout: float | None = 20.0, loop: str = "auto",
-           http: str = "auto", backlog: int = 2048, ws_keyless_rate: float = 20.0,
-           ws_keyless_burst: int = 40) -> uvicorn.Config:
+           http: str = "auto", backlog: int = 2048, ws_keyless_rate: float = 10.0,
+           ws_keyless_burst: int = 16) -> uvicorn.Config:
     """uvicorn's settings for the gateway. `limit_concurrency`: connections + tasks past
     which uvicorn answers 503 at once; `timeout_keep_alive`: seconds an idle keep-alive
     connection stays open; `timeout_headers`: seconds to send a request head;
