@@ -131,3 +131,26 @@ async def test_a_document_with_too_many_json_values_is_refused_before_decoding(t
             assert err["type"] == "error" and err["error"]["code"] == "too_many_json_values"
             await ws.send(json.dumps({"type": "ping"}))
             assert await recv(ws) == {"type": "pong"}
+
+
+async def test_refusals_are_logged_as_one_counted_line_per_interval():
+    """429 answers on a path are logged at once for the first, then as one counted
+    `http.refused` line per interval, and none are lost when the flood stops."""
+    from gateway.logs import RefusalLog
+
+    class Lines:
+        def __init__(self):
+            self.lines = []
+
+        def info(self, event, **kw):
+            self.lines.append((event, kw["path"], kw["count"]))
+
+    log = Lines()
+    refusals = RefusalLog(log, every_s=0.05)
+    for _ in range(300):
+        refusals.add("/v1/stats")
+    refusals.add("/v1/chat/completions")
+    assert log.lines == [("http.refused", "/v1/stats", 1), ("http.refused", "/v1/chat/completions", 1)]
+    await asyncio.sleep(0.2)
+    assert log.lines[2:] == [("http.refused", "/v1/stats", 299)]
+    assert not refusals.timers
