@@ -154,3 +154,26 @@ async def test_refusals_are_logged_as_one_counted_line_per_interval():
     await asyncio.sleep(0.2)
     assert log.lines[2:] == [("http.refused", "/v1/stats", 299)]
     assert not refusals.timers
+
+
+def test_serve_flags_reach_uvicorn():
+    """The uvicorn-facing `serve` flags end up in uvicorn's config and the protocol class."""
+    import argparse
+
+    from starlette.applications import Starlette
+
+    from gateway.cli import _limit_args, server_limits
+    from gateway.server import config
+
+    p = argparse.ArgumentParser()
+    _limit_args(p)
+    args = p.parse_args(["--loop", "asyncio", "--http", "h11", "--backlog", "128", "--ws-keyless-rate", "3",
+                         "--ws-keyless-burst", "5", "--timeout-headers", "2.5", "--switch-interval-ms", "1"])
+    limits = server_limits(args)
+    assert limits.pop("switch_interval_ms") == 1.0
+    cfg = config(Starlette(), "127.0.0.1", 0, **limits)
+    assert (cfg.loop, cfg.backlog) == ("asyncio", 128)
+    assert cfg.http.__name__ == "DefendedH11Protocol" and cfg.http.header_timeout == 2.5
+    assert (cfg.http.keyless_upgrades.rate, cfg.http.keyless_upgrades.burst) == (3.0, 5)
+    off = config(Starlette(), "127.0.0.1", 0, **{**limits, "ws_keyless_rate": 0})
+    assert off.http.keyless_upgrades is None
