@@ -127,6 +127,11 @@ class Gateway:
         by the HTTP protocol before a keyless upgrade: gateway/protocols.py)."""
         return self.pending_by_address[address] >= self.settings.max_unauthenticated_sockets_per_address
 
+    def known_key(self, authorization: bytes) -> bool:
+        """Whether an Authorization header carries a valid key (a SHA-256 and a lookup:
+        cheap enough to run in the HTTP protocol before an upgrade)."""
+        return self.registry.authenticate(bearer_key(authorization.decode("latin-1"))) is not None
+
     def authenticate(self, key: str | None):
         return authenticate(self.registry, key)
 

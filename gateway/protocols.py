@@ -5,10 +5,10 @@ that carry no key.
 Each connection costs the event loop an accept, a parse and, for a WebSocket, a handshake
 and a close before the app's own caps can refuse it. A burst of a thousand keyless
 sockets from one address therefore stalled every stream for about a second. Here an
-upgrade without an Authorization header over its address's rate, or from an address
-that already holds its share of sockets still authenticating, is answered with a static
-429 and closed from inside `data_received`: no ASGI task, no WebSocket protocol, no
-handshake (docs/PROTOCOL.md, "Limits").
+upgrade without a valid key in its Authorization header, over its address's rate or
+from an address that already holds its share of sockets still authenticating, is
+answered with a static 429 and closed from inside `data_received`: no ASGI task, no
+WebSocket protocol, no handshake (docs/PROTOCOL.md, "Limits").
 """
 
 from __future__ import annotations
@@ -41,11 +41,14 @@ class Defended:
     connection is closed `header_timeout` seconds after it opened (or after the first byte
     of its next request). `keyless_upgrades`: the shared per-address rate (None: off);
     `address_full(address)`: whether the address already holds its share of sockets
-    still authenticating (the gateway's count; None: not checked here)."""
+    still authenticating (the gateway's count; None: not checked here);
+    `known_key(authorization)`: whether an Authorization header carries a valid key, so
+    that a made-up header does not buy a full handshake (None: any header counts)."""
 
     header_timeout = 10.0
     keyless_upgrades: AddressRate | None = None
     address_full: Callable[[str], bool] | None = None
+    known_key: Callable[[bytes], bool] | None = None
     _header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
@@ -62,7 +65,9 @@ class Defended:
 
     def handle_websocket_upgrade(self, *event) -> None:
         self._disarm()                  # the transport now belongs to the WebSocket protocol (or is closed)
-        if not any(name == b"authorization" for name, _ in self.headers):
+        authorization = next((value for name, value in self.headers if name == b"authorization"), None)
+        keyed = authorization is not None and (self.known_key is None or self.known_key(authorization))
+        if not keyed:
             address = self.client[0] if self.client else ""
             if (self.address_full is not None and self.address_full(address)) or \
                     (self.keyless_upgrades is not None and not self.keyless_upgrades.admit(address)):
@@ -99,11 +104,12 @@ def _httptools_protocol() -> type | None:
 
 
 def protocol_class(http: str, *, header_timeout: float, keyless_rate: float, keyless_burst: int,
-                   address_full: Callable[[str], bool] | None = None, clock=time.monotonic) -> type:
+                   address_full: Callable[[str], bool] | None = None,
+                   known_key: Callable[[bytes], bool] | None = None, clock=time.monotonic) -> type:
     """The protocol class uvicorn instantiates per connection. `http`: "h11", "httptools"
     or "auto" (httptools where it is installed, as uvicorn chooses). `keyless_rate` (per
     second) and `keyless_burst`: WebSocket upgrades without a key per client address;
-    a rate of 0 turns the limit off. `address_full`: see `Defended`."""
+    a rate of 0 turns the limit off. `address_full`, `known_key`: see `Defended`."""
     base = H11Protocol
     if http in ("auto", "httptools"):
         base = _httptools_protocol() or base
@@ -114,4 +120,5 @@ def protocol_class(http: str, *, header_timeout: float, keyless_rate: float, key
     gate = AddressRate(keyless_rate, keyless_burst, clock=clock) if keyless_rate > 0 else None
     return type(f"Defended{base.__name__}", (Defended, base),
                 {"header_timeout": header_timeout, "keyless_upgrades": gate,
-                 "address_full": None if address_full is None else staticmethod(address_full)})
+                 "address_full": None if address_full is None else staticmethod(address_full),
+                 "known_key": None if known_key is None else staticmethod(known_key)})

@@ -71,7 +71,8 @@ def config(app, host: str, port: int, *, max_frame_bytes: int, log_config=None, 
     gateway = getattr(app.state, "gateway", None)
     protocol = protocol_class(http, header_timeout=timeout_headers, keyless_rate=ws_keyless_rate,
                               keyless_burst=ws_keyless_burst,
-                              address_full=None if gateway is None else gateway.unauthenticated_full)
+                              address_full=None if gateway is None else gateway.unauthenticated_full,
+                              known_key=None if gateway is None else gateway.known_key)
     extra = {} if log_level is None else {"log_level": log_level}
     return uvicorn.Config(app, host=host, port=port, loop=loop, http=protocol, ws="websockets-sansio",
                           ws_max_size=max_frame_bytes, log_config=log_config, timeout_graceful_shutdown=5,

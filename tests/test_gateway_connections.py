@@ -57,8 +57,8 @@ def has_httptools() -> bool:
     not has_httptools(), reason="httptools is not installed in this environment (pip install -e .)"))])
 async def test_keyless_upgrades_past_the_address_rate_get_a_429_before_the_handshake(tiny_model, tmp_path, http):
     """Past --ws-keyless-burst keyless upgrades from one address, the next gets HTTP 429
-    too_many_connections (no WebSocket handshake), with either HTTP parser; a socket
-    sending its key in the header still connects."""
+    too_many_connections (no WebSocket handshake), with either HTTP parser, also when it
+    sends a made-up key; a socket sending a valid key in the header still connects."""
     limits = {"ws_keyless_rate": 0.01, "ws_keyless_burst": 2, "http": http}
     with serve(tiny_model("llama"), tmp_path, uvicorn_limits=limits) as live:
         first = [await websockets.connect(live.ws_url) for _ in range(2)]
@@ -69,6 +69,9 @@ async def test_keyless_upgrades_past_the_address_rate_get_a_429_before_the_hands
         assert exc.value.response.headers["retry-after"] == "1"
         async with websockets.connect(live.ws_url, additional_headers=AUTH) as keyed:
             assert (await recv(keyed))["type"] == "auth.ok"
+        with pytest.raises(websockets.InvalidStatus) as exc:     # a made-up key buys no handshake
+            await websockets.connect(live.ws_url, additional_headers={"Authorization": "Bearer sk-made-up"})
+        assert refused_status(exc)[0] == 429
         for ws in first:
             await ws.close()
 
