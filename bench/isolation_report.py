@@ -34,10 +34,11 @@ def _refusal(probe: dict) -> str:
 
 def report(phases: dict, targets: dict) -> list[str]:
     """The table: per phase B's largest gap (and when it began, from the phase's start), its
-    median gap, /health max and median, RSS growth, B's WebSocket probe, error-level lines
+    median gap, /health max and median, RSS growth, the CPU time of the server's event-loop
+    thread in the window (B's streaming included), B's WebSocket probe, error-level lines
     the server logged, and what A got back; then PASS/MISS per target."""
     lines = [f"{'phase':15} {'B gap max':>10} {'from':>6} {'p50':>6} {'/health max':>12} {'p50':>5} {'RSS +MB':>8} "
-             f"{'B WS':>15} {'logged errors':>13}  A got"]
+             f"{'loop CPU':>9} {'B WS':>15} {'logged errors':>13}  A got"]
     for name, ph in phases.items():
         ws = ph["b_ws"]
         ws_s = f"ok {ws['ms']:,.0f}ms" if ws["connected"] else "no: " + _refusal(ws)
@@ -47,7 +48,8 @@ def report(phases: dict, targets: dict) -> list[str]:
         lines.append(f"{name:15} {_fmt(ph['gap_max_ms'], 'ms'):>10} {start:>6} {_fmt(ph['gap_p50_ms']):>6} "
                      f"{'>=' * bool(ph['health_timeouts']) + _fmt(ph['health_max_ms'], 'ms'):>12} "
                      f"{_fmt(ph['health_p50_ms']):>5} "
-                     f"{_fmt(ph['rss_growth_mb']):>8} {ws_s:>15} {_fmt(logged):>13}  {got}")
+                     f"{_fmt(ph['rss_growth_mb']):>8} {_fmt(ph.get('loop_cpu_ms'), 'ms'):>9} {ws_s:>15} "
+                     f"{_fmt(logged):>13}  {got}")
         if ph["b_errors"]:
             lines.append(f"{'':15} B got errors: {', '.join(ph['b_errors'])}")
     lines.append("")

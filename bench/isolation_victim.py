@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -17,6 +18,16 @@ from .isolation_client import connect
 
 POLL_S = 0.1                 # /health and RSS sampling period
 HEALTH_TIMEOUT_S = 30.0
+
+
+def main_thread_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) of process `pid`'s main thread, which runs the server's
+    event loop: unlike latencies, this hardly moves with the load of a shared host."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_bytes(pid: int) -> int | None:
@@ -38,6 +49,7 @@ class Victim:
         self.chunks: list[float] = []                 # arrival time of each content chunk
         self.polls: list[tuple[float, float, bool]] = []    # (sent at, latency s, timed out)
         self.rss: list[tuple[float, int]] = []        # (t, bytes)
+        self.loop_cpu: list[tuple[float, float]] = []  # (t, CPU seconds of the server's event-loop thread)
         self.errors: list[tuple[float, str]] = []     # (t, what B got instead of a stream)
         self.streams = 0
         self._tasks: list[asyncio.Task] = []
@@ -92,9 +104,11 @@ class Victim:
 
     async def _rss_loop(self) -> None:
         while self.pid is not None:
-            rss = rss_bytes(self.pid)
+            rss, cpu = rss_bytes(self.pid), main_thread_cpu_s(self.pid)
             if rss is not None:
                 self.rss.append((time.monotonic(), rss))
+            if cpu is not None:
+                self.loop_cpu.append((time.monotonic(), cpu))
             await asyncio.sleep(POLL_S)
 
     async def warm(self, chunks: int = 5, steady_s: float = 2.0, timeout_s: float = 300.0) -> None:
@@ -117,6 +131,7 @@ class Victim:
         before = [r for t, r in self.rss if t <= t0][-1:] or [r for t, r in self.rss[:1]]
         during = [r for t, r in self.rss if t0 <= t <= t1]
         growth = (max(during) - before[0]) / 1e6 if before and during else None
+        cpu = [c for t, c in self.loop_cpu if t0 <= t <= t1]
         return {
             "window_s": round(t1 - t0, 2),
             "chunks": sum(t0 <= t <= t1 for t in self.chunks),
@@ -129,6 +144,7 @@ class Victim:
             "health_timeouts": sum(t0 <= sent <= t1 and out for sent, _, out in self.polls),
             "rss_before_mb": round(before[0] / 1e6, 1) if before else None,
             "rss_growth_mb": round(growth, 1) if growth is not None else None,
+            "loop_cpu_ms": round((cpu[-1] - cpu[0]) * 1000) if len(cpu) > 1 else None,
             "b_errors": [what for t, what in self.errors if t0 <= t <= t1][:10],
         }
 

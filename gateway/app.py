@@ -75,8 +75,11 @@ class GatewaySettings:
     allowed_origins: tuple[str, ...] = ()   # browser Origins allowed on the WebSocket; (): same host only
     max_frame_bytes: int = 1 << 20
     max_body_bytes: int = 1 << 20           # HTTP request bodies; larger ones get 413 unread
+    body_timeout_s: float = 30.0            # to send a whole request body; slower ones get 408
+    max_json_values: int = 100_000          # commas + brackets in a body or frame (bounds decoding time)
     max_sockets: int = 1024                 # authenticated WebSockets, all tenants
     max_unauthenticated_sockets: int = 64   # sockets that have not authenticated yet (their own pool)
+    max_unauthenticated_sockets_per_address: int = 16   # of those, from one client address (429 before the upgrade)
     max_sockets_per_tenant: int = 64
     max_requests_per_socket: int = 32
     max_stats_streams_per_tenant: int = 4   # GET /v1/stats streams + WebSocket subscriptions
@@ -113,10 +116,21 @@ class Gateway:
         self.started_at = int(time.time())
         self.sockets = Slots()              # authenticated WebSockets: ws.AUTHENTICATED and tenant:<name>
         self.pending_sockets: dict = {}     # ws.Connection -> None, not yet authenticated, oldest first
+        self.pending_by_address = Slots()   # the same sockets, counted per client address
         self.stats_slots = Slots()          # stats streams per tenant
         self.stats = StatsHub(self)
         self.drain_started = asyncio.Event()
         self.load_error: BaseException | None = None
+
+    def unauthenticated_full(self, address: str) -> bool:
+        """Whether `address` holds its share of the sockets still authenticating (checked
+        by the HTTP protocol before a keyless upgrade: gateway/protocols.py)."""
+        return self.pending_by_address[address] >= self.settings.max_unauthenticated_sockets_per_address
+
+    def known_key(self, authorization: bytes) -> bool:
+        """Whether an Authorization header carries a valid key (a SHA-256 and a lookup:
+        cheap enough to run in the HTTP protocol before an upgrade)."""
+        return self.registry.authenticate(bearer_key(authorization.decode("latin-1"))) is not None
 
     def authenticate(self, key: str | None):
         return authenticate(self.registry, key)

@@ -127,7 +127,9 @@ def serve(args: argparse.Namespace) -> int:
                                    max_sockets_per_tenant=args.max_sockets_per_tenant,
                                    max_stats_streams_per_tenant=args.max_stats_streams,
                                    ws_auth_timeout_s=args.ws_auth_timeout, ws_idle_timeout_s=args.ws_idle_timeout,
-                                   tokenize_workers=args.tokenize_workers)
+                                   tokenize_workers=args.tokenize_workers,
+                                   max_unauthenticated_sockets_per_address=args.max_unauthenticated_sockets_per_address,
+                                   body_timeout_s=args.body_timeout, max_json_values=args.max_json_values)
         app = create_app(settings)
     except (ValueError, TenantConfigError) as exc:
         print(f"streamgate: {exc}", file=sys.stderr)
@@ -135,9 +137,7 @@ def serve(args: argparse.Namespace) -> int:
     shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     print(f"streamgate: serving on http://{shown}:{args.port}/  (demo page; API at /v1, health at /health)",
           file=sys.stderr, flush=True)
-    run_server(app, args.host, args.port, max_frame_bytes=args.max_frame_bytes,
-               limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive,
-               timeout_headers=args.timeout_headers)
+    run_server(app, args.host, args.port, **server_limits(args))
     return 0
 
 
@@ -160,6 +160,30 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
                    help="uvicorn: seconds an idle keep-alive HTTP connection stays open")
     p.add_argument("--timeout-headers", type=float, default=10.0,
                    help="seconds a connection has to send a request's headers (slow or silent clients)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request's whole body (408 past it)")
+    p.add_argument("--max-json-values", type=int, default=100_000,
+                   help="commas and brackets a body or frame may hold (bounds JSON decoding time)")
+    p.add_argument("--max-unauthenticated-sockets-per-address", type=int, default=16,
+                   help="WebSockets still authenticating from one client address (429 before the upgrade)")
+    p.add_argument("--ws-keyless-rate", type=float, default=10.0,
+                   help="WebSocket upgrades without a key per client address and second (0: no limit)")
+    p.add_argument("--ws-keyless-burst", type=int, default=16, help="... and at once")
+    p.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
+                   help="uvicorn's event loop (auto: uvloop where installed)")
+    p.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],
+                   help="uvicorn's HTTP parser (auto: httptools where installed)")
+    p.add_argument("--backlog", type=int, default=2048, help="the listen queue (connections not yet accepted)")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="the interpreter's GIL switch interval (default: Python's 5 ms)")
+
+
+def server_limits(args: argparse.Namespace) -> dict:
+    """The `_limit_args` flags that configure uvicorn (gateway.server.serve's keywords)."""
+    return {"max_frame_bytes": args.max_frame_bytes, "limit_concurrency": args.limit_concurrency,
+            "timeout_keep_alive": args.timeout_keep_alive, "timeout_headers": args.timeout_headers,
+            "loop": args.loop, "http": args.http, "backlog": args.backlog, "ws_keyless_rate": args.ws_keyless_rate,
+            "ws_keyless_burst": args.ws_keyless_burst, "switch_interval_ms": args.switch_interval_ms}
 
 
 def keys(args: argparse.Namespace) -> int:

@@ -6,7 +6,8 @@ reads close codes from here. `ws_close` is None where a WebSocket answers with a
     GatewayError                    status  code                      WS
     ├── BadRequest                  400     invalid_request_error      error event
     │   ├── ContextLengthExceeded   400     context_length_exceeded    error event
-    │   └── PayloadTooLarge         413     request_too_large          close 1009
+    │   ├── PayloadTooLarge         413     request_too_large          close 1009
+    │   └── BodyTimeout             408     request_timeout            (HTTP only)
     ├── PolicyViolation             400     policy_violation           close 1008
     ├── AuthError                   401     invalid_api_key            close 1008
     ├── RateLimited                 429     <the limit: requests_per_minute, ...>  error event
@@ -78,6 +79,13 @@ class PayloadTooLarge(BadRequest):
     status = 413
     code = "request_too_large"
     ws_close = WS_MESSAGE_TOO_BIG
+
+
+class BodyTimeout(BadRequest):
+    """The client did not send the whole body within the body timeout (slowloris)."""
+
+    status = 408
+    code = "request_timeout"
 
 
 class PolicyViolation(GatewayError):

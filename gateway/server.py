@@ -10,10 +10,12 @@ once (still each with its final event); a third exits immediately.
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import structlog
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .protocols import protocol_class
 
 log = structlog.get_logger("streamgate.server")
 
@@ -54,65 +56,34 @@ class DrainingServer(uvicorn.Server):
         self._drain_task = asyncio.ensure_future(drain_then_exit())
 
 
-class HeaderTimeoutH11(H11Protocol):
-    """uvicorn's h11 protocol with a deadline for each request head. uvicorn times out an
-    idle keep-alive connection but not one that opens and never sends, or sends its
-    headers a byte at a time: such a connection is closed `header_timeout` seconds after
-    it opened (or after the first byte of its next request)."""
-
-    header_timeout = 10.0
-    _header_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport) -> None:
-        super().connection_made(transport)
-        self._arm()
-
-    def data_received(self, data: bytes) -> None:
-        if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
-            self._arm()                 # the first bytes of a next request on a kept-alive connection
-        cycle = self.cycle
-        super().data_received(data)
-        if self.cycle is not cycle:     # a complete request head arrived
-            self._disarm()
-
-    def handle_websocket_upgrade(self, event) -> None:
-        self._disarm()                  # the transport now belongs to the WebSocket protocol
-        super().handle_websocket_upgrade(event)
-
-    def connection_lost(self, exc) -> None:
-        self._disarm()
-        super().connection_lost(exc)
-
-    def _arm(self) -> None:
-        self._disarm()
-        self._header_timer = self.loop.call_later(self.header_timeout, self._expire)
-
-    def _disarm(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-
-    def _expire(self) -> None:
-        self._header_timer = None
-        if not self.transport.is_closing():
-            self.transport.close()
-
-
 def config(app, host: str, port: int, *, max_frame_bytes: int, log_config=None, log_level=None,
            limit_concurrency: int | None = None, timeout_keep_alive: float = 5, timeout_headers: float = 10,
-           ws_ping_interval: float | None = 20.0, ws_ping_timeout: float | None = 20.0) -> uvicorn.Config:
+           ws_ping_interval: float | None = 20.0, ws_ping_timeout: float | None = 20.0, loop: str = "auto",
+           http: str = "auto", backlog: int = 2048, ws_keyless_rate: float = 10.0,
+           ws_keyless_burst: int = 16) -> uvicorn.Config:
     """uvicorn's settings for the gateway. `limit_concurrency`: connections + tasks past
     which uvicorn answers 503 at once; `timeout_keep_alive`: seconds an idle keep-alive
     connection stays open; `timeout_headers`: seconds to send a request head;
-    `ws_ping_*`: protocol pings that close dead WebSockets."""
-    http = type("HeaderTimeoutH11", (HeaderTimeoutH11,), {"header_timeout": timeout_headers})
+    `ws_ping_*`: protocol pings that close dead WebSockets; `loop` / `http`: uvicorn's
+    event loop (auto, asyncio, uvloop) and HTTP parser (auto, h11, httptools);
+    `backlog`: the listen queue; `ws_keyless_*`: WebSocket upgrades without a key per
+    client address and second, and at once (gateway/protocols.py; rate 0: no limit)."""
+    gateway = getattr(app.state, "gateway", None)
+    protocol = protocol_class(http, header_timeout=timeout_headers, keyless_rate=ws_keyless_rate,
+                              keyless_burst=ws_keyless_burst,
+                              address_full=None if gateway is None else gateway.unauthenticated_full,
+                              known_key=None if gateway is None else gateway.known_key)
     extra = {} if log_level is None else {"log_level": log_level}
-    return uvicorn.Config(app, host=host, port=port, http=http, ws="websockets-sansio", ws_max_size=max_frame_bytes,
-                          log_config=log_config, timeout_graceful_shutdown=5, limit_concurrency=limit_concurrency,
-                          timeout_keep_alive=timeout_keep_alive, ws_ping_interval=ws_ping_interval,
-                          ws_ping_timeout=ws_ping_timeout, **extra)
+    return uvicorn.Config(app, host=host, port=port, loop=loop, http=protocol, ws="websockets-sansio",
+                          ws_max_size=max_frame_bytes, log_config=log_config, timeout_graceful_shutdown=5,
+                          limit_concurrency=limit_concurrency, timeout_keep_alive=timeout_keep_alive,
+                          ws_ping_interval=ws_ping_interval, ws_ping_timeout=ws_ping_timeout, backlog=backlog,
+                          **extra)
 
 
-def serve(app, host: str, port: int, **limits) -> None:
-    """Run the app until a signal has drained it (`limits`: see `config`)."""
+def serve(app, host: str, port: int, *, switch_interval_ms: float | None = None, **limits) -> None:
+    """Run the app until a signal has drained it (`limits`: see `config`).
+    `switch_interval_ms`: the interpreter's GIL switch interval (None: Python's 5 ms)."""
+    if switch_interval_ms is not None:
+        sys.setswitchinterval(switch_interval_ms / 1000)
     DrainingServer(config(app, host, port, **limits), app.state.gateway).run()

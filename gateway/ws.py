@@ -74,7 +74,7 @@ class Connection(Socket):
             log.error("ws.fault", error=type(exc).__name__)     # no payloads in logs
             await self.close(InternalError("internal server error"))
         finally:
-            self.gw.pending_sockets.pop(self, None)
+            self.leave_pending()
             for place in self.places:
                 self.gw.sockets.give(place)
             self.places.clear()
@@ -123,8 +123,10 @@ class Connection(Socket):
 
     async def _handle(self, text: str) -> None:
         try:
-            msg = parse_json(text)
-        except BadRequest:
+            msg = parse_json(text, self.gw.settings.max_json_values)
+        except BadRequest as exc:
+            if exc.code != "invalid_json":
+                return await self.send_error(None, exc)
             return await self.send_error(None, BadRequest("the frame is not valid JSON", code="invalid_json"))
         kind = msg.get("type") if isinstance(msg, dict) else None
         cid = msg.get("id") if isinstance(msg, dict) else None

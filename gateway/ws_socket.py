@@ -60,6 +60,7 @@ class Socket:
         self.state = State.CONNECTING
         self.tenant = None
         self.places: list[str] = []         # what this socket holds in gw.sockets
+        self.holds_address = False          # one of gw.pending_by_address's places for its address
         self._send_lock = asyncio.Lock()
 
     def _to(self, state: State) -> None:
@@ -67,12 +68,23 @@ class Socket:
             raise RuntimeError(f"illegal WebSocket transition {self.state.value} -> {state.value}")
         self.state = state
 
+    def address(self) -> str:
+        client = self.ws.client
+        return client.host if client else ""
+
     async def _wait_in_pending(self) -> None:
         """Join the unauthenticated sockets; when they are at their cap, the one waiting
         longest is closed 1013 to make room, so keyless sockets can delay a newcomer's
-        auth by at most one round of the pool, never lock it out."""
+        auth by at most one round of the pool, never lock it out. One client address
+        holds at most `max_unauthenticated_sockets_per_address` of them: the HTTP protocol refuses
+        the upgrade with a 429 past that (gateway/protocols.py); a socket that raced past
+        that check is closed 1013 here."""
+        settings = self.gw.settings
+        if not self.gw.pending_by_address.take(self.address(), settings.max_unauthenticated_sockets_per_address):
+            return await self.close(TooManyConnections("too many unauthenticated connections from your address"))
+        self.holds_address = True
         pending = self.gw.pending_sockets       # insertion-ordered: oldest first
-        if len(pending) >= self.gw.settings.max_unauthenticated_sockets:
+        if len(pending) >= settings.max_unauthenticated_sockets:
             oldest = next(iter(pending))
             del pending[oldest]
             evict = asyncio.ensure_future(oldest.close(TooManyConnections(
@@ -80,6 +92,12 @@ class Socket:
             _evictions.add(evict)       # (a task needs a reference until it is done)
             evict.add_done_callback(_evictions.discard)
         pending[self] = None
+
+    def leave_pending(self) -> None:
+        self.gw.pending_sockets.pop(self, None)
+        if self.holds_address:
+            self.gw.pending_by_address.give(self.address())
+            self.holds_address = False
 
     async def _auth(self, key: str | None) -> bool:
         settings, sockets = self.gw.settings, self.gw.sockets
@@ -97,7 +115,7 @@ class Socket:
             sockets.give(per_tenant)
             await self.close(TooManyConnections("too many connections; retry later"))
             return False
-        self.gw.pending_sockets.pop(self, None)
+        self.leave_pending()
         self.places = [AUTHENTICATED, per_tenant]
         self.tenant = tenant
         self._to(State.OPEN)

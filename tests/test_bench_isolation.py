@@ -33,7 +33,7 @@ def test_isolation_bench_measures_every_attack(tiny_model, tmp_path):
     base = phases["baseline"]
     assert base["chunks"] > 0 and base["health_polls"] > 0
     assert 0 < base["gap_p50_ms"] <= base["gap_max_ms"] < 60_000
-    assert 0 < base["health_max_ms"] < 30_000 and base["rss_before_mb"] > 0
+    assert 0 < base["health_max_ms"] < 30_000 and base["rss_before_mb"] > 0 and base["loop_cpu_ms"] >= 0
     assert base["b_ws"]["connected"] is True
     for name in ATTACKS:
         ph = phases[name]
@@ -66,7 +66,9 @@ def test_window_counts_gaps_that_overlap_it():
     v.chunks = [0.0, 0.1, 0.2, 1.2, 1.3, 1.4, 2.1, 2.2]
     v.polls = [(0.05, 0.01, False), (1.0, 0.5, True), (3.0, 0.02, False)]
     v.rss = [(0.0, 100_000_000), (1.1, 350_000_000), (2.5, 120_000_000)]
+    v.loop_cpu = [(0.5, 1.0), (1.2, 1.3), (1.9, 1.8), (2.5, 3.0)]
     s = v.summary(1.0, 2.0, t_end=4.0)
+    assert s["loop_cpu_ms"] == 500                            # the loop's CPU between samples inside [1, 2]
     assert s["gap_max_ms"] == pytest.approx(1000.0)          # 0.2 -> 1.2 overlaps [1, 2]
     assert s["gap_max_from_s"] == pytest.approx(-0.8)         # it began before the window
     assert s["health_max_ms"] == pytest.approx(500.0) and s["health_polls"] == 1 and s["health_timeouts"] == 1

@@ -1,0 +1,124 @@
+"""uvicorn's HTTP protocols (h11 or httptools) with two defences that must run before any
+ASGI work: a deadline for each request head, and a per-address rate on WebSocket upgrades
+that carry no key.
+
+Each connection costs the event loop an accept, a parse and, for a WebSocket, a handshake
+and a close before the app's own caps can refuse it. A burst of a thousand keyless
+sockets from one address therefore stalled every stream for about a second. Here an
+upgrade without a valid key in its Authorization header, over its address's rate or
+from an address that already holds its share of sockets still authenticating, is
+answered with a static 429 and closed from inside `data_received`: no ASGI task, no
+WebSocket protocol, no handshake (docs/PROTOCOL.md, "Limits").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .limits import AddressRate
+
+
+def _too_many_upgrades() -> bytes:
+    body = json.dumps({"error": {"message": "too many WebSocket connections without a key from this address; "
+                                           "send 'Authorization: Bearer <key>' or retry later",
+                                 "type": "rate_limit_error", "param": None, "code": "too_many_connections"}})
+    return (f"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"retry-after: 1\r\nconnection: close\r\n\r\n{body}").encode()
+
+
+TOO_MANY_UPGRADES = _too_many_upgrades()
+
+
+class Defended:
+    """Mixed into uvicorn's H11Protocol or HttpToolsProtocol (both keep `cycle`, `headers`
+    and `client`). `header_timeout`: uvicorn times out an idle keep-alive connection but
+    not one that opens and never sends, or sends its head a byte at a time; such a
+    connection is closed `header_timeout` seconds after it opened (or after the first byte
+    of its next request). `keyless_upgrades`: the shared per-address rate (None: off);
+    `address_full(address)`: whether the address already holds its share of sockets
+    still authenticating (the gateway's count; None: not checked here);
+    `known_key(authorization)`: whether an Authorization header carries a valid key, so
+    that a made-up header does not buy a full handshake (None: any header counts)."""
+
+    header_timeout = 10.0
+    keyless_upgrades: AddressRate | None = None
+    address_full: Callable[[str], bool] | None = None
+    known_key: Callable[[bytes], bool] | None = None
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+            self._arm()                 # the first bytes of a next request on a kept-alive connection
+        cycle = self.cycle
+        super().data_received(data)
+        if self.cycle is not cycle:     # a complete request head arrived
+            self._disarm()
+
+    def handle_websocket_upgrade(self, *event) -> None:
+        self._disarm()                  # the transport now belongs to the WebSocket protocol (or is closed)
+        authorization = next((value for name, value in self.headers if name == b"authorization"), None)
+        keyed = authorization is not None and (self.known_key is None or self.known_key(authorization))
+        if not keyed:
+            address = self.client[0] if self.client else ""
+            if (self.address_full is not None and self.address_full(address)) or \
+                    (self.keyless_upgrades is not None and not self.keyless_upgrades.admit(address)):
+                self.transport.write(TOO_MANY_UPGRADES)
+                self.transport.close()
+                return
+        super().handle_websocket_upgrade(*event)
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._expire)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _expire(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def _httptools_protocol() -> type | None:
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:                 # httptools is not installed
+        return None
+    return HttpToolsProtocol
+
+
+def protocol_class(http: str, *, header_timeout: float, keyless_rate: float, keyless_burst: int,
+                   address_full: Callable[[str], bool] | None = None,
+                   known_key: Callable[[bytes], bool] | None = None, clock=time.monotonic) -> type:
+    """The protocol class uvicorn instantiates per connection. `http`: "h11", "httptools"
+    or "auto" (httptools where it is installed, as uvicorn chooses). `keyless_rate` (per
+    second) and `keyless_burst`: WebSocket upgrades without a key per client address;
+    a rate of 0 turns the limit off. `address_full`, `known_key`: see `Defended`."""
+    base = H11Protocol
+    if http in ("auto", "httptools"):
+        base = _httptools_protocol() or base
+        if http == "httptools" and base is H11Protocol:
+            raise ValueError("--http httptools: the httptools package is not installed")
+    elif http != "h11":
+        raise ValueError(f"--http: unknown {http!r} (auto, h11, httptools)")
+    gate = AddressRate(keyless_rate, keyless_burst, clock=clock) if keyless_rate > 0 else None
+    return type(f"Defended{base.__name__}", (Defended, base),
+                {"header_timeout": header_timeout, "keyless_upgrades": gate,
+                 "address_full": None if address_full is None else staticmethod(address_full),
+                 "known_key": None if known_key is None else staticmethod(known_key)})
