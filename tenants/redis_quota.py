@@ -222,9 +222,8 @@ class RedisQuotas:
             try:
                 more = await self._send_batch()
             except FAILED as exc:
-                kind = exc.__class__.__name__ if isinstance(exc, UNREACHABLE) else str(exc).split(" ")[0]
-                if kind not in logged:
-                    logged.add(kind)
+                if exc.__class__ not in logged:     # ConnectionError, OutOfMemoryError, ReadOnlyError, ...
+                    logged.add(exc.__class__)
                     log.warning("quota outbox: Redis failed (%s: %s); %d settlements kept, retrying "
                                 "with backoff up to 2 s", exc.__class__.__name__, exc, len(self.outbox))
                 await asyncio.sleep(backoff)
