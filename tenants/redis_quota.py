@@ -1,25 +1,23 @@
 """Quotas shared by every replica through Redis: the QuotaBackend for N replicas.
 
 Admission is one EVALSHA (tenants/redis_scripts.py) when it can be, two when it must,
-each all-or-nothing on Redis's clock. `begin` (BEGIN) frees leases whose heartbeat stopped,
-then takes a concurrency lease and one request before the prompt is tokenized (issue 10),
-and with them the caller's estimate of the token count from tokens/min and the daily
-budget when both still hold `prepay_headroom` times it. `Lease.reserve_tokens` then costs
-no round trip if the exact count is within what was prepaid: the excess is given back by
-a TRIM sent in the background with the settlements. Otherwise (nothing prepaid, near a
-limit, or an estimate below the count) it runs TOKENS for the difference, and that
-refuses on the exact count, so a tenant is never refused for an estimate nor over-runs.
-While a prepaid excess waits for its trim (tokenizing + one round trip), the tenant's
-other requests see that much less room: the headroom rule keeps this away from the limit,
-where admission is exact. `Lease.settle` stays sync: it writes
-the settlement to a local SQLite outbox, and a background task sends it (one EVALSHA per
-settlement, pipelined when several wait), replaying the outbox after a failure or a
-restart; the settle script ignores a lease id it has seen, so nothing is billed twice.
-Another task renews this replica's leases every `lease_ttl / 3` seconds in one pipelined
-round trip, so a replica killed with SIGKILL frees its leases within `lease_ttl`.
+each all-or-nothing on Redis's clock. `begin` (BEGIN) frees leases whose heartbeat
+stopped, takes a concurrency lease and one request before the prompt is tokenized (issue
+10), and with them the caller's token estimate when tokens/min and the daily budget hold
+`prepay_headroom` times it. `Lease.reserve_tokens` sends nothing if the exact count is
+within what was prepaid (a background TRIM gives the excess back); otherwise TOKENS takes
+the difference or refuses on the exact count, so no tenant is refused for an estimate nor
+over-runs. Until its trim lands, a prepaid excess leaves the tenant's other requests that
+much less room; the headroom rule keeps this away from the limits, where it is exact.
+`Lease.settle` stays sync: it writes the settlement to a local SQLite outbox, and a
+background task sends it (pipelined with other settlements and trims), replaying the
+outbox after any Redis failure or a restart; the settle script ignores a lease id it has
+seen, so nothing is billed twice. Another task renews this replica's leases every
+`lease_ttl / 3` seconds in one pipelined round trip, so a replica killed with SIGKILL
+frees its leases within `lease_ttl`.
 
-Redis unreachable at admission: QuotaBackendUnavailable (fail closed); the client
-reconnects on the next call, so service resumes when Redis does, without a restart.
+Redis unreachable (or refusing, e.g. read-only) at admission: QuotaBackendUnavailable
+(fail closed); the client reconnects on the next call, so service resumes without a restart.
 """
 
 from __future__ import annotations
@@ -40,7 +38,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from .models import Tenant
 from .outbox import Outbox, Settlement
 from .quota import Lease, QuotaBackendUnavailable
-from .redis_scripts import BEGIN, RENEW, SETTLE, TOKENS, TRIM, headers_from_levels, refusal
+from .redis_scripts import (BEGIN, RENEW, SETTLE, TOKENS, TRIM, headers_from_levels, limit_arg, refusal,
+                            reply_float)
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +48,6 @@ FAILED = (RedisError, OSError)      # unreachable, or refused (OOM, READONLY, a 
 RETRY_UNAVAILABLE_S = 1.0
 SEND_BATCH = 256
 PREPAY_HEADROOM = 2.0
-
-
-def _limit(value: int | None) -> int:
-    return -1 if value is None else value
-
-
-def _float(raw: bytes) -> float | None:
-    return float(raw) if raw else None
 
 
 class RedisQuotas:
@@ -119,11 +110,11 @@ class RedisQuotas:
         tokens, prepaid, when they fit with headroom), or raise QuotaExceeded taking
         nothing; QuotaBackendUnavailable when Redis is unreachable or refuses."""
         lim, k = tenant.limits, self.keys(tenant.name)
-        lease_id, tpm = uuid.uuid4().hex, _limit(lim.tokens_per_minute)
+        lease_id, tpm = uuid.uuid4().hex, limit_arg(lim.tokens_per_minute)
         try:
             prepaid = await self._run(
                 tenant, 0, self._begin, [k["q"], k["leases"], k["held"], k["billed"], k["expired"]],
-                [_limit(lim.requests_per_minute), tpm, _limit(lim.max_concurrent), _limit(lim.daily_tokens),
+                [limit_arg(lim.requests_per_minute), tpm, limit_arg(lim.max_concurrent), limit_arg(lim.daily_tokens),
                  lease_id, int(self.lease_ttl * 1000), max(0, estimate), self.prepay_headroom])
         except asyncio.CancelledError:
             # The script may have run and only its reply was lost (the client left): release
@@ -141,8 +132,8 @@ class RedisQuotas:
         lim, k = tenant.limits, self.keys(tenant.name)
         total = lease.reserved_tokens + tokens
         await self._run(tenant, total, self._tokens, [k["q"], k["leases"], k["held"], k["billed"]],
-                        [_limit(lim.requests_per_minute), _limit(lim.tokens_per_minute),
-                         _limit(lim.daily_tokens), tokens, lease.id, total])
+                        [limit_arg(lim.requests_per_minute), limit_arg(lim.tokens_per_minute),
+                         limit_arg(lim.daily_tokens), tokens, lease.id, total])
         lease.reserved_tokens = total
 
     def _trim(self, lease: Lease, keep: int) -> None:
@@ -164,14 +155,14 @@ class RedisQuotas:
                 f"quota_backend_unavailable: the shared quota store (Redis) {what} "
                 f"({exc.__class__.__name__}); retry in {RETRY_UNAVAILABLE_S:.0f} s",
                 RETRY_UNAVAILABLE_S) from None
-        headers = self._headers[tenant.name] = headers_from_levels(tenant, _float(req), _float(tok))
+        headers = self._headers[tenant.name] = headers_from_levels(tenant, reply_float(req), reply_float(tok))
         if ok:
             return prepaid
         if reason == b"lease_expired":
             raise QuotaBackendUnavailable(
                 "quota_backend_unavailable: this replica could not renew the request's lease in "
                 f"time; retry in {RETRY_UNAVAILABLE_S:.0f} s", RETRY_UNAVAILABLE_S)
-        raise refusal(tenant, reason.decode(), _float(retry), _float(info), tokens, headers)
+        raise refusal(tenant, reason.decode(), reply_float(retry), reply_float(info), tokens, headers)
 
     def headers(self, tenant: Tenant) -> dict[str, str]:
         """x-ratelimit-* headers as of this replica's last admission for the tenant (no

@@ -209,6 +209,16 @@ return live
 """
 
 
+def limit_arg(value: int | None) -> int:
+    """A limit as the scripts take it: -1 for unlimited."""
+    return -1 if value is None else value
+
+
+def reply_float(raw: bytes) -> float | None:
+    """A number from a script's reply; '' (nil) is None."""
+    return float(raw) if raw else None
+
+
 def headers_from_levels(tenant: Tenant, req: float | None, tok: float | None) -> dict[str, str]:
     """The embedded backend's x-ratelimit-* headers from the levels the script returned."""
     out: dict[str, str] = {}
