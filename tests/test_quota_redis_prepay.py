@@ -2,7 +2,8 @@
 of the tokens with the lease when the limits hold twice it; `reserve_tokens` then sends
 nothing when the exact count is within it (the excess goes back by a background TRIM),
 and otherwise reserves the difference, refusing only on the exact count. Counted with
-Redis's own command log (SLOWLOG at 0 µs logs every command)."""
+Redis's own command log (SLOWLOG at 0 µs logs every command). Also: the gateway's
+estimate, made before rendering, covers the real prompt."""
 
 from __future__ import annotations
 
@@ -133,3 +134,24 @@ async def test_a_settlement_before_the_trim_gives_back_the_whole_prepaid(backend
     assert snap == {"in_flight": 0, "daily_reserved": 0, "daily_used": 40}
     level = float(await backend.redis.hget(backend.keys("acme")["q"], "tt"))
     assert 100_000 - 40 <= level <= 100_000
+
+
+def test_the_gateway_estimate_covers_the_rendered_prompt(tokenizer_dir):
+    """The estimate made before rendering (message lengths + the template's measured bytes)
+    is at least the prompt's real token count, for ASCII, non-ASCII and system messages."""
+    from transformers import AutoTokenizer
+
+    from gateway.admission import Tokenizers
+    from gateway.schemas import parse_chat_request
+
+    tokenizers = Tokenizers(AutoTokenizer.from_pretrained(tokenizer_dir), workers=1)
+    try:
+        for messages in ([{"role": "user", "content": "hello there"}],
+                         [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Why? " * 300}],
+                         [{"role": "user", "content": "héllo wörld 日本語 " * 40},
+                          {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}]):
+            estimate = tokenizers.estimate_prompt(parse_chat_request({"messages": messages}).messages)
+            real = len(tokenizers.encode(tokenizers.render(messages)))
+            assert real <= estimate < 8 * real + 200, (messages[0]["content"][:20], real, estimate)
+    finally:
+        tokenizers.close()
