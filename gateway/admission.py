@@ -63,8 +63,8 @@ class Tokenizers:
         self.template_bytes = template_bytes(tokenizer)
 
     def estimate_prompt(self, messages) -> int | None:
-        """The prompt's tokens estimated before rendering, in time independent of its size:
-        one token per byte of the rendered text (no token is shorter in a byte-level or
+        """The prompt's tokens estimated before rendering, in time that grows with the number
+        of messages, not their length: one token per byte of the rendered text (no token is shorter in a byte-level or
         character vocabulary), the template's bytes measured at start-up, each character
         counted as 4 bytes unless the text is ASCII (`isascii` is O(1)). None if the template
         could not be measured. A template that adds more than it did for empty messages
