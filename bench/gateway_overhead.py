@@ -2,18 +2,24 @@
 the gateway over SSE and over WebSocket (a `streamgate serve` subprocess on loopback).
 
     python -m bench.gateway_overhead [--requests 64] [--rate 4] [--max-tokens 96] [--idle 16]
+                                     [--redis [URL]]
 
 Every request decodes greedily for exactly its max_tokens (`ignore_eos`), so each mode does
 the same work. Reported per mode: output tokens/s over the trace's makespan, TTFT
 p50/p99 under the trace, and TTFT p50 of `--idle` sequential one-token requests on an idle
 engine (the gateway's own added latency, without queueing). Targets (issue 4): ≤ 5 % fewer
-tokens/s and ≤ 5 ms more p50 TTFT through the gateway.
+tokens/s and ≤ 5 ms more p50 TTFT through the gateway. With `--redis`, each gateway mode
+runs twice, with the embedded quota backend and then with Redis (`serve --redis`; a local
+redis-server with AOF everysec unless a URL is given), as modes `sse` and `sse+redis` etc.
+The tenant has limits too high to refuse anything, so that every check runs (issue 12's
+target: no throughput loss beyond noise with Redis).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -192,19 +198,41 @@ async def run_ws(args, trace, url: str, key: str, pid: int | None = None, socket
     return result
 
 
-def start_server(args, tmp: Path) -> tuple[subprocess.Popen, str, str]:
+LIMITS = ("requests_per_minute = 1000000000\ntokens_per_minute = 1000000000000\n"
+          "max_concurrent = 1000000\ndaily_tokens = 1000000000000000\n")
+
+
+def start_server(args, tmp: Path, redis_url: str | None = None) -> tuple[subprocess.Popen, str, str]:
     from tenants import hash_key, new_key
 
     key = new_key()
-    (tmp / "tenants.toml").write_text(f'[tenants.bench]\napi_key_sha256 = ["{hash_key(key)}"]\n')
-    proc, url = server.launch(["--model", args.model, "--tenants", str(tmp / "tenants.toml"),
-                               "--ledger", str(tmp / "usage.sqlite3")], tmp / "server.log")
+    (tmp / "tenants.toml").write_text(f'[tenants.bench]\napi_key_sha256 = ["{hash_key(key)}"]\n{LIMITS}')
+    flags = ["--model", args.model, "--tenants", str(tmp / "tenants.toml"), "--ledger", str(tmp / "usage.sqlite3")]
+    proc, url = server.launch(flags + (["--redis", redis_url] if redis_url else []), tmp / "server.log")
     return proc, url, key
 
 
+@contextlib.contextmanager
+def _redis(url: str | None, tmp: Path):
+    """The Redis URL to use: None (no Redis runs), the one given, or a local redis-server."""
+    if url != "local":
+        yield url
+        return
+    from .redis_server import RedisServer
+
+    (tmp / "redis").mkdir()
+    redis_server = RedisServer(tmp / "redis", appendfsync="everysec")
+    redis_server.start()
+    try:
+        yield redis_server.url
+    finally:
+        redis_server.stop()
+
+
 def report(results: dict) -> list[str]:
-    base = results["inprocess"]
-    lines = [f"{'mode':10} {'tok/s':>8} {'vs in-process':>14} {'TTFT p50':>10} {'TTFT p99':>10} {'idle TTFT p50':>14} "
+    first = next(iter(results))                 # in-process when it ran
+    base = results[first]
+    lines = [f"{'mode':10} {'tok/s':>8} {'vs ' + first:>14} {'TTFT p50':>10} {'TTFT p99':>10} {'idle TTFT p50':>14} "
              f"{'added':>8} {'client CPU':>11} {'server CPU':>11}"]
     for mode, r in results.items():
         ratio = r["tokens_per_s"] / base["tokens_per_s"] - 1
@@ -224,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle", type=int, default=16, help="sequential 1-token requests for the idle TTFT")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--redis", nargs="?", const="local", default=None, metavar="URL",
+                   help="also run each gateway mode with the Redis quota backend (default: a local redis-server)")
     p.add_argument("--json-out", default="bench/results/gateway_overhead.json")
     args = p.parse_args(argv)
     if args.model == "default":
@@ -235,18 +265,23 @@ def main(argv: list[str] | None = None) -> int:
     if "inprocess" in modes:
         results["inprocess"] = asyncio.run(run_inprocess(args, trace))
         print(f"inprocess: {results['inprocess']['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _redis(args.redis, Path(tmp)) as redis_url:
         for mode in ("sse", "ws"):
             if mode not in modes:
                 continue
-            proc, url, key = start_server(args, Path(tmp))     # a fresh server per mode: same cold state
-            try:
-                runner = run_sse if mode == "sse" else run_ws
-                results[mode] = asyncio.run(runner(args, trace, url, key, proc.pid))
-                print(f"{mode}: {results[mode]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
-            finally:
-                server.stop(proc)
-    if "inprocess" in results:
+            for name, backend_url in ((mode, None), (f"{mode}+redis", redis_url)):
+                if name.endswith("+redis") and redis_url is None:
+                    continue
+                run_dir = Path(tmp) / name                      # a fresh server per run: same cold state
+                run_dir.mkdir()
+                proc, url, key = start_server(args, run_dir, backend_url)
+                try:
+                    runner = run_sse if mode == "sse" else run_ws
+                    results[name] = asyncio.run(runner(args, trace, url, key, proc.pid))
+                    print(f"{name}: {results[name]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+                finally:
+                    server.stop(proc)
+    if results:
         print("\n".join(report(results)))
     out = {"args": {k: v for k, v in vars(args).items()}, "results": results, "cpus": os.cpu_count()}
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
-"""Admission: parse → take the tenant's slot and request → render and tokenize off the
-event loop → clamp to the tenant's limits → deadline → reserve tokens.
+"""Admission: parse → take the tenant's slot and request (with an estimate of its tokens)
+→ render and tokenize off the event loop → clamp to the tenant's limits → deadline →
+reserve the exact tokens (no round trip when the estimate was taken and covers them).
 
 Nothing here does work on the event loop that grows with the prompt: the chat template
 and the tokenizer run in a small thread pool (`Tokenizers`), each tenant at most
@@ -59,6 +60,23 @@ class Tokenizers:
         self.per_tenant = per_tenant
         self.tenant_slots: dict[str, asyncio.Semaphore] = {}
         self.max_token_chars = max_token_chars(tokenizer)
+        self.template_bytes = template_bytes(tokenizer)
+
+    def estimate_prompt(self, messages) -> int | None:
+        """The prompt's tokens estimated before rendering, in time that grows with the number
+        of messages, not their length: one token per byte of the rendered text (no token is shorter in a byte-level or
+        character vocabulary), the template's bytes measured at start-up, each character
+        counted as 4 bytes unless the text is ASCII (`isascii` is O(1)). None if the template
+        could not be measured. A template that adds more than it did for empty messages
+        makes this low: that only costs a second round trip, never a limit."""
+        if self.template_bytes is None:
+            return None
+        fixed, per_message = self.template_bytes
+        n = fixed + per_message * len(messages)
+        for m in messages:
+            for text in ([m.content] if isinstance(m.content, str) else [part.text for part in m.content]):
+                n += len(text) if text.isascii() else 4 * len(text)
+        return n
 
     def min_tokens(self, text: str) -> int:
         """A lower bound on the tokens of `text`: no token stands for more than
@@ -110,6 +128,20 @@ def max_token_chars(tokenizer) -> int | None:
     return max(len(token) for token in vocab) or None
 
 
+def template_bytes(tokenizer) -> tuple[int, int] | None:
+    """The bytes the chat template adds around the messages' text, (fixed, per message),
+    from rendering empty conversations of one and three messages; None if it refuses them."""
+    def size(n: int) -> int:
+        messages = [{"role": ("user", "assistant")[i % 2], "content": ""} for i in range(n)]
+        return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False).encode())
+    try:
+        one, three = size(1), size(3)
+    except Exception:           # a template that needs content, tools, ...: no estimate
+        return None
+    per_message = -(-max(0, three - one) // 2)
+    return max(0, one - per_message), per_message
+
+
 class Admitter:
     def __init__(self, engine, quotas: QuotaBackend, *, model_name: str, default_max_tokens: int,
                  clock, tokenize_workers: int = 2):
@@ -136,7 +168,7 @@ class Admitter:
             raise BadRequest(f"model: unknown model {req.model!r}; this server serves {self.model_name!r}",
                              param="model", code="model_not_found")
         deadline = self._deadline(tenant, req, timeout_s, arrival)
-        lease = await self._reserve(self.quotas.begin(tenant))
+        lease = await self._reserve(self.quotas.begin(tenant, self._estimate(tenant, req)))
         try:
             prompt_ids = await self._tokenize(tenant, req)
             params, max_tokens = self._params(tenant, req, len(prompt_ids))
@@ -156,6 +188,21 @@ class Admitter:
             raise
         return Admission(rid, tenant, req, prompt_ids, params, priority, deadline, lease, transport, arrival,
                          self.model_name)
+
+    def _estimate(self, tenant: Tenant, req: ChatRequest) -> int:
+        """What `reserve_tokens` will ask (prompt + max_tokens) estimated before any work on
+        the prompt, for `begin` (the Redis backend takes it in the same round trip). An
+        admitted request never holds more than the context, nor a prompt over the tenant's
+        max_prompt_tokens. 0: no estimate."""
+        prompt = self.tokenizers.estimate_prompt(req.messages) if self.tokenizers else None
+        if prompt is None:
+            return 0
+        if tenant.limits.max_prompt_tokens is not None:
+            prompt = min(prompt, tenant.limits.max_prompt_tokens)
+        max_tokens = req.requested_max_tokens
+        if max_tokens is None:
+            max_tokens = tenant.limits.max_tokens if tenant.limits.max_tokens is not None else self.default_max_tokens
+        return min(self.max_model_len, prompt + max_tokens)
 
     @staticmethod
     async def _reserve(step):

@@ -4,11 +4,16 @@ Two backends share one interface (`QuotaBackend`): this embedded one (in-memory 
 SQLite ledger; one process) and `tenants.redis_quota.RedisQuotas` (limits shared by
 replicas). Admission is two awaited steps, each all-or-nothing: `begin` takes a
 concurrency slot and one request from requests_per_minute before any work is done for
-the request (the prompt is not tokenized yet), then `Lease.reserve_tokens` takes
-tokens_per_minute and daily_tokens once it is. A refusal in the second step leaves the
-lease holding its slot and request; it is settled like any other. The Lease is settled
-(sync, idempotent) exactly once when the request ends, however it ends: the slot is
-released, unused tokens go back to the per-minute bucket and what was used is billed.
+the request (the prompt is not tokenized yet), then `Lease.reserve_tokens` makes the lease
+hold the request's exact token count from tokens_per_minute and daily_tokens once it is.
+A refusal in the second step leaves the lease holding its slot and request; it is settled
+like any other. `begin` takes an estimate of that count: a backend whose steps are round
+trips (Redis) may take it at once when it fits with room to spare, so that the second step
+costs nothing when the exact count is within it (the excess is given back in the
+background); the embedded backend ignores it. Tokens are only ever refused on the exact
+count. The Lease is settled (sync, idempotent) exactly once when the request ends,
+however it ends: the slot is released, unused tokens go back to the per-minute bucket and
+what was used is billed.
 
 `QuotaManager.reserve` (both steps at once, sync) serves the embedded backend's tests.
 """
@@ -52,7 +57,7 @@ class QuotaBackendUnavailable(Exception):
 class QuotaBackend(Protocol):
     """What the gateway needs from a quota backend; it never knows which one it has."""
 
-    async def begin(self, tenant: Tenant) -> Lease: ...
+    async def begin(self, tenant: Tenant, estimate: int = 0) -> Lease: ...
     def headers(self, tenant: Tenant) -> dict[str, str]: ...
     def in_flight(self, tenant_name: str) -> int: ...
     async def start(self) -> None: ...
@@ -60,9 +65,10 @@ class QuotaBackend(Protocol):
 
 
 async def admit(quotas: QuotaBackend, tenant: Tenant, tokens: int) -> Lease:
-    """Both admission steps back to back (benchmarks, tests): the lease, or QuotaExceeded
-    with the lease settled. The gateway tokenizes between the two steps instead."""
-    lease = await quotas.begin(tenant)
+    """Both admission steps back to back (benchmarks, tests), the count known up front (so
+    the Redis backend takes one round trip when it fits): the lease, or QuotaExceeded with
+    the lease settled. The gateway tokenizes between the two steps instead."""
+    lease = await quotas.begin(tenant, tokens)
     try:
         await lease.reserve_tokens(tokens)
     except BaseException:
@@ -83,7 +89,8 @@ class _State:
 
 class Lease:
     """One admitted request's hold on its tenant's quotas; settle it exactly once.
-    `manager` is the backend: `_reserve_more(lease, tokens)` and `_release(lease, used)`."""
+    `manager` is the backend: `_reserve_more(lease, tokens)`, `_trim(lease, keep)` and
+    `_release(lease, used)`."""
 
     def __init__(self, manager, tenant: Tenant, reserved_tokens: int, lease_id: str | None = None):
         self.id = lease_id or uuid.uuid4().hex  # the Redis backend's settle id
@@ -99,13 +106,17 @@ class Lease:
         return self._settled
 
     async def reserve_tokens(self, tokens: int) -> None:
-        """Add `tokens` to this lease from tokens_per_minute and daily_tokens, or raise
-        QuotaExceeded adding nothing (the lease keeps its slot: settle it)."""
+        """Make this lease hold `tokens` in all from tokens_per_minute and daily_tokens, or
+        raise QuotaExceeded changing nothing (the lease keeps its slot: settle it). What
+        `begin` prepaid counts: no wait when it covers `tokens` (the excess goes back)."""
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0 (got {tokens})")
         if self._settled:
             raise RuntimeError("the lease is already settled")
-        await self._manager._reserve_more(self, tokens)
+        if tokens > self.reserved_tokens:
+            await self._manager._reserve_more(self, tokens - self.reserved_tokens)
+        elif tokens < self.reserved_tokens:
+            self._manager._trim(self, tokens)
 
     def settle(self, used_tokens: int) -> bool:
         """Release the lease and bill `used_tokens`; True the first time, then False."""
@@ -148,10 +159,11 @@ class QuotaManager:
             self._take_tokens(st, tokens)
             return Lease(self, tenant, tokens)
 
-    async def begin(self, tenant: Tenant) -> Lease:
+    async def begin(self, tenant: Tenant, estimate: int = 0) -> Lease:
         """Take a concurrency slot and one request from requests_per_minute, before any
         work is done for the request, so a flood of expensive requests runs into its own
-        tenant's limits first. Reserve its tokens later with `Lease.reserve_tokens`."""
+        tenant's limits first. Reserve its tokens later with `Lease.reserve_tokens`; the
+        `estimate` is ignored here (in-process, the second step costs no round trip)."""
         with self._lock:
             now = self.clock()
             st = self._state(tenant, now)
@@ -166,6 +178,16 @@ class QuotaManager:
             self._check_tokens(lease._tenant, st, now, tokens)
             self._take_tokens(st, tokens)
             lease.reserved_tokens += tokens
+
+    def _trim(self, lease: Lease, keep: int) -> None:
+        """Give back what the lease holds beyond `keep` (a smaller count than reserved)."""
+        with self._lock:
+            now = self.clock()
+            st = self._state(lease._tenant, now)
+            excess, lease.reserved_tokens = lease.reserved_tokens - keep, keep
+            st.daily_reserved -= excess
+            if st.tokens is not None:
+                st.tokens.tokens = min(st.tokens.capacity, st.tokens.available(now) + excess)
 
     def _refuse(self, st: _State, now: float, reason: str, message: str, retry: float | None) -> QuotaExceeded:
         when = "it can never fit" if retry is None else f"retry in {retry:.1f} s"

@@ -1,6 +1,8 @@
-"""The Redis quota backend's Lua scripts: each runs atomically on the server, so each
-admission step (BEGIN: lease + request; TOKENS: tokens/min + daily budget) and each
-settlement is one round trip, with no check-then-act race between replicas. Time is the server's `TIME`, never a replica's clock.
+"""The Redis quota backend's Lua scripts: each runs atomically on the server, so an
+admission (BEGIN: lease + request, and the tokens when its estimate is prepaid; TOKENS:
+tokens/min + daily budget when it was not), a trim (TRIM) and a settlement (SETTLE) are
+one round trip each, with no check-then-act race between replicas. Time is the server's
+`TIME`, never a replica's clock.
 
 Keys of one tenant share the hash tag `{sg:<tenant>}` (one Redis Cluster slot):
     q        hash  rt/rts, tt/tts: requests/tokens bucket level and when it was computed;
@@ -17,6 +19,14 @@ Memory is in proportion to the leases in flight and recently expired, not to tra
 The buckets are token buckets holding up to the per-minute limit, refilled continuously
 (the embedded backend's rule), so one tenant sees the same limits from 1 or N replicas.
 """
+
+from __future__ import annotations
+
+import math
+
+from .buckets import EPS, format_duration
+from .models import Tenant
+from .quota import CONCURRENCY_RETRY_S, QuotaExceeded
 
 # Shared prelude: the server clock and a bucket level refilled up to now.
 _PRELUDE = """
@@ -35,12 +45,18 @@ end
 """
 
 # KEYS: q, leases, held, billed, expired
-# ARGV: rpm, tpm (-1 = unlimited), max_concurrent (-1 = unlimited), lease id, ttl ms
-# Takes a concurrency lease and one request, or nothing.
-# Returns {1|0, reason, retry_after ('' = never), info, requests level, tokens level}.
+# ARGV: rpm, tpm, max_concurrent, daily_tokens (-1 = unlimited), lease id, ttl ms,
+#       estimate (tokens), headroom
+# Takes a concurrency lease and one request, or nothing. With the lease it also takes
+# `estimate` tokens from tokens/min and the daily budget (prepaid) when both still hold
+# `headroom` times the estimate; otherwise it takes no tokens (prepaid 0) and the caller
+# reserves the exact count with TOKENS. It never refuses for tokens: only TOKENS does, on
+# the exact count, so a loose estimate cannot refuse a request that fits.
+# Returns {1|0, reason, retry_after ('' = never), info, requests level, tokens level, prepaid}.
 BEGIN = _PRELUDE + """
 local rpm, tpm, max_concurrent = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local id, ttl_ms = ARGV[4], tonumber(ARGV[5])
+local daily, id, ttl_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+local estimate, headroom = tonumber(ARGV[7]), tonumber(ARGV[8])
 local EPS = 1e-9
 local now_ms = math.floor(now * 1000)
 
@@ -62,37 +78,56 @@ local req = level(rpm, 'rt', 'rts')
 local tok = level(tpm, 'tt', 'tts')
 local running = redis.call('ZCARD', KEYS[2])
 if max_concurrent >= 0 and running >= max_concurrent then
-  return {0, 'max_concurrent', num(1.0), num(running), num(req), num(tok)}
+  return {0, 'max_concurrent', num(1.0), num(running), num(req), num(tok), 0}
 end
 if req and req + EPS < 1 then
-  return {0, 'requests_per_minute', num((1 - req) * 60 / rpm), num(0), num(req), num(tok)}
+  return {0, 'requests_per_minute', num((1 - req) * 60 / rpm), num(0), num(req), num(tok), 0}
 end
 if req then
   req = req - 1
   redis.call('HSET', KEYS[1], 'rt', num(req), 'rts', num(now))
 end
+local prepaid = 0
+if estimate > 0 and (not tok or tok + EPS >= headroom * estimate) then
+  local reserved = tonumber(redis.call('HGET', KEYS[1], 'reserved') or '0')
+  local fits = true
+  if daily >= 0 then
+    local billed = tonumber(redis.call('HGET', KEYS[4], math.floor(now / 86400)) or '0')
+    fits = daily - billed - reserved >= headroom * estimate
+  end
+  if fits then
+    prepaid = estimate
+    if tok then
+      tok = tok - estimate
+      redis.call('HSET', KEYS[1], 'tt', num(tok), 'tts', num(now))
+    end
+    redis.call('HSET', KEYS[1], 'reserved', reserved + estimate)
+  end
+end
 redis.call('ZADD', KEYS[2], now_ms + ttl_ms, id)
-redis.call('HSET', KEYS[3], id, 0)
-return {1, '', '', '', num(req), num(tok)}
+redis.call('HSET', KEYS[3], id, prepaid)
+return {1, '', '', '', num(req), num(tok), prepaid}
 """
 
 # KEYS: q, leases, held, billed
-# ARGV: rpm, tpm, daily_tokens (-1 = unlimited), tokens, lease id
-# Adds `tokens` to a live lease from tokens/min and the daily budget, or nothing.
+# ARGV: rpm, tpm, daily_tokens (-1 = unlimited), tokens, lease id, total
+# Adds `tokens` to a live lease from tokens/min and the daily budget, or nothing; `total`
+# is what the lease will hold in all (more than `tokens` after a prepaid estimate that fell
+# short): a total above a limit can never fit.
 # Returns BEGIN's shape; reason 'lease_expired' if the lease's heartbeat stopped meanwhile.
 TOKENS = _PRELUDE + """
 local rpm, tpm, daily = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local tokens, id = tonumber(ARGV[4]), ARGV[5]
+local tokens, id, total = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local EPS = 1e-9
 local req = level(rpm, 'rt', 'rts')
 local tok = level(tpm, 'tt', 'tts')
 local function refuse(reason, retry, info)
-  return {0, reason, num(retry), num(info), num(req), num(tok)}
+  return {0, reason, num(retry), num(info), num(req), num(tok), 0}
 end
 local held = redis.call('HGET', KEYS[3], id)
 if not held then return refuse('lease_expired', 1.0, 0) end
+if tok and total > tpm then return refuse('tokens_per_minute', nil, tpm) end
 if tok and tok + EPS < tokens then
-  if tokens > tpm then return refuse('tokens_per_minute', nil, tpm) end
   return refuse('tokens_per_minute', (tokens - tok) * 60 / tpm, math.floor(tok + EPS))
 end
 local reserved = tonumber(redis.call('HGET', KEYS[1], 'reserved') or '0')
@@ -101,7 +136,7 @@ if daily >= 0 then
   local billed = tonumber(redis.call('HGET', KEYS[4], day) or '0')
   if billed + reserved + tokens > daily then
     local retry = nil
-    if tokens <= daily then retry = (day + 1) * 86400 - now end
+    if total <= daily then retry = (day + 1) * 86400 - now end
     return refuse('daily_tokens', retry, math.max(0, daily - billed - reserved))
   end
 end
@@ -111,7 +146,25 @@ if tok then
 end
 redis.call('HSET', KEYS[1], 'reserved', reserved + tokens)
 redis.call('HSET', KEYS[3], id, tonumber(held) + tokens)
-return {1, '', '', '', num(req), num(tok)}
+return {1, '', '', '', num(req), num(tok), 0}
+"""
+
+# KEYS: q, held.  ARGV: lease id, tokens to keep, tpm (-1 = unlimited)
+# Gives back what a prepaid lease holds beyond `keep` (its exact count, known once the
+# prompt is tokenized) to tokens/min and the daily budget. A no-op for a lease that holds
+# no more than that, or none (settled or expired meanwhile): a lost or late trim only
+# leaves the excess held until the settlement gives it back.
+TRIM = _PRELUDE + """
+local id, keep, tpm = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local held = tonumber(redis.call('HGET', KEYS[2], id) or '-1')
+if held <= keep then return 0 end
+redis.call('HSET', KEYS[2], id, keep)
+redis.call('HINCRBY', KEYS[1], 'reserved', keep - held)
+local tok = level(tpm, 'tt', 'tts')
+if tok then
+  redis.call('HSET', KEYS[1], 'tt', num(math.min(tpm, tok + held - keep)), 'tts', num(now))
+end
+return 1
 """
 
 # KEYS: q, leases, held, billed, expired
@@ -154,3 +207,48 @@ for i = 2, #ARGV do
 end
 return live
 """
+
+
+def limit_arg(value: int | None) -> int:
+    """A limit as the scripts take it: -1 for unlimited."""
+    return -1 if value is None else value
+
+
+def reply_float(raw: bytes) -> float | None:
+    """A number from a script's reply; '' (nil) is None."""
+    return float(raw) if raw else None
+
+
+def headers_from_levels(tenant: Tenant, req: float | None, tok: float | None) -> dict[str, str]:
+    """The embedded backend's x-ratelimit-* headers from the levels the script returned."""
+    out: dict[str, str] = {}
+    lim = tenant.limits
+    for kind, cap, level in (("requests", lim.requests_per_minute, req),
+                             ("tokens", lim.tokens_per_minute, tok)):
+        if cap is not None and level is not None:
+            out[f"x-ratelimit-limit-{kind}"] = str(cap)
+            out[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(level + EPS)))
+            out[f"x-ratelimit-reset-{kind}"] = format_duration((cap - level) * 60 / cap)
+    return out
+
+
+def refusal(tenant: Tenant, reason: str, retry: float | None, info: float | None,
+               tokens: int, headers: dict[str, str]) -> QuotaExceeded:
+    """The embedded backend's QuotaExceeded for a refusal the script returned."""
+    lim = tenant.limits
+    if reason == "max_concurrent":
+        msg = f"{info:.0f} requests already in flight (limit {lim.max_concurrent})"
+        retry = CONCURRENCY_RETRY_S
+    elif reason == "requests_per_minute":
+        msg = f"the limit of {lim.requests_per_minute} requests per minute is used up"
+    elif reason == "tokens_per_minute":
+        left = (f"the limit is {lim.tokens_per_minute} per minute" if retry is None
+                else f"{info:.0f} are left")
+        msg = f"this request reserves {tokens} tokens but {left}"
+    else:
+        detail = (f"{info:.0f} of the daily budget of {lim.daily_tokens} are left "
+                  "(resets at 00:00 UTC)" if retry is not None
+                  else f"the whole daily budget is {lim.daily_tokens}")
+        msg = f"this request reserves {tokens} tokens but {detail}"
+    when = "it can never fit" if retry is None else f"retry in {retry:.1f} s"
+    return QuotaExceeded(reason, f"{reason}: {msg}; {when}", retry, headers)

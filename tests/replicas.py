@@ -40,16 +40,23 @@ class Replicas:
             + "".join(f"{k} = {v}\n" for k, v in limits.items()) + "\n"
             for name, limits in LIMITS.items()))
         self.urls, self.procs = [], []
+        # Each replica its own outbox file. The torch attention path: these tests are about
+        # quotas, and loading the C++ kernel can mean waiting on a (re)build in the cache.
+        env = {**os.environ, "STREAMGATE_REDIS_URL": redis_url}
         for i in range(2):
             port = free_port()
-            env = {**os.environ, "STREAMGATE_CACHE": str(workdir / f"cache{i}"), "STREAMGATE_REDIS_URL": redis_url}
             self.procs.append(subprocess.Popen(
                 [*STREAMGATE, "serve", "--model", model, "--tenants", str(tenants), "--port", str(port),
-                 "--max-model-len", "2048", "--drain-grace", "1", "--redis-lease-ttl", str(TTL)],
+                 "--ledger", str(workdir / f"outbox{i}.sqlite3"), "--max-model-len", "2048",
+                 "--attention-backend", "torch", "--drain-grace", "1", "--redis-lease-ttl", str(TTL)],
                 stdout=subprocess.DEVNULL, stderr=open(workdir / f"replica{i}.log", "w"), env=env))
             self.urls.append(f"http://127.0.0.1:{port}")
-        for url, proc in zip(self.urls, self.procs):
-            wait_healthy(url, proc, 120)
+        try:
+            for url, proc in zip(self.urls, self.procs):
+                wait_healthy(url, proc, 120)
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         for proc in self.procs:

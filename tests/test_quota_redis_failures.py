@@ -15,9 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 from tenants import Limits, QuotaBackendUnavailable, QuotaExceeded, Tenant, admit
 from tenants.outbox import Settlement
 from tenants.redis_quota import RedisQuotas
+
+from bench.redis_server import free_port
 
 from .redis_server import redis_server  # noqa: F401  (fixture)
 from .test_quota_redis import drain, try_admit
@@ -166,3 +169,34 @@ async def test_a_late_settlement_of_an_expired_lease_is_billed_once(redis_server
     finally:
         await stalled.stop()
 
+
+
+
+async def test_settlements_outlast_a_redis_that_refuses_writes(redis_server, backend, caplog):
+    """Redis refusing writes (made a read-only replica of a master that is not there) fails
+    admission closed and does not stop the settlement sender: settlements wait in the
+    outbox, the failure is logged once, and they are billed once Redis accepts writes
+    again, without a restart."""
+    t = tenant(daily_tokens=10_000, max_concurrent=10)
+    leases = [await admit(backend, t, 100) for _ in range(2)]
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.replicaof("127.0.0.1", free_port())           # keeps its data while it cannot sync
+    try:
+        with pytest.raises(QuotaBackendUnavailable) as exc:
+            await admit(backend, t, 1)
+        assert "ReadOnlyError" in str(exc.value)
+        leases[0].settle(30)
+        await asyncio.sleep(0.5)                        # several failed sends, with backoff
+        leases[1].settle(50)
+        await asyncio.sleep(0.5)
+        assert len(backend.outbox) == 2
+    finally:
+        admin.replicaof("NO", "ONE")
+        admin.close()
+    deadline = time.monotonic() + 5                     # the backoff is at most 2 s
+    while len(backend.outbox):
+        assert time.monotonic() < deadline, "the sender stopped sending"
+        await asyncio.sleep(0.05)
+    assert (await backend.snapshot(t)) == {"in_flight": 0, "daily_reserved": 0, "daily_used": 80}
+    sender = [r.getMessage() for r in caplog.records if r.getMessage().startswith("quota outbox: Redis failed")]
+    assert len(sender) == 1 and "ReadOnlyError" in sender[0]

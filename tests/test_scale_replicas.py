@@ -1,14 +1,17 @@
 """Two real `streamgate serve --redis` replicas (tiny model) on one real redis-server: under
 parallel load split across both, a tenant's requests/min, concurrency and daily budget
-hold exactly as in one process; billed tokens add up to Redis's ledger; Redis stopped
-means 503 `quota_backend_unavailable` and service resumes when it returns; both serve the
-vLLM-named series routers scrape."""
+hold exactly as in one process; billed tokens add up to Redis's ledger and outlive a Redis
+crash (AOF); an admission is one round trip; Redis stopped means 503
+`quota_backend_unavailable` and service resumes when it returns; both serve the vLLM-named
+series routers scrape. (The killed-replica test runs last: it kills replica 0.)"""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
+import signal
 import subprocess
 import time
 
@@ -19,6 +22,7 @@ import websockets
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.redis_server import free_port
+from tenants.redis_scripts import BEGIN, TOKENS
 
 from .redis_server import wait_healthy
 from .replicas import LONG, TTL, key, redis_server, replicas  # noqa: F401  (fixtures)
@@ -212,6 +216,47 @@ def test_redis_down_is_503_and_service_resumes_when_it_returns(replicas, redis_s
             assert time.monotonic() < deadline, r.text
             time.sleep(0.1)
     assert asyncio.run(ws_request(replicas.urls[1]))["type"] == "chat.done"
+
+
+def test_an_admission_through_serve_is_one_round_trip(replicas, redis_server):
+    """A chat request to a `serve --redis` replica makes one admission script call (BEGIN,
+    its token estimate prepaid), never the second step (TOKENS), seen in Redis's own log."""
+    admin = redis.Redis.from_url(redis_server.url)
+    names = {hashlib.sha1(s.encode()).hexdigest(): n for n, s in (("BEGIN", BEGIN), ("TOKENS", TOKENS))}
+    for script in (BEGIN, TOKENS):
+        admin.script_load(script)                       # no NOSCRIPT miss in the log
+    admin.config_set("slowlog-log-slower-than", 0)
+    admin.slowlog_reset()
+    try:
+        got = codes(asyncio.run(burst(replicas.urls, "free", 4)))
+        calls = [e["command"].split() for e in admin.slowlog_get(1000)]
+    finally:
+        admin.config_set("slowlog-log-slower-than", 10_000)
+    assert got == ["ok"] * 4
+    scripts = [names.get(c[1].decode(), "other") for c in calls if c[0].upper() == b"EVALSHA"]
+    assert scripts.count("BEGIN") == 4 and "TOKENS" not in scripts
+
+
+def test_usage_billed_through_serve_outlives_a_redis_crash(replicas, redis_server):
+    """Tokens billed by both replicas survive Redis being killed (SIGKILL) and restarted
+    with AOF; the replicas then serve and bill on top of them."""
+    before = redis_billed(redis_server.url, "free")
+    used = sum(r.json()["usage"]["total_tokens"] for r in asyncio.run(burst(replicas.urls, "free", 4)))
+    deadline = time.monotonic() + 10
+    while redis_billed(redis_server.url, "free") != before + used:    # the outboxes flush
+        assert time.monotonic() < deadline, (redis_billed(redis_server.url, "free"), before + used)
+        time.sleep(0.05)
+    redis_server.stop(signal.SIGKILL)
+    redis_server.start()
+    assert redis_billed(redis_server.url, "free") == before + used
+    deadline = time.monotonic() + 10
+    while (r := asyncio.run(burst(replicas.urls, "free", 1))[0]).status_code != 200:   # reconnect
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.1)
+    more = r.json()["usage"]["total_tokens"]
+    while redis_billed(redis_server.url, "free") != before + used + more:
+        assert time.monotonic() < deadline + 10, redis_billed(redis_server.url, "free")
+        time.sleep(0.05)
 
 
 def test_a_killed_replica_frees_its_slots_within_the_lease_ttl(replicas):
