@@ -24,9 +24,28 @@ SCHEMA = ("(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor 
           "int block_size, float scale, Tensor(a!) out) -> ()")
 
 
+# A build holds torch's `lock` file for about a minute; one older than this was left by a
+# build that was killed, and would make every later load wait on it forever.
+_STALE_LOCK_S = 900.0
+
+
 def build_dir() -> Path:
-    path = cache_dir() / "kernels"
+    """Where the kernel is built: beside the interpreter it is built for (the venv's
+    `share/streamgate/kernels`), so every process of that venv, whatever its
+    STREAMGATE_CACHE (tests give servers fresh caches), loads the one `make setup` built.
+    Outside a writable prefix, the cache directory; STREAMGATE_KERNEL_DIR overrides both."""
+    prefix = Path(sys.prefix) / "share" / "streamgate"
+    if override := os.environ.get("STREAMGATE_KERNEL_DIR"):
+        path = Path(override)
+    elif os.access(prefix if prefix.exists() else sys.prefix, os.W_OK):
+        path = prefix / "kernels"
+    else:
+        path = cache_dir() / "kernels"
     path.mkdir(parents=True, exist_ok=True)
+    lock = path / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+        log.warning("removing a stale kernel build lock %s (a build was killed)", lock)
+        lock.unlink(missing_ok=True)
     return path
 
 
