@@ -13,21 +13,117 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kQueryTile = 16;   // query rows of one sequence per work item
+constexpr int64_t kLanes = 8;        // fp32 lanes of one vector (AVX2: one register)
+constexpr int64_t kRows = 4;         // query vectors per step of the score microkernel
+
+typedef float vec8 __attribute__((vector_size(32)));   // GCC/Clang vector extension
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof v); }
+
+// exp(x) for x <= 0 (softmax arguments), Cephes' expf: 2^n * p(r) with |r| <= ln2 / 2, relative
+// error ~1e-7. Plain float code so that `omp simd` loops over it vectorize (std::exp does not).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);                                  // 2^-126 is the smallest normal float
+  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
 
 struct Item {
   int64_t seq, kv_head, row_begin, row_end;   // rows counted from the sequence's first row
 };
 
-template <typename scalar_t>
-inline void to_float(const scalar_t* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+// S[i, t] = q_i . k_t for i < nq (a multiple of kRows; the padding rows of q are zeros) and
+// t < kpad (a multiple of kLanes): a tile of queries times a block of keys, as outer products,
+// so that every key vector loaded serves kRows queries and nothing is reduced across lanes.
+inline void block_scores(const float* q, const float* kT, float* s, int64_t nq, int64_t kpad, int64_t D) {
+  for (int64_t i = 0; i < nq; i += kRows) {
+    const float* q0 = q + i * D;
+    const float *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
+    float* s0 = s + i * kpad;
+    float *s1 = s0 + kpad, *s2 = s1 + kpad, *s3 = s2 + kpad;
+    int64_t t = 0;
+    for (; t + 2 * kLanes <= kpad; t += 2 * kLanes) {     // 4 queries x 16 keys: 8 accumulators
+      vec8 a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const vec8 k = load8(kT + d * kpad + t), k2 = load8(kT + d * kpad + t + kLanes);
+        a0 += q0[d] * k; b0 += q0[d] * k2;
+        a1 += q1[d] * k; b1 += q1[d] * k2;
+        a2 += q2[d] * k; b2 += q2[d] * k2;
+        a3 += q3[d] * k; b3 += q3[d] * k2;
+      }
+      store8(s0 + t, a0); store8(s0 + t + kLanes, b0);
+      store8(s1 + t, a1); store8(s1 + t + kLanes, b1);
+      store8(s2 + t, a2); store8(s2 + t + kLanes, b2);
+      store8(s3 + t, a3); store8(s3 + t + kLanes, b3);
+    }
+    for (; t < kpad; t += kLanes) {
+      vec8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const vec8 k = load8(kT + d * kpad + t);
+        a0 += q0[d] * k;
+        a1 += q1[d] * k;
+        a2 += q2[d] * k;
+        a3 += q3[d] * k;
+      }
+      store8(s0 + t, a0); store8(s1 + t, a1); store8(s2 + t, a2); store8(s3 + t, a3);
+    }
+  }
+}
+
+// acc_i = alpha_i * acc_i + sum_t p_i[t] v_t for kRows query rows at a time over n keys of one
+// block: each V vector loaded serves kRows rows, and the accumulators stay in registers over t.
+inline void block_values(const float* p, const float* alpha, const float* vb, float* acc, int64_t nq,
+                         int64_t kpad, int64_t n, int64_t D) {
+  for (int64_t i = 0; i < nq; i += kRows) {
+    const float* p0 = p + i * kpad;
+    const float *p1 = p0 + kpad, *p2 = p1 + kpad, *p3 = p2 + kpad;
+    float* c0 = acc + i * D;
+    float *c1 = c0 + D, *c2 = c1 + D, *c3 = c2 + D;
+    int64_t d = 0;
+    for (; d + kLanes <= D; d += kLanes) {
+      vec8 a0 = load8(c0 + d) * alpha[i], a1 = load8(c1 + d) * alpha[i + 1];
+      vec8 a2 = load8(c2 + d) * alpha[i + 2], a3 = load8(c3 + d) * alpha[i + 3];
+      for (int64_t t = 0; t < n; ++t) {
+        const vec8 v = load8(vb + t * D + d);
+        a0 += p0[t] * v;
+        a1 += p1[t] * v;
+        a2 += p2[t] * v;
+        a3 += p3[t] * v;
+      }
+      store8(c0 + d, a0); store8(c1 + d, a1); store8(c2 + d, a2); store8(c3 + d, a3);
+    }
+    for (; d < D; ++d) {                                    // head_dim not a multiple of kLanes
+      for (int64_t j = 0; j < kRows; ++j) {
+        float a = acc[(i + j) * D + d] * alpha[i + j];
+        for (int64_t t = 0; t < n; ++t) a += p[(i + j) * kpad + t] * vb[t * D + d];
+        acc[(i + j) * D + d] = a;
+      }
+    }
+  }
 }
 
 template <typename scalar_t>
@@ -48,18 +144,24 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
   const int64_t* starts = q_start.data_ptr<int64_t>();
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
+  const int64_t kpad = (block_size + kLanes - 1) / kLanes * kLanes;       // keys per block, padded
+  const int64_t max_q = (kQueryTile * group + kRows - 1) / kRows * kRows;  // query vectors per item, padded
 
   at::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t first_bin, int64_t last_bin) {
-    const int64_t max_q = kQueryTile * group;
-    std::vector<float> qf(max_q * D), acc(max_q * D), m(max_q), l(max_q), s(block_size);
-    std::vector<float> kb(block_size * D), vb(block_size * D);
+    // qf [max_q, D] scaled queries; kT [D, kpad] one K block transposed; vb [kpad, D] its V block;
+    // s [max_q, kpad] scores, then probabilities; acc [max_q, D] unnormalized outputs; m, l, alpha
+    // the online softmax's running max, running sum and this block's rescale, per query vector.
+    std::vector<float> qf(max_q * D), acc(max_q * D), m(max_q), l(max_q), alpha(max_q), s(max_q * kpad);
+    std::vector<float> kT(D * kpad, 0.0f), vb(kpad * D);
     std::vector<int64_t> qpos(max_q);
     for (int64_t bin = first_bin; bin < last_bin; ++bin)
     for (const Item& w : bins[bin]) {
       const int64_t q_len = starts[w.seq + 1] - starts[w.seq];
       const int64_t ctx = lens[w.seq];
       const int64_t nq = (w.row_end - w.row_begin) * group;
+      const int64_t nq_pad = (nq + kRows - 1) / kRows * kRows;
       // Query vectors of the tile, scaled, fp32: index i = row * group + g.
+      std::fill(qf.begin() + nq * D, qf.begin() + nq_pad * D, 0.0f);
       for (int64_t r = w.row_begin; r < w.row_end; ++r) {
         for (int64_t g = 0; g < group; ++g) {
           const int64_t i = (r - w.row_begin) * group + g;
@@ -70,7 +172,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
           qpos[i] = ctx - q_len + r;
         }
       }
-      std::fill(acc.begin(), acc.begin() + nq * D, 0.0f);
+      std::fill(acc.begin(), acc.begin() + nq_pad * D, 0.0f);
       std::fill(m.begin(), m.begin() + nq, -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.begin() + nq, 0.0f);
       const int64_t last_pos = ctx - q_len + w.row_end - 1;            // the tile's last query
@@ -80,38 +182,36 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
         const int64_t base = table[b0 / block_size] * block_size;
         for (int64_t t = 0; t < n; ++t) {
           const int64_t off = (base + t) * kv_slot + w.kv_head * kv_head_stride;
-          to_float(kp + off, kb.data() + t * D, D);
-          to_float(vp + off, vb.data() + t * D, D);
+          for (int64_t d = 0; d < D; ++d) kT[d * kpad + t] = static_cast<float>(kp[off + d]);
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) vb[t * D + d] = static_cast<float>(vp[off + d]);
         }
-        for (int64_t i = 0; i < nq; ++i) {
-          const int64_t visible = std::min(n, qpos[i] + 1 - b0);          // causal cut in this block
-          if (visible <= 0) continue;
-          const float* qi = qf.data() + i * D;
+        block_scores(qf.data(), kT.data(), s.data(), nq_pad, kpad, D);   // keys >= n: never read
+        // Online softmax per query row: s becomes the block's probabilities (0 past the row's
+        // causal cut, and for the padding rows), alpha the rescale of what was accumulated.
+        for (int64_t i = 0; i < nq_pad; ++i) {
+          float* si = s.data() + i * kpad;
+          const int64_t visible = i < nq ? std::max<int64_t>(0, std::min(n, qpos[i] + 1 - b0)) : 0;
+          if (visible == 0) {
+            std::fill(si, si + n, 0.0f);
+            alpha[i] = i < nq ? 1.0f : 0.0f;
+            continue;
+          }
           float block_max = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < visible; ++t) {
-            const float* kt = kb.data() + t * D;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qi[d] * kt[d];
-            s[t] = dot;
-            block_max = std::max(block_max, dot);
-          }
+          for (int64_t t = 0; t < visible; ++t) block_max = std::max(block_max, si[t]);
           const float new_m = std::max(m[i], block_max);
-          const float alpha = std::exp(m[i] - new_m);                    // 0 on the first block
-          float* ai = acc.data() + i * D;
+          alpha[i] = std::exp(m[i] - new_m);                             // 0 on the first block
           float sum = 0.0f;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ai[d] *= alpha;
+#pragma omp simd reduction(+ : sum)
           for (int64_t t = 0; t < visible; ++t) {
-            const float p = std::exp(s[t] - new_m);
-            sum += p;
-            const float* vt = vb.data() + t * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ai[d] += p * vt[d];
+            si[t] = exp_nonpositive(si[t] - new_m);
+            sum += si[t];
           }
-          l[i] = l[i] * alpha + sum;
+          std::fill(si + visible, si + n, 0.0f);
+          l[i] = l[i] * alpha[i] + sum;
           m[i] = new_m;
         }
+        block_values(s.data(), alpha.data(), vb.data(), acc.data(), nq_pad, kpad, n, D);
       }
       for (int64_t r = w.row_begin; r < w.row_end; ++r) {
         for (int64_t g = 0; g < group; ++g) {
