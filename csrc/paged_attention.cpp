@@ -19,9 +19,10 @@
 
 namespace {
 
-constexpr int64_t kQueryTile = 16;   // query rows of one sequence per work item
+constexpr int64_t kQueryTile = 32;   // query rows of one sequence per work item
 constexpr int64_t kLanes = 8;        // fp32 lanes of one vector (AVX2: one register)
 constexpr int64_t kRows = 4;         // query vectors per step of the score microkernel
+constexpr int64_t kSpan = 64;        // keys per online-softmax step (whole blocks, at least one)
 
 typedef float vec8 __attribute__((vector_size(32)));   // GCC/Clang vector extension
 
@@ -144,13 +145,16 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
   const int64_t* starts = q_start.data_ptr<int64_t>();
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
-  const int64_t kpad = (block_size + kLanes - 1) / kLanes * kLanes;       // keys per block, padded
+  // Keys are taken `span` at a time (whole blocks) so that the softmax bookkeeping per query
+  // row is paid once per span, not once per (small) block.
+  const int64_t span = std::max<int64_t>(1, kSpan / block_size) * block_size;
+  const int64_t kpad = (span + kLanes - 1) / kLanes * kLanes;             // keys per span, padded
   const int64_t max_q = (kQueryTile * group + kRows - 1) / kRows * kRows;  // query vectors per item, padded
 
   at::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t first_bin, int64_t last_bin) {
-    // qf [max_q, D] scaled queries; kT [D, kpad] one K block transposed; vb [kpad, D] its V block;
+    // qf [max_q, D] scaled queries; kT [D, kpad] one span of K transposed; vb [kpad, D] its V;
     // s [max_q, kpad] scores, then probabilities; acc [max_q, D] unnormalized outputs; m, l, alpha
-    // the online softmax's running max, running sum and this block's rescale, per query vector.
+    // the online softmax's running max, running sum and this span's rescale, per query vector.
     std::vector<float> qf(max_q * D), acc(max_q * D), m(max_q), l(max_q), alpha(max_q), s(max_q * kpad);
     std::vector<float> kT(D * kpad, 0.0f), vb(kpad * D);
     std::vector<int64_t> qpos(max_q);
@@ -177,30 +181,31 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
       std::fill(l.begin(), l.begin() + nq, 0.0f);
       const int64_t last_pos = ctx - q_len + w.row_end - 1;            // the tile's last query
       const int64_t* table = tables + w.seq * table_width;
-      for (int64_t b0 = 0; b0 <= last_pos; b0 += block_size) {
-        const int64_t n = std::min(block_size, last_pos + 1 - b0);     // keys used in this block
-        const int64_t base = table[b0 / block_size] * block_size;
+      for (int64_t b0 = 0; b0 <= last_pos; b0 += span) {
+        const int64_t n = std::min(span, last_pos + 1 - b0);           // keys used in this span
         for (int64_t t = 0; t < n; ++t) {
-          const int64_t off = (base + t) * kv_slot + w.kv_head * kv_head_stride;
+          const int64_t pos = b0 + t, slot = table[pos / block_size] * block_size + pos % block_size;
+          const int64_t off = slot * kv_slot + w.kv_head * kv_head_stride;
           for (int64_t d = 0; d < D; ++d) kT[d * kpad + t] = static_cast<float>(kp[off + d]);
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) vb[t * D + d] = static_cast<float>(vp[off + d]);
         }
         block_scores(qf.data(), kT.data(), s.data(), nq_pad, kpad, D);   // keys >= n: never read
-        // Online softmax per query row: s becomes the block's probabilities (0 past the row's
+        // Online softmax per query row: s becomes the span's probabilities (0 past the row's
         // causal cut, and for the padding rows), alpha the rescale of what was accumulated.
         for (int64_t i = 0; i < nq_pad; ++i) {
           float* si = s.data() + i * kpad;
-          const int64_t visible = i < nq ? std::max<int64_t>(0, std::min(n, qpos[i] + 1 - b0)) : 0;
+          const int64_t visible = i < nq ? std::max<int64_t>(0, std::min(n, qpos[i] + 1 - b0)) : 0;   // causal cut
           if (visible == 0) {
             std::fill(si, si + n, 0.0f);
             alpha[i] = i < nq ? 1.0f : 0.0f;
             continue;
           }
           float block_max = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : block_max)
           for (int64_t t = 0; t < visible; ++t) block_max = std::max(block_max, si[t]);
           const float new_m = std::max(m[i], block_max);
-          alpha[i] = std::exp(m[i] - new_m);                             // 0 on the first block
+          alpha[i] = std::exp(m[i] - new_m);                             // 0 on the first span
           float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
           for (int64_t t = 0; t < visible; ++t) {
