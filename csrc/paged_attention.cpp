@@ -57,73 +57,91 @@ struct Item {
   int64_t seq, kv_head, row_begin, row_end;   // rows counted from the sequence's first row
 };
 
-// S[i, t] = q_i . k_t for i < nq (a multiple of kRows; the padding rows of q are zeros) and
-// t < kpad (a multiple of kLanes): a tile of queries times a block of keys, as outer products,
-// so that every key vector loaded serves kRows queries and nothing is reduced across lanes.
-inline void block_scores(const float* q, const float* kT, float* s, int64_t nq, int64_t kpad, int64_t D) {
-  for (int64_t i = 0; i < nq; i += kRows) {
-    const float* q0 = q + i * D;
-    const float *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
-    float* s0 = s + i * kpad;
-    float *s1 = s0 + kpad, *s2 = s1 + kpad, *s3 = s2 + kpad;
-    int64_t t = 0;
-    for (; t + 2 * kLanes <= kpad; t += 2 * kLanes) {     // 4 queries x 16 keys: 8 accumulators
-      vec8 a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
-      for (int64_t d = 0; d < D; ++d) {
-        const vec8 k = load8(kT + d * kpad + t), k2 = load8(kT + d * kpad + t + kLanes);
-        a0 += q0[d] * k; b0 += q0[d] * k2;
-        a1 += q1[d] * k; b1 += q1[d] * k2;
-        a2 += q2[d] * k; b2 += q2[d] * k2;
-        a3 += q3[d] * k; b3 += q3[d] * k2;
+// S[j, t] = q_j . k_t for R query rows j (R <= kRows) and t < kpad (a multiple of kLanes): a few
+// queries times a span of keys as outer products, so that every key vector loaded serves R
+// queries, the accumulators stay in registers over d, and nothing is reduced across lanes.
+template <int R>
+inline void scores_rows(const float* q, const float* kT, float* s, int64_t kpad, int64_t D) {
+  int64_t t = 0;
+  for (; t + 2 * kLanes <= kpad; t += 2 * kLanes) {
+    vec8 a[R] = {}, b[R] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const vec8 k = load8(kT + d * kpad + t), k2 = load8(kT + d * kpad + t + kLanes);
+      for (int j = 0; j < R; ++j) {
+        a[j] += q[j * D + d] * k;
+        b[j] += q[j * D + d] * k2;
       }
-      store8(s0 + t, a0); store8(s0 + t + kLanes, b0);
-      store8(s1 + t, a1); store8(s1 + t + kLanes, b1);
-      store8(s2 + t, a2); store8(s2 + t + kLanes, b2);
-      store8(s3 + t, a3); store8(s3 + t + kLanes, b3);
     }
-    for (; t < kpad; t += kLanes) {
-      vec8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-      for (int64_t d = 0; d < D; ++d) {
-        const vec8 k = load8(kT + d * kpad + t);
-        a0 += q0[d] * k;
-        a1 += q1[d] * k;
-        a2 += q2[d] * k;
-        a3 += q3[d] * k;
-      }
-      store8(s0 + t, a0); store8(s1 + t, a1); store8(s2 + t, a2); store8(s3 + t, a3);
+    for (int j = 0; j < R; ++j) {
+      store8(s + j * kpad + t, a[j]);
+      store8(s + j * kpad + t + kLanes, b[j]);
+    }
+  }
+  for (; t < kpad; t += kLanes) {
+    vec8 a[R] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const vec8 k = load8(kT + d * kpad + t);
+      for (int j = 0; j < R; ++j) a[j] += q[j * D + d] * k;
+    }
+    for (int j = 0; j < R; ++j) store8(s + j * kpad + t, a[j]);
+  }
+}
+
+// The same scores from keys stored row by row (kb [kpad, D]) as dot products: for the few query
+// vectors of a decode row, transposing each key would cost more than the reductions across lanes.
+template <int R>
+inline void scores_rows_by_key(const float* q, const float* kb, float* s, int64_t kpad, int64_t n, int64_t D) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float* k = kb + t * D;
+    vec8 a[R] = {};
+    int64_t d = 0;
+    for (; d + kLanes <= D; d += kLanes) {
+      const vec8 kv = load8(k + d);
+      for (int j = 0; j < R; ++j) a[j] += load8(q + j * D + d) * kv;
+    }
+    for (int j = 0; j < R; ++j) {
+      float dot = 0.0f;
+      for (int64_t l = 0; l < kLanes; ++l) dot += a[j][l];
+      for (int64_t r = d; r < D; ++r) dot += q[j * D + r] * k[r];        // head_dim not a multiple of kLanes
+      s[j * kpad + t] = dot;
     }
   }
 }
 
-// acc_i = alpha_i * acc_i + sum_t p_i[t] v_t for kRows query rows at a time over n keys of one
-// block: each V vector loaded serves kRows rows, and the accumulators stay in registers over t.
-inline void block_values(const float* p, const float* alpha, const float* vb, float* acc, int64_t nq,
-                         int64_t kpad, int64_t n, int64_t D) {
-  for (int64_t i = 0; i < nq; i += kRows) {
-    const float* p0 = p + i * kpad;
-    const float *p1 = p0 + kpad, *p2 = p1 + kpad, *p3 = p2 + kpad;
-    float* c0 = acc + i * D;
-    float *c1 = c0 + D, *c2 = c1 + D, *c3 = c2 + D;
-    int64_t d = 0;
-    for (; d + kLanes <= D; d += kLanes) {
-      vec8 a0 = load8(c0 + d) * alpha[i], a1 = load8(c1 + d) * alpha[i + 1];
-      vec8 a2 = load8(c2 + d) * alpha[i + 2], a3 = load8(c3 + d) * alpha[i + 3];
-      for (int64_t t = 0; t < n; ++t) {
-        const vec8 v = load8(vb + t * D + d);
-        a0 += p0[t] * v;
-        a1 += p1[t] * v;
-        a2 += p2[t] * v;
-        a3 += p3[t] * v;
-      }
-      store8(c0 + d, a0); store8(c1 + d, a1); store8(c2 + d, a2); store8(c3 + d, a3);
+// acc_j = alpha_j * acc_j + sum_t p_j[t] v_t for R query rows over n keys: each V vector loaded
+// serves R rows, and the accumulators stay in registers over t.
+template <int R>
+inline void values_rows(const float* p, const float* alpha, const float* vb, float* acc, int64_t kpad,
+                        int64_t n, int64_t D) {
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    vec8 a[R];
+    for (int j = 0; j < R; ++j) a[j] = load8(acc + j * D + d) * alpha[j];
+    for (int64_t t = 0; t < n; ++t) {
+      const vec8 v = load8(vb + t * D + d);
+      for (int j = 0; j < R; ++j) a[j] += p[j * kpad + t] * v;
     }
-    for (; d < D; ++d) {                                    // head_dim not a multiple of kLanes
-      for (int64_t j = 0; j < kRows; ++j) {
-        float a = acc[(i + j) * D + d] * alpha[i + j];
-        for (int64_t t = 0; t < n; ++t) a += p[(i + j) * kpad + t] * vb[t * D + d];
-        acc[(i + j) * D + d] = a;
-      }
+    for (int j = 0; j < R; ++j) store8(acc + j * D + d, a[j]);
+  }
+  for (; d < D; ++d) {                                      // head_dim not a multiple of kLanes
+    for (int j = 0; j < R; ++j) {
+      float a = acc[j * D + d] * alpha[j];
+      for (int64_t t = 0; t < n; ++t) a += p[j * kpad + t] * vb[t * D + d];
+      acc[j * D + d] = a;
     }
+  }
+}
+
+// Runs f.template operator()<R>(i) over rows i = 0, R, 2R, ... of nq, kRows at a time, then the rest.
+template <typename F>
+inline void for_row_groups(int64_t nq, F&& f) {
+  int64_t i = 0;
+  for (; i + kRows <= nq; i += kRows) f.template operator()<kRows>(i);
+  switch (nq - i) {
+    case 3: f.template operator()<3>(i); break;
+    case 2: f.template operator()<2>(i); break;
+    case 1: f.template operator()<1>(i); break;
+    default: break;
   }
 }
 
@@ -149,23 +167,21 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
   // row is paid once per span, not once per (small) block.
   const int64_t span = std::max<int64_t>(1, kSpan / block_size) * block_size;
   const int64_t kpad = (span + kLanes - 1) / kLanes * kLanes;             // keys per span, padded
-  const int64_t max_q = (kQueryTile * group + kRows - 1) / kRows * kRows;  // query vectors per item, padded
+  const int64_t max_q = kQueryTile * group;                               // query vectors per item
 
   at::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t first_bin, int64_t last_bin) {
     // qf [max_q, D] scaled queries; kT [D, kpad] one span of K transposed; vb [kpad, D] its V;
     // s [max_q, kpad] scores, then probabilities; acc [max_q, D] unnormalized outputs; m, l, alpha
     // the online softmax's running max, running sum and this span's rescale, per query vector.
     std::vector<float> qf(max_q * D), acc(max_q * D), m(max_q), l(max_q), alpha(max_q), s(max_q * kpad);
-    std::vector<float> kT(D * kpad, 0.0f), vb(kpad * D);
+    std::vector<float> kT(D * kpad, 0.0f), vb(kpad * D);                  // kT holds kb [kpad, D] by key
     std::vector<int64_t> qpos(max_q);
     for (int64_t bin = first_bin; bin < last_bin; ++bin)
     for (const Item& w : bins[bin]) {
       const int64_t q_len = starts[w.seq + 1] - starts[w.seq];
       const int64_t ctx = lens[w.seq];
       const int64_t nq = (w.row_end - w.row_begin) * group;
-      const int64_t nq_pad = (nq + kRows - 1) / kRows * kRows;
       // Query vectors of the tile, scaled, fp32: index i = row * group + g.
-      std::fill(qf.begin() + nq * D, qf.begin() + nq_pad * D, 0.0f);
       for (int64_t r = w.row_begin; r < w.row_end; ++r) {
         for (int64_t g = 0; g < group; ++g) {
           const int64_t i = (r - w.row_begin) * group + g;
@@ -176,29 +192,38 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
           qpos[i] = ctx - q_len + r;
         }
       }
-      std::fill(acc.begin(), acc.begin() + nq_pad * D, 0.0f);
+      std::fill(acc.begin(), acc.begin() + nq * D, 0.0f);
       std::fill(m.begin(), m.begin() + nq, -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.begin() + nq, 0.0f);
       const int64_t last_pos = ctx - q_len + w.row_end - 1;            // the tile's last query
       const int64_t* table = tables + w.seq * table_width;
+      const bool by_key = nq < kRows;                                  // a decode row: few query vectors
       for (int64_t b0 = 0; b0 <= last_pos; b0 += span) {
         const int64_t n = std::min(span, last_pos + 1 - b0);           // keys used in this span
         for (int64_t t = 0; t < n; ++t) {
           const int64_t pos = b0 + t, slot = table[pos / block_size] * block_size + pos % block_size;
           const int64_t off = slot * kv_slot + w.kv_head * kv_head_stride;
-          for (int64_t d = 0; d < D; ++d) kT[d * kpad + t] = static_cast<float>(kp[off + d]);
+          if (by_key) {
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) kT[t * D + d] = static_cast<float>(kp[off + d]);
+          } else {
+            for (int64_t d = 0; d < D; ++d) kT[d * kpad + t] = static_cast<float>(kp[off + d]);
+          }
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) vb[t * D + d] = static_cast<float>(vp[off + d]);
         }
-        block_scores(qf.data(), kT.data(), s.data(), nq_pad, kpad, D);   // keys >= n: never read
+        for_row_groups(nq, [&]<int R>(int64_t i) {                     // keys >= n: never read
+          if (by_key) scores_rows_by_key<R>(qf.data() + i * D, kT.data(), s.data() + i * kpad, kpad, n, D);
+          else scores_rows<R>(qf.data() + i * D, kT.data(), s.data() + i * kpad, kpad, D);
+        });
         // Online softmax per query row: s becomes the span's probabilities (0 past the row's
-        // causal cut, and for the padding rows), alpha the rescale of what was accumulated.
-        for (int64_t i = 0; i < nq_pad; ++i) {
+        // causal cut), alpha the rescale of what was accumulated.
+        for (int64_t i = 0; i < nq; ++i) {
           float* si = s.data() + i * kpad;
-          const int64_t visible = i < nq ? std::max<int64_t>(0, std::min(n, qpos[i] + 1 - b0)) : 0;   // causal cut
+          const int64_t visible = std::max<int64_t>(0, std::min(n, qpos[i] + 1 - b0));   // causal cut
           if (visible == 0) {
             std::fill(si, si + n, 0.0f);
-            alpha[i] = i < nq ? 1.0f : 0.0f;
+            alpha[i] = 1.0f;
             continue;
           }
           float block_max = -std::numeric_limits<float>::infinity();
@@ -216,7 +241,9 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
           l[i] = l[i] * alpha[i] + sum;
           m[i] = new_m;
         }
-        block_values(s.data(), alpha.data(), vb.data(), acc.data(), nq_pad, kpad, n, D);
+        for_row_groups(nq, [&]<int R>(int64_t i) {
+          values_rows<R>(s.data() + i * kpad, alpha.data() + i, vb.data(), acc.data() + i * D, kpad, n, D);
+        });
       }
       for (int64_t r = w.row_begin; r < w.row_end; ++r) {
         for (int64_t g = 0; g < group; ++g) {
