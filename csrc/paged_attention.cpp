@@ -6,8 +6,15 @@
 // [q_start[b], q_start[b+1]); its context is ctx_lens[b] tokens long and already holds the
 // step's new keys/values, so query row j of b sits at position ctx_lens[b] - q_len + j and
 // attends causally to positions 0..that. Work is split over (sequence, kv head, query tile)
-// so the query heads of a GQA group share each K/V block load. Math is fp32 whatever the
-// storage dtype (fp32, bf16, fp16).
+// so the query heads of a GQA group share each K/V load. Math is fp32 whatever the storage
+// dtype (fp32, bf16, fp16).
+//
+// Per work item the keys come a span (64 positions, whole blocks) at a time, converted to fp32
+// into a small buffer; the tile's query vectors times the span are small GEMMs done as
+// register-tiled outer products (scores_rows, values_rows: 1-4 query vectors per step, GCC/Clang
+// vector extensions, so AVX2 on x86 and NEON elsewhere), with an online softmax across spans
+// and the causal cut applied per query row. A decode row has too few query vectors to pay for
+// transposing the keys, so it takes dot products against keys stored row by row instead.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
