@@ -138,7 +138,7 @@ class ModelRunner:
                 sample_rows.append(row + n - 1)
             # Compiled, the kernel takes every row, so the metadata is three tensors whatever the
             # batch. Eager, it takes decode rows and short chunks; longer chunks stay on SDPA, whose
-            # blocked GEMMs beat the kernel there (crossover: docs/BENCHMARKS.md §8.6).
+            # blocked GEMMs beat the kernel there (crossover: docs/BENCHMARKS.md §8.7).
             if self.use_kernel and (self.config.compile or n <= KERNEL_MAX_CHUNK):
                 kernel_seqs.append(i)
                 kernel_rows.extend(range(row, row + n))
@@ -225,7 +225,7 @@ def _cpu_flags() -> set[str]:
 
 
 # Eager, the kernel attends for sequences with at most this many new tokens this step (decode
-# rows, short chunks); above it gather + SDPA is faster on an AVX2 CPU (docs/BENCHMARKS.md §8.6).
+# rows, short chunks); above it gather + SDPA is faster on this AVX2 CPU (docs/BENCHMARKS.md §8.7).
 KERNEL_MAX_CHUNK = 4
 
 # A decode group may pad its rows up to this factor of its shortest context (plus a block)
