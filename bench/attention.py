@@ -2,10 +2,11 @@
 
     python -m bench.attention [--seqs 32] [--min-ctx 200] [--max-ctx 1000] [--dtype float32] [--reps 5]
     python -m bench.attention --seqs 1 --min-ctx 512 --max-ctx 512 --chunk 512     # a prefill chunk
+    python -m bench.attention --seqs 8 --min-ctx 1100 --max-ctx 1100 --chunk 1,4,16,64,256   # the crossover
 
 SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64, 30 layers), one
 decode token per sequence (or the last `--chunk` tokens of each context as a prefill
-chunk), contexts of random length. Times one step's attention over all
+chunk over the rest), contexts of random length; several chunk sizes give the crossover. Times one step's attention over all
 layers (median of --reps, the two backends alternating so load on a shared host hits both):
 "torch" is the gather (index_select) + SDPA path the engine used before, "kernel" the C++
 kernel reading the pool in place.
@@ -27,7 +28,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--chunk", type=int, default=1, help="query tokens per sequence (1: decode)")
+    ap.add_argument("--chunk", default="1", help="query tokens per sequence, comma-separated sizes to compare "
+                    "(1: decode; n > 1: the last n tokens of each context as a prefill chunk)")
     args = ap.parse_args(argv)
 
     import torch
@@ -60,50 +62,48 @@ def main(argv=None) -> int:
     # The torch backend's metadata comes from the model runner's own builder.
     runner = ModelRunner.__new__(ModelRunner)
     runner.config, runner.device = EngineConfig(block_size=bs), torch.device("cpu")
-    n, rows = args.chunk, args.seqs * args.chunk
-    torch_meta = AttentionMetadata(cache, torch.zeros(rows, dtype=torch.long), [], [])
-    if n == 1:
-        runner._torch_groups(torch_meta, list(range(args.seqs)), tables, lens, [])
-    else:
-        runner._torch_groups(torch_meta, [], [], [], [(i * n, lens[i] - n, n, t) for i, t in enumerate(tables)])
     width = max(len(t) for t in tables)
-    kernel_meta = AttentionMetadata(cache, torch_meta.slot_mapping, [], [], KernelBatch(
-        torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        torch.arange(args.seqs + 1) * n, torch.tensor(lens)))
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
 
     class Layer:
         layer_idx = 0
 
-    query = torch.randn(1, heads, rows, dim, dtype=dtype)
-    key = torch.randn(1, kv_heads, rows, dim, dtype=dtype)     # a first chunk's own K/V (torch path)
-
-    def step(meta) -> float:
+    def step(meta, query, key) -> float:
         start = time.perf_counter()
         for layer in range(layers):
             Layer.layer_idx = layer
             paged_attention(Layer, query, key, key, None, scaling=dim ** -0.5, paged=meta)
         return time.perf_counter() - start
 
-    with torch.inference_mode():
-        step(torch_meta), step(kernel_meta)
-        times = {"torch": [], "kernel": []}
-        for _ in range(args.reps):
-            times["torch"].append(step(torch_meta))
-            times["kernel"].append(step(kernel_meta))
-        ref = paged_attention(Layer, query, key, key, None, scaling=dim ** -0.5, paged=torch_meta)[0]
-        got = paged_attention(Layer, query, key, key, None, scaling=dim ** -0.5, paged=kernel_meta)[0]
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{args.seqs} sequences x {n} query tokens, contexts {min(lens)}-{max(lens)} ({sum(lens)} tokens), "
-          f"{args.dtype}, "
-          f"{args.threads} threads, 30 layers, median of {args.reps}:")
-    for k, v in med.items():
-        print(f"  {k:7s} {v * 1000:8.1f} ms/step")
-    # A first chunk (no earlier context) reads its own random K/V on the torch path and the pool
-    # in the kernel, so only decode and chunks over context compare outputs.
-    diff = f"max |diff| {float((ref - got).abs().max()):.2e}" if min(lens) > n else "outputs not comparable"
-    print(f"  kernel speed-up {med['torch'] / med['kernel']:.2f}x; {diff}")
+    print(f"{args.seqs} sequences, contexts {min(lens)}-{max(lens)} ({sum(lens)} tokens), {args.dtype}, "
+          f"{args.threads} threads, 30 layers, median of {args.reps} (ms per step):")
+    print(f"  {'query tokens':>12} {'torch':>9} {'kernel':>9} {'speed-up':>9}  max |diff|")
+    for n in [int(c) for c in args.chunk.split(",")]:
+        rows = args.seqs * n
+        torch_meta = AttentionMetadata(cache, torch.zeros(rows, dtype=torch.long), [], [])
+        if n == 1:
+            runner._torch_groups(torch_meta, list(range(args.seqs)), tables, lens, [])
+        else:
+            runner._torch_groups(torch_meta, [], [], [], [(i * n, lens[i] - n, n, t) for i, t in enumerate(tables)])
+        kernel_meta = AttentionMetadata(cache, torch_meta.slot_mapping, [], [],
+                                        KernelBatch(padded, torch.arange(args.seqs + 1) * n, torch.tensor(lens)))
+        query = torch.randn(1, heads, rows, dim, dtype=dtype)
+        key = torch.randn(1, kv_heads, rows, dim, dtype=dtype)     # a first chunk's own K/V (torch path)
+        with torch.inference_mode():
+            step(torch_meta, query, key), step(kernel_meta, query, key)
+            times = {"torch": [], "kernel": []}
+            for _ in range(args.reps):
+                times["torch"].append(step(torch_meta, query, key))
+                times["kernel"].append(step(kernel_meta, query, key))
+            ref = paged_attention(Layer, query, key, key, None, scaling=dim ** -0.5, paged=torch_meta)[0]
+            got = paged_attention(Layer, query, key, key, None, scaling=dim ** -0.5, paged=kernel_meta)[0]
+        med = {k: statistics.median(v) * 1000 for k, v in times.items()}
+        # A first chunk (no earlier context) reads its own random K/V on the torch path and the pool
+        # in the kernel, so only decode and chunks over context compare outputs.
+        diff = f"{float((ref - got).abs().max()):.1e}" if min(lens) > n else "not comparable"
+        print(f"  {n:>12} {med['torch']:>9.1f} {med['kernel']:>9.1f} {med['torch'] / med['kernel']:>8.2f}x  {diff}",
+              flush=True)
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

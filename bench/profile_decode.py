@@ -1,16 +1,30 @@
-"""Where a decode step's time goes: torch.profiler over SmolLM2 decode steps.
+"""Where the engine's time goes: torch.profiler over SmolLM2 steps.
 
     python -m bench.profile_decode [--seqs 32] [--min-ctx 200] [--max-ctx 1000] [--steps 3]
                                    [--dtype auto] [--attention-backend auto|kernel|torch]
+    python -m bench.profile_decode --offline [--num-requests 16] [--max-prompt 512] [--max-output 32]
 
-Prefills `--seqs` prompts of random length in [min-ctx, max-ctx], then profiles `--steps`
-pure decode steps and prints the operators by self CPU time.
+Default: prefills `--seqs` prompts of random length in [min-ctx, max-ctx], then profiles
+`--steps` pure decode steps and prints the operators by self CPU time. `--offline`: runs
+bench.offline's engine workload (same generator and engine settings) to completion under the
+profiler and also prints the time by kind (linear layers, attention, gather, ...) and the
+share spent outside the model forward.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import time
+from collections import Counter
+
+# aten operator -> the kind of work it is, for the --offline summary.
+KINDS = {"aten::mm": "linear layers", "aten::addmm": "linear layers",
+         "aten::_scaled_dot_product_flash_attention_for_cpu": "attention: SDPA",
+         "aten::_scaled_dot_product_efficient_attention": "attention: SDPA",
+         "streamgate::paged_attention": "attention: C++ kernel",
+         "aten::index_select": "gather (index_select)", "aten::index_copy_": "KV write",
+         "aten::argmax": "sampling", "aten::sort": "sampling"}
 
 
 def main(argv=None) -> int:
@@ -22,12 +36,23 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "kernel", "torch"])
+    ap.add_argument("--offline", action="store_true", help="profile bench.offline's engine workload instead")
+    ap.add_argument("--num-requests", type=int, default=16)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--max-output", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = ap.parse_args(argv)
 
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from engine import EngineConfig, LLMEngine, SamplingParams
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    if args.offline:
+        return profile_offline(args, activities)
     eng = LLMEngine(EngineConfig(model="default", device=args.device, dtype=args.dtype, max_num_batched_tokens=2048,
                                  max_num_seqs=max(64, args.seqs), enable_prefix_caching=False,
                                  attention_backend=args.attention_backend))
@@ -38,7 +63,6 @@ def main(argv=None) -> int:
     while eng.stats()["waiting"] or any(s.is_prefill for s in eng.scheduler.running):
         eng.step()
     eng.step()                                                   # one warm decode step
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
     with profile(activities=activities) as prof:
         for _ in range(args.steps):
             eng.step()
@@ -46,6 +70,49 @@ def main(argv=None) -> int:
     print(f"{args.seqs} sequences decoding ({eng.runner.dtype}, attention "
           f"{'kernel' if eng.runner.use_kernel else 'torch'}); last step {s['step_time_s'] * 1000:.0f} ms "
           f"(forward {s['forward_time_s'] * 1000:.0f} ms)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    return 0
+
+
+def profile_offline(args, activities) -> int:
+    """bench.offline's engine run (its workload, KV budget and step budget) under the profiler."""
+    from torch.profiler import profile
+    from transformers import AutoTokenizer
+
+    from bench.offline import BLOCK_SIZE
+    from bench.workload import make_workload
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.models import resolve_model
+
+    model_dir = resolve_model("default")
+    requests = make_workload(AutoTokenizer.from_pretrained(model_dir), num_requests=args.num_requests, seed=0,
+                             min_prompt=min(16, args.max_prompt), max_prompt=args.max_prompt,
+                             min_output=min(16, args.max_output), max_output=args.max_output)
+    eng = LLMEngine(EngineConfig(model=model_dir, device=args.device, dtype=args.dtype, block_size=BLOCK_SIZE,
+                                 num_kv_blocks=24576 // BLOCK_SIZE, max_num_seqs=64, max_num_batched_tokens=512,
+                                 attention_backend=args.attention_backend))
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    eng.add_request("warmup", list(requests[0].prompt_ids[:8]), SamplingParams(max_tokens=2, **greedy))
+    while eng.has_unfinished():
+        eng.step()
+    for r in requests:
+        eng.add_request(r.request_id, list(r.prompt_ids), SamplingParams(max_tokens=r.max_tokens, **greedy))
+    forward, steps, start = 0.0, 0, time.perf_counter()
+    with profile(activities=activities) as prof:
+        while eng.has_unfinished():
+            eng.step()
+            forward += eng.runner.last_forward_time
+            steps += 1
+    wall = time.perf_counter() - start
+    kinds = Counter()
+    for e in prof.key_averages():
+        kinds[KINDS.get(e.key, "other operators")] += e.self_cpu_time_total / 1e6
+    print(f"{args.num_requests} requests (prompts <= {args.max_prompt}, outputs <= {args.max_output}), "
+          f"{eng.runner.dtype}, attention {'kernel' if eng.runner.use_kernel else 'torch'}: "
+          f"{steps} steps, wall {wall:.1f} s, model forward {forward:.1f} s")
+    for kind, seconds in kinds.most_common():
+        print(f"  {kind:24s} {seconds:8.2f} s {seconds / wall:7.1%}")
+    print(f"  {'outside the forward':24s} {wall - forward:8.2f} s {(wall - forward) / wall:7.1%}")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
     return 0
 

@@ -6,28 +6,150 @@
 // [q_start[b], q_start[b+1]); its context is ctx_lens[b] tokens long and already holds the
 // step's new keys/values, so query row j of b sits at position ctx_lens[b] - q_len + j and
 // attends causally to positions 0..that. Work is split over (sequence, kv head, query tile)
-// so the query heads of a GQA group share each K/V block load. Math is fp32 whatever the
-// storage dtype (fp32, bf16, fp16).
+// so the query heads of a GQA group share each K/V load. Math is fp32 whatever the storage
+// dtype (fp32, bf16, fp16).
+//
+// Per work item the keys come a span (64 positions, whole blocks) at a time, converted to fp32
+// into a small buffer; the tile's query vectors times the span are small GEMMs done as
+// register-tiled outer products (scores_rows, values_rows: 1-4 query vectors per step, GCC/Clang
+// vector extensions, so AVX2 on x86 and NEON elsewhere), with an online softmax across spans
+// and the causal cut applied per query row. A decode row has too few query vectors to pay for
+// transposing the keys, so it takes dot products against keys stored row by row instead.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kQueryTile = 16;   // query rows of one sequence per work item
+constexpr int64_t kQueryTile = 32;   // query rows of one sequence per work item
+constexpr int64_t kLanes = 8;        // fp32 lanes of one vector (AVX2: one register)
+constexpr int64_t kRows = 4;         // query vectors per step of the score microkernel
+constexpr int64_t kSpan = 64;        // keys per online-softmax step (whole blocks, at least one)
+
+typedef float vec8 __attribute__((vector_size(32)));   // GCC/Clang vector extension
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof v); }
+
+// exp(x) for x <= 0 (softmax arguments), Cephes' expf: 2^n * p(r) with |r| <= ln2 / 2, relative
+// error ~1e-7. Plain float code so that `omp simd` loops over it vectorize (std::exp does not).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);                                  // 2^-126 is the smallest normal float
+  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
 
 struct Item {
   int64_t seq, kv_head, row_begin, row_end;   // rows counted from the sequence's first row
 };
 
-template <typename scalar_t>
-inline void to_float(const scalar_t* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+// S[j, t] = q_j . k_t for R query rows j (R <= kRows) and t < kpad (a multiple of kLanes): a few
+// queries times a span of keys as outer products, so that every key vector loaded serves R
+// queries, the accumulators stay in registers over d, and nothing is reduced across lanes.
+template <int R>
+inline void scores_rows(const float* q, const float* kT, float* s, int64_t kpad, int64_t D) {
+  int64_t t = 0;
+  for (; t + 2 * kLanes <= kpad; t += 2 * kLanes) {
+    vec8 a[R] = {}, b[R] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const vec8 k = load8(kT + d * kpad + t), k2 = load8(kT + d * kpad + t + kLanes);
+      for (int j = 0; j < R; ++j) {
+        a[j] += q[j * D + d] * k;
+        b[j] += q[j * D + d] * k2;
+      }
+    }
+    for (int j = 0; j < R; ++j) {
+      store8(s + j * kpad + t, a[j]);
+      store8(s + j * kpad + t + kLanes, b[j]);
+    }
+  }
+  for (; t < kpad; t += kLanes) {
+    vec8 a[R] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const vec8 k = load8(kT + d * kpad + t);
+      for (int j = 0; j < R; ++j) a[j] += q[j * D + d] * k;
+    }
+    for (int j = 0; j < R; ++j) store8(s + j * kpad + t, a[j]);
+  }
+}
+
+// The same scores from keys stored row by row (kb [kpad, D]) as dot products: for the few query
+// vectors of a decode row, transposing each key would cost more than the reductions across lanes.
+template <int R>
+inline void scores_rows_by_key(const float* q, const float* kb, float* s, int64_t kpad, int64_t n, int64_t D) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float* k = kb + t * D;
+    vec8 a[R] = {};
+    int64_t d = 0;
+    for (; d + kLanes <= D; d += kLanes) {
+      const vec8 kv = load8(k + d);
+      for (int j = 0; j < R; ++j) a[j] += load8(q + j * D + d) * kv;
+    }
+    for (int j = 0; j < R; ++j) {
+      float dot = 0.0f;
+      for (int64_t l = 0; l < kLanes; ++l) dot += a[j][l];
+      for (int64_t r = d; r < D; ++r) dot += q[j * D + r] * k[r];        // head_dim not a multiple of kLanes
+      s[j * kpad + t] = dot;
+    }
+  }
+}
+
+// acc_j = alpha_j * acc_j + sum_t p_j[t] v_t for R query rows over n keys: each V vector loaded
+// serves R rows, and the accumulators stay in registers over t.
+template <int R>
+inline void values_rows(const float* p, const float* alpha, const float* vb, float* acc, int64_t kpad,
+                        int64_t n, int64_t D) {
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    vec8 a[R];
+    for (int j = 0; j < R; ++j) a[j] = load8(acc + j * D + d) * alpha[j];
+    for (int64_t t = 0; t < n; ++t) {
+      const vec8 v = load8(vb + t * D + d);
+      for (int j = 0; j < R; ++j) a[j] += p[j * kpad + t] * v;
+    }
+    for (int j = 0; j < R; ++j) store8(acc + j * D + d, a[j]);
+  }
+  for (; d < D; ++d) {                                      // head_dim not a multiple of kLanes
+    for (int j = 0; j < R; ++j) {
+      float a = acc[j * D + d] * alpha[j];
+      for (int64_t t = 0; t < n; ++t) a += p[j * kpad + t] * vb[t * D + d];
+      acc[j * D + d] = a;
+    }
+  }
+}
+
+// Runs f.template operator()<R>(i) over rows i = 0, R, 2R, ... of nq, kRows at a time, then the rest.
+template <typename F>
+inline void for_row_groups(int64_t nq, F&& f) {
+  int64_t i = 0;
+  for (; i + kRows <= nq; i += kRows) f.template operator()<kRows>(i);
+  switch (nq - i) {
+    case 3: f.template operator()<3>(i); break;
+    case 2: f.template operator()<2>(i); break;
+    case 1: f.template operator()<1>(i); break;
+    default: break;
+  }
 }
 
 template <typename scalar_t>
@@ -48,11 +170,18 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
   const int64_t* starts = q_start.data_ptr<int64_t>();
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
+  // Keys are taken `span` at a time (whole blocks) so that the softmax bookkeeping per query
+  // row is paid once per span, not once per (small) block.
+  const int64_t span = std::max<int64_t>(1, kSpan / block_size) * block_size;
+  const int64_t kpad = (span + kLanes - 1) / kLanes * kLanes;             // keys per span, padded
+  const int64_t max_q = kQueryTile * group;                               // query vectors per item
 
   at::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t first_bin, int64_t last_bin) {
-    const int64_t max_q = kQueryTile * group;
-    std::vector<float> qf(max_q * D), acc(max_q * D), m(max_q), l(max_q), s(block_size);
-    std::vector<float> kb(block_size * D), vb(block_size * D);
+    // qf [max_q, D] scaled queries; kT [D, kpad] one span of K transposed; vb [kpad, D] its V;
+    // s [max_q, kpad] scores, then probabilities; acc [max_q, D] unnormalized outputs; m, l, alpha
+    // the online softmax's running max, running sum and this span's rescale, per query vector.
+    std::vector<float> qf(max_q * D), acc(max_q * D), m(max_q), l(max_q), alpha(max_q), s(max_q * kpad);
+    std::vector<float> kT(D * kpad, 0.0f), vb(kpad * D);                  // kT holds kb [kpad, D] by key
     std::vector<int64_t> qpos(max_q);
     for (int64_t bin = first_bin; bin < last_bin; ++bin)
     for (const Item& w : bins[bin]) {
@@ -75,43 +204,53 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
       std::fill(l.begin(), l.begin() + nq, 0.0f);
       const int64_t last_pos = ctx - q_len + w.row_end - 1;            // the tile's last query
       const int64_t* table = tables + w.seq * table_width;
-      for (int64_t b0 = 0; b0 <= last_pos; b0 += block_size) {
-        const int64_t n = std::min(block_size, last_pos + 1 - b0);     // keys used in this block
-        const int64_t base = table[b0 / block_size] * block_size;
+      const bool by_key = nq < kRows;                                  // a decode row: few query vectors
+      for (int64_t b0 = 0; b0 <= last_pos; b0 += span) {
+        const int64_t n = std::min(span, last_pos + 1 - b0);           // keys used in this span
         for (int64_t t = 0; t < n; ++t) {
-          const int64_t off = (base + t) * kv_slot + w.kv_head * kv_head_stride;
-          to_float(kp + off, kb.data() + t * D, D);
-          to_float(vp + off, vb.data() + t * D, D);
+          const int64_t pos = b0 + t, slot = table[pos / block_size] * block_size + pos % block_size;
+          const int64_t off = slot * kv_slot + w.kv_head * kv_head_stride;
+          if (by_key) {
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) kT[t * D + d] = static_cast<float>(kp[off + d]);
+          } else {
+            for (int64_t d = 0; d < D; ++d) kT[d * kpad + t] = static_cast<float>(kp[off + d]);
+          }
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) vb[t * D + d] = static_cast<float>(vp[off + d]);
         }
+        for_row_groups(nq, [&]<int R>(int64_t i) {                     // keys >= n: never read
+          if (by_key) scores_rows_by_key<R>(qf.data() + i * D, kT.data(), s.data() + i * kpad, kpad, n, D);
+          else scores_rows<R>(qf.data() + i * D, kT.data(), s.data() + i * kpad, kpad, D);
+        });
+        // Online softmax per query row: s becomes the span's probabilities (0 past the row's
+        // causal cut), alpha the rescale of what was accumulated.
         for (int64_t i = 0; i < nq; ++i) {
-          const int64_t visible = std::min(n, qpos[i] + 1 - b0);          // causal cut in this block
-          if (visible <= 0) continue;
-          const float* qi = qf.data() + i * D;
+          float* si = s.data() + i * kpad;
+          const int64_t visible = std::max<int64_t>(0, std::min(n, qpos[i] + 1 - b0));   // causal cut
+          if (visible == 0) {
+            std::fill(si, si + n, 0.0f);
+            alpha[i] = 1.0f;
+            continue;
+          }
           float block_max = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < visible; ++t) {
-            const float* kt = kb.data() + t * D;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qi[d] * kt[d];
-            s[t] = dot;
-            block_max = std::max(block_max, dot);
-          }
+#pragma omp simd reduction(max : block_max)
+          for (int64_t t = 0; t < visible; ++t) block_max = std::max(block_max, si[t]);
           const float new_m = std::max(m[i], block_max);
-          const float alpha = std::exp(m[i] - new_m);                    // 0 on the first block
-          float* ai = acc.data() + i * D;
+          alpha[i] = std::exp(m[i] - new_m);                             // 0 on the first span
           float sum = 0.0f;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ai[d] *= alpha;
+#pragma omp simd reduction(+ : sum)
           for (int64_t t = 0; t < visible; ++t) {
-            const float p = std::exp(s[t] - new_m);
-            sum += p;
-            const float* vt = vb.data() + t * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ai[d] += p * vt[d];
+            si[t] = exp_nonpositive(si[t] - new_m);
+            sum += si[t];
           }
-          l[i] = l[i] * alpha + sum;
+          std::fill(si + visible, si + n, 0.0f);
+          l[i] = l[i] * alpha[i] + sum;
           m[i] = new_m;
         }
+        for_row_groups(nq, [&]<int R>(int64_t i) {
+          values_rows<R>(s.data() + i * kpad, alpha.data() + i, vb.data(), acc.data() + i * D, kpad, n, D);
+        });
       }
       for (int64_t r = w.row_begin; r < w.row_end; ++r) {
         for (int64_t g = 0; g < group; ++g) {

@@ -3,10 +3,10 @@ tokens, registered with transformers' AttentionInterface as "streamgate_paged".
 
 The model runs on one packed row `[1, N]`. Two backends:
 - "kernel" (CPU): the C++ kernel (csrc/, `torch.ops.streamgate.paged_attention`, registered
-  by engine.kernels when the runner picks it) attends for all single-token rows in one call
-  per layer, reading each sequence's keys and values in place through its block table.
-  Prefill chunks stay on SDPA as below (faster there); a compiled model sends every row to
-  the kernel so that its metadata is the same three tensors every step.
+  by engine.kernels when the runner picks it) attends for decode rows and short chunks in one
+  call per layer, reading each sequence's keys and values in place through its block table.
+  Longer prefill chunks stay on SDPA as below (faster there on an AVX2 CPU); a compiled model
+  sends every row to the kernel so that its metadata is the same three tensors every step.
 - "torch" (CUDA, and the CPU fallback and reference): single-token rows are batched into
   SDPA calls over their gathered, padded contexts, one call per group of similar context
   lengths (so one long context does not make every stream gather and attend over its
@@ -50,7 +50,7 @@ class KernelBatch:
     block_tables: torch.Tensor       # [B, W] int64, padded with block 0
     q_start: torch.Tensor            # [B + 1] int64
     ctx_lens: torch.Tensor           # [B] int64, context length including this step's tokens
-    rows: torch.Tensor | None = None  # [B] packed row of each (one-token) sequence; None: all rows, in order
+    rows: torch.Tensor | None = None  # [R] packed rows of those query rows, in order; None: all rows
 
 
 @dataclass

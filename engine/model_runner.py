@@ -138,14 +138,23 @@ class ModelRunner:
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
         prefills: list[tuple[int, int, int, list[int]]] = []       # (row, start_pos, n, block table)
-        for seq, n, samples, is_decode in zip(batch.seqs, batch.num_new_tokens, batch.samples, batch.is_decode):
+        kernel_seqs: list[int] = []                                 # batch indices the kernel attends for
+        kernel_rows: list[int] = []                                 # their packed query rows
+        for i, (seq, n, samples, is_decode) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.samples,
+                                                              batch.is_decode)):
             start, row, table = seq.num_computed_tokens, len(ids), seq.block_table
             ids.extend(seq.token_ids(start, start + n))
             pos.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if samples:
                 sample_rows.append(row + n - 1)
-            if is_decode:
+            # Compiled, the kernel takes every row, so the metadata is three tensors whatever the
+            # batch. Eager, it takes decode rows and short chunks; longer chunks stay on SDPA, whose
+            # blocked GEMMs beat the kernel there (crossover: docs/BENCHMARKS.md §8.7).
+            if self.use_kernel and (self.config.compile or n <= KERNEL_MAX_CHUNK):
+                kernel_seqs.append(i)
+                kernel_rows.extend(range(row, row + n))
+            elif is_decode:
                 dec_rows.append(row)
                 dec_tables.append(table)
                 dec_lens.append(start + 1)
@@ -156,18 +165,11 @@ class ModelRunner:
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)      # [1, N]
         positions = torch.tensor([pos], dtype=torch.long, device=dev)      # [1, N]
         sample_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        if self.use_kernel and self.config.compile:
-            # Compiled: the kernel takes every row, so the metadata is three tensors whatever the batch.
-            meta.kernel = self._kernel_batch(batch.seqs, batch.num_new_tokens, None)
-        elif self.use_kernel:
-            # Eager: the kernel takes the one-token rows; prefill chunks stay on SDPA, whose blocked
-            # GEMMs beat the kernel's per-query loop 4-6x on long chunks (docs/BENCHMARKS.md §8.1).
-            one = [i for i, is_decode in enumerate(batch.is_decode) if is_decode]
-            if one:
-                meta.kernel = self._kernel_batch([batch.seqs[i] for i in one], [1] * len(one), dec_rows)
-            self._torch_groups(meta, [], [], [], prefills)
-        else:
-            self._torch_groups(meta, dec_rows, dec_tables, dec_lens, prefills)
+        if kernel_seqs:
+            meta.kernel = self._kernel_batch([batch.seqs[i] for i in kernel_seqs],
+                                             [batch.num_new_tokens[i] for i in kernel_seqs],
+                                             None if len(kernel_rows) == len(ids) else kernel_rows)
+        self._torch_groups(meta, dec_rows, dec_tables, dec_lens, prefills)
         return input_ids, positions, sample_t, meta
 
     def _kernel_batch(self, seqs, num_new_tokens: list[int], rows: list[int] | None) -> KernelBatch:
@@ -233,6 +235,10 @@ def _cpu_flags() -> set[str]:
     except OSError:                                                  # not Linux: no bf16 guess
         return set()
 
+
+# Eager, the kernel attends for sequences with at most this many new tokens this step (decode
+# rows, short chunks); above it gather + SDPA is faster on this AVX2 CPU (docs/BENCHMARKS.md §8.7).
+KERNEL_MAX_CHUNK = 4
 
 # A decode group may pad its rows up to this factor of its shortest context (plus a block)
 # before a new group starts: one more gather+SDPA call per layer is cheaper than attending

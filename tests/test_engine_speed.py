@@ -52,3 +52,20 @@ def test_auto_backend_takes_the_kernel_where_it_builds(tiny_model):
     torch_path = LLMEngine(EngineConfig(model=tiny_model("llama"), num_kv_blocks=8, attention_backend="torch"))
     assert auto.runner.use_kernel == (paged_attention_ops() is not None)
     assert not torch_path.runner.use_kernel
+
+
+@pytest.mark.skipif(paged_attention_ops() is None, reason="the paged attention kernel did not build (see the log)")
+def test_eager_kernel_takes_decodes_and_short_chunks_sdpa_the_long_ones(tiny_model):
+    """Eager, sequences with at most KERNEL_MAX_CHUNK new tokens go to the kernel, longer chunks to SDPA."""
+    engine = LLMEngine(EngineConfig(model=tiny_model("llama"), num_kv_blocks=32, max_num_batched_tokens=64))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    short, long = model_runner.KERNEL_MAX_CHUNK, model_runner.KERNEL_MAX_CHUNK + 36
+    engine.add_request("long", list(range(5, 5 + long)), params)
+    engine.add_request("short", list(range(5, 5 + short)), params)
+    batch = engine.scheduler.schedule()
+    assert sorted(batch.num_new_tokens) == [short, long]
+    _, _, _, meta = engine.runner._prepare(batch)
+    first = batch.num_new_tokens.index(short) == 0
+    assert meta.kernel.rows.tolist() == list(range(0, short) if first else range(long, long + short))
+    assert meta.kernel.q_start.tolist() == [0, short]
+    assert [c.rows.stop - c.rows.start for c in meta.prefills] == [long] and meta.decodes == []

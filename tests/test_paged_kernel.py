@@ -55,6 +55,11 @@ CASES = {
     "mixed": ([37, 1, 20, 1, 3], [100, 33, 20, 64, 3], 9, 3, 64, 16),
     # no GQA, block size 8, chunk longer than one query tile
     "mha": ([40, 1], [47, 9], 2, 2, 32, 8),
+    # a 70-token chunk starting mid-block over 230 tokens (three query tiles, several key spans,
+    # a last row group of 2), a 2-token chunk, a decode
+    "long": ([70, 2, 1], [300, 130, 77], 9, 3, 64, 16),
+    # head_dim 20 (not a whole number of vector lanes), GQA 3:1, block size 8, row groups of 3
+    "odd": ([5, 1, 3], [29, 11, 40], 3, 1, 20, 8),
 }
 
 
