@@ -21,13 +21,15 @@ def build_tiny_model(family: str, out: Path, tokenizer_dir: str) -> str:
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
     }[family]
     extra = {"head_dim": 16} if family == "qwen3" else {}
     if family == "gpt2":
         config = config_cls(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4)
     else:
-        config = config_cls(vocab_size=len(tokenizer), **TINY, **extra)
+        config = config_cls(vocab_size=len(tokenizer), **{**TINY, "tie_word_embeddings": family.endswith("-tied")},
+                            **extra)
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_id = tokenizer.eos_token_id
     torch.manual_seed(1234)
