@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
-from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -33,7 +32,7 @@ from .limits import Slots
 from .live import StatsHub, interval_class
 from .logs import RequestContext
 from .metrics import GatewayMetrics
-from .sse import chat_completions, error_response, list_models
+from .sse import ClosingEventStream, chat_completions, error_response, list_models
 from .streaming import ChatService
 from .vllm_metrics import register_vllm_metrics
 from .ws import chat_socket
@@ -202,22 +201,10 @@ async def stats_stream(request: Request) -> Response:
         finally:
             gw.stats.unsubscribe(sub)
 
-    return _StatsResponse(lambda: gw.stats_slots.give(tenant.name), events(), sep="\n",
-                          ping=gw.settings.keepalive_s)
+    async def give_back() -> None:
+        gw.stats_slots.give(tenant.name)
 
-
-class _StatsResponse(EventSourceResponse):
-    """Gives the stream's place back however the response ends."""
-
-    def __init__(self, on_close, content, **kw):
-        super().__init__(content, **kw)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
+    return ClosingEventStream(give_back, events(), sep="\n", ping=gw.settings.keepalive_s)
 
 
 async def _gateway_error(request: Request, exc: GatewayError) -> Response:

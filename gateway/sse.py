@@ -129,7 +129,7 @@ async def chat_completions(request: Request) -> Response:
         if stream:
             watch.close()       # from here on sse-starlette watches for the hang-up
             handed_off = True
-            return _EventStream(events, _chunks(adm, first, events), headers=headers, sep="\n",
+            return ClosingEventStream(events.aclose, _chunks(adm, first, events), headers=headers, sep="\n",
                                 ping=gw.settings.keepalive_s)
         text, event = [], first
         while isinstance(event, Delta):
@@ -146,19 +146,20 @@ async def chat_completions(request: Request) -> Response:
             await events.aclose()       # settle now, not when the generator is collected
 
 
-class _EventStream(EventSourceResponse):
-    """Closes the pipeline when the response ends, even if it was cancelled before its
-    body was first iterated (then `_chunks`' own `finally` never runs)."""
+class ClosingEventStream(EventSourceResponse):
+    """An SSE response that runs `on_close` (async) however it ends, even if it was
+    cancelled before its body was first iterated (then the body generator's own `finally`
+    never runs): chat streams close their pipeline, stats streams give their slot back."""
 
-    def __init__(self, events, content, **kw):
+    def __init__(self, on_close, content, **kw):
         super().__init__(content, **kw)
-        self.events = events
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.events.aclose()
+            await self.on_close()
 
 
 def _completion(adm: Admission, text: str, done: Done) -> dict:
