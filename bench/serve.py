@@ -42,7 +42,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from . import server, servestats
+from . import server, servestats, weighted
 from .drivers import InprocDriver, SseDriver, WsDriver, run_hf_offline
 from .loadgen import Req, WorkloadError, load_workload, make_requests, new_record, replay
 
@@ -164,6 +164,7 @@ def run_once(args, wl, reqs: list[Req], preset: str, flags: list[str], label: st
                 finally:
                     stop_server(proc)
     run["summary"] = servestats.summarize(recs, samples, wl.slo_ttft_ms, wl.slo_tpot_ms)
+    run["summary"]["weighted_service"] = weighted.weighted_service(recs, {t.name: t.weight for t in wl.tenants})
     return {**run, "requests": recs, "stats": samples}
 
 

@@ -33,6 +33,7 @@ from .drivers import InprocDriver
 from .loadgen import load_workload, make_requests
 from .serve import drive, engine_config, parse_presets
 from .servestats import percentile
+from .weighted import describe, weighted_service
 
 
 class TracingDriver(InprocDriver):
@@ -103,9 +104,12 @@ def report(label: str, recs: list[dict], steps: list[dict], tenant: str, slowest
     return {"label": label, "rows": rows}
 
 
-def replay_model(reqs, prompts: dict[str, list[int]], config, costs) -> tuple[list[dict], list[dict], dict]:
+def replay_model(reqs, prompts: dict[str, list[int]], config, costs, wl) -> tuple[list[dict], list[dict], dict]:
     """The requests on the real scheduler, stepped on a fake clock (see the module doc):
-    records and a step log shaped like the traced run's, and the run's totals."""
+    records shaped like loadgen's, a step log shaped like the traced run's, and the run's
+    totals. Open loop: each request arrives at its time. Closed loop (`r.at` is None): a
+    user's next request arrives when its previous one ends plus its think time, while the
+    clock is within the workload's duration, as `loadgen.replay` sends them."""
     from engine.block_manager import BlockManager
     from engine.config import SamplingParams
     from engine.scheduler import Scheduler
@@ -114,17 +118,21 @@ def replay_model(reqs, prompts: dict[str, list[int]], config, costs) -> tuple[li
     a, b, c = costs
     clock = [0.0]
     s = Scheduler(config, BlockManager(4096, config.block_size, config.enable_prefix_caching), clock=lambda: clock[0])
-    pending = sorted(reqs, key=lambda r: r.at)
-    recs, steps, served = {}, [], {}
+    closed = wl.arrival == "closed"
+    queues = {u: [r for r in reqs if r.user == u] for u in dict.fromkeys(r.user for r in reqs)} if closed else {}
+    pending = [(0.0, q.pop(0)) for q in queues.values() if q] if closed else [(r.at, r) for r in reqs]
+    pending.sort(key=lambda p: p[0])
+    recs, steps, seqs = {}, [], {}
     while pending or s.has_unfinished():
-        if not s.has_unfinished() and pending[0].at > clock[0]:
-            clock[0] = pending[0].at
-        while pending and pending[0].at <= clock[0]:
-            served = {t: inp + 2 * out for t, (inp, out) in s.counters.served.items()}
-            r = pending.pop(0)
-            s.add(Sequence(r.id, prompts[r.id], SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
-                           priority=r.priority, tenant=r.tenant, weight=r.weight, arrival_time=r.at))
-            recs[r.id] = {"id": r.id, "tenant": r.tenant, "send": r.at, "deltas": []}
+        if not s.has_unfinished() and pending[0][0] > clock[0]:
+            clock[0] = pending[0][0]
+        while pending and pending[0][0] <= clock[0]:
+            at, r = pending.pop(0)
+            seqs[r.id] = Sequence(r.id, prompts[r.id], SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
+                                  priority=r.priority, tenant=r.tenant, weight=r.weight, arrival_time=at)
+            s.add(seqs[r.id])
+            recs[r.id] = {"id": r.id, "tenant": r.tenant, "user": r.user, "send": at, "end": None, "deltas": [],
+                          "prompt_tokens": len(prompts[r.id])}
         out = s.schedule()
         t = a + b * out.num_decode_tokens + c * out.num_prefill_tokens
         steps.append({"t": clock[0], "dur": t, "preempted": [q.request_id for q in out.preempted],
@@ -133,11 +141,18 @@ def replay_model(reqs, prompts: dict[str, list[int]], config, costs) -> tuple[li
         clock[0] += t
         s.budget.observe(out.num_decode_tokens, out.num_prefill_tokens, t)
         for q in s.update(out, [7] * len(out.sampling_seqs)):
-            recs[q.request_id]["deltas"].append([clock[0], 1])
+            rec = recs[q.request_id]
+            rec["deltas"].append([clock[0], 1])
+            if q.status.finished:
+                rec["end"] = clock[0]
+                mine = queues.get(rec["user"])
+                if mine and clock[0] + mine[0].think_s <= wl.duration_s:
+                    pending.append((clock[0] + mine[0].think_s, mine.pop(0)))
+                    pending.sort(key=lambda p: p[0])
     tokens = sum(len(r["deltas"]) for r in recs.values())
     return list(recs.values()), steps, {"output_tps": tokens / clock[0], "seat_preemptions": s.counters.seat_preemptions,
                                         "preemptions_per_request": s.counters.preemptions / max(1, len(recs)),
-                                        "served": served}
+                                        "max_preemptions": max((q.num_preemptions for q in seqs.values()), default=0)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,11 +202,13 @@ def model_main(args, wl, reqs) -> int:
     runs.append((f"{args.tenant}-alone", [], [r for r in reqs if r.tenant == args.tenant]))
     for label, flags, mine in runs:
         flags = shlex.split(wl.server_args) + flags + shlex.split(args.engine_args)
-        recs, steps, tot = replay_model(mine, prompts, engine_config(args.model, flags), costs)
+        recs, steps, tot = replay_model(mine, prompts, engine_config(args.model, flags), costs, wl)
         report(label, recs, steps, args.tenant, args.slowest)
+        ws = weighted_service(recs, {t.name: t.weight for t in wl.tenants})
         print(f"   {tot['output_tps']:.1f} out tok/s, {tot['preemptions_per_request']:.2f} preemptions/request "
-              f"({tot['seat_preemptions']} for seats); weighted service (input + 2 x output) up to the "
-              f"last arrival: {tot['served']}", flush=True)
+              f"({tot['seat_preemptions']} for seats, at most {tot['max_preemptions']} for one); weighted service "
+              f"(VTC, every tenant backlogged): {describe(ws)}; "
+              + ", ".join(f"{k} {v['service']}" for k, v in ws["tenants"].items()), flush=True)
     return 0
 
 

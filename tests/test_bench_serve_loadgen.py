@@ -10,7 +10,7 @@ import pytest
 
 from bench.loadgen import Req, Workload, WorkloadError, load_workload, make_requests, replay
 
-SHIPPED = ("mixed", "two_tenants", "priority", "closed_loop")
+SHIPPED = ("mixed", "two_tenants", "priority", "closed_loop", "two_tenants_weighted_closed")
 
 
 @pytest.mark.parametrize("name", SHIPPED)
