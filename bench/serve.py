@@ -110,8 +110,10 @@ def engine_config(model: str, flags: list[str]):
 
 
 # -- one run ----------------------------------------------------------------------------------------
-async def drive(driver, reqs: list[Req], wl, time_limit: float, label: str) -> tuple[list[dict], list[dict]]:
-    """Open the driver, warm up with one short request, replay, sample stats meanwhile."""
+async def drive(driver, reqs: list[Req], wl, time_limit: float, label: str,
+                served: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
+    """Open the driver, warm up with one short request, replay, sample stats meanwhile
+    (and the per-tenant served-token counters into `served`, if given)."""
     await driver.open(reqs)
     try:
         t = wl.tenants[0]
@@ -125,7 +127,8 @@ async def drive(driver, reqs: list[Req], wl, time_limit: float, label: str) -> t
         t0 = time.perf_counter()
         sampler = asyncio.ensure_future(driver.sample_stats(samples, t0))
         try:
-            recs = await replay(reqs, wl, driver.send, time_limit=time_limit, label=label, t0=t0)
+            async with weighted.ServedSampler(driver, served if served is not None else [], t0):
+                recs = await replay(reqs, wl, driver.send, time_limit=time_limit, label=label, t0=t0)
         finally:
             sampler.cancel()
             await asyncio.gather(sampler, return_exceptions=True)
@@ -146,26 +149,29 @@ def run_once(args, wl, reqs: list[Req], preset: str, flags: list[str], label: st
                           "output_tokens": res["output_tokens"], "throughput_rps": n / wall,
                           "output_tps": res["output_tokens"] / wall, "notes": res["notes"]}
         return {**run, "requests": [], "stats": []}
+    served: list[dict] = []
     if args.driver == "inprocess":
         recs, samples = asyncio.run(drive(InprocDriver(engine_config(args.model, flags)), reqs, wl,
-                                          args.time_limit, label))
+                                          args.time_limit, label, served))
     else:
         transport = WsDriver if args.driver == "ws" else SseDriver
         if args.url:
             keys = {t.name: t.api_key or args.api_key for t in wl.tenants}
             if not all(keys.values()):
                 raise SystemExit("--url needs an api_key per tenant in the workload file, or --api-key")
-            recs, samples = asyncio.run(drive(transport(args.url.rstrip("/"), keys), reqs, wl, args.time_limit, label))
+            recs, samples = asyncio.run(drive(transport(args.url.rstrip("/"), keys), reqs, wl, args.time_limit, label,
+                                              served))
         else:
             with tempfile.TemporaryDirectory(prefix="streamgate-bench-") as tmp:
                 proc, url, keys = start_server(args.model, flags, wl, Path(tmp))
                 try:
-                    recs, samples = asyncio.run(drive(transport(url, keys), reqs, wl, args.time_limit, label))
+                    recs, samples = asyncio.run(drive(transport(url, keys), reqs, wl, args.time_limit, label, served))
                 finally:
                     stop_server(proc)
     run["summary"] = servestats.summarize(recs, samples, wl.slo_ttft_ms, wl.slo_tpot_ms)
-    run["summary"]["weighted_service"] = weighted.weighted_service(recs, {t.name: t.weight for t in wl.tenants})
-    return {**run, "requests": recs, "stats": samples}
+    run["summary"]["weighted_service"] = weighted.weighted_service(recs, {t.name: t.weight for t in wl.tenants},
+                                                                   served)
+    return {**run, "requests": recs, "stats": samples, "served": served}
 
 
 # -- report -------------------------------------------------------------------------------------------

@@ -180,7 +180,8 @@ ROWS = [
     ("preemptions", lambda s: "-" if s.get("preemptions") is None else str(s["preemptions"])),
     ("peak KV usage", lambda s: "-" if s.get("peak_kv_usage") is None else f"{s['peak_kv_usage']:.1%}"),
     ("client send lag p99", lambda s: fmt_ms(s["send_lag_ms"]["p99"])),
-    ("weighted service split (VTC, backlogged)", lambda s: describe(s["weighted_service"])),
+    ("weighted split, backlogged (server)", lambda s: describe(s["weighted_service"], "server")),
+    ("weighted split, backlogged (client)", lambda s: describe(s["weighted_service"], "client")),
 ]
 
 
@@ -195,7 +196,7 @@ def format_table(runs: list[dict]) -> list[str]:
     """Metrics down, runs across; every number with its unit."""
     rows = [("", [r["label"] for r in runs])]
     rows += [(name, [_cell(fn, r["summary"]) for r in runs]) for name, fn in ROWS]
-    ws = lambda s: s.get("weighted_service", {}).get("tenants", {})  # noqa: E731
+    ws = lambda s: (s.get("weighted_service", {}).get("client") or {}).get("tenants", {})  # noqa: E731
     for t in sorted({t for r in runs for t in [*r["summary"].get("tenants", {}), *ws(r["summary"])]}):
         def tenant(s, t=t):
             x = s["tenants"].get(t)
@@ -203,11 +204,12 @@ def format_table(runs: list[dict]) -> list[str]:
                                           f"TTFT {fmt_ms(x['ttft_p50_ms'])} / {fmt_ms(x['ttft_p99_ms'])}")
         rows.append((f"tenant {t} (TTFT p50 / p99)", [_cell(tenant, r["summary"]) for r in runs]))
 
-        def service(s, t=t):
-            x = s["weighted_service"]["tenants"][t]
-            return (f"{x['prompt_tokens']} in + 2 x {x['output_tokens']} out = {x['service']:.0f}, "
-                    f"/ weight {x['per_weight']:.0f}")
-        rows.append((f"tenant {t} weighted service", [_cell(service, r["summary"]) for r in runs]))
+        for source in ("server", "client"):
+            def service(s, t=t, source=source):
+                x = s["weighted_service"][source]["tenants"][t]
+                return (f"{x['prompt_tokens']:.0f} in + 2 x {x['output_tokens']:.0f} out = {x['service']:.0f}, "
+                        f"/ weight {x['per_weight']:.0f}")
+            rows.append((f"tenant {t} weighted service ({source})", [_cell(service, r["summary"]) for r in runs]))
     w0 = max(len(n) for n, _ in rows)
     widths = [max(len(cells[i]) for _, cells in rows) for i in range(len(runs))]
     return [f"{name:<{w0}}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)) for name, cells in rows]

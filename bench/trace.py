@@ -208,7 +208,7 @@ def model_main(args, wl, reqs) -> int:
         print(f"   {tot['output_tps']:.1f} out tok/s, {tot['preemptions_per_request']:.2f} preemptions/request "
               f"({tot['seat_preemptions']} for seats, at most {tot['max_preemptions']} for one); weighted service "
               f"(VTC, every tenant backlogged): {describe(ws)}; "
-              + ", ".join(f"{k} {v['service']}" for k, v in ws["tenants"].items()), flush=True)
+              + ", ".join(f"{k} {v['service']:.0f}" for k, v in ws["client"]["tenants"].items()), flush=True)
     return 0
 
 

@@ -67,6 +67,14 @@ def test_serve_bench_writes_results_and_plots(tiny_model, tmp_path):
         assert r["output_tokens"] == r["max_tokens"] and r["finish"] == "length"
         assert r["send"] <= r["deltas"][0][0] <= r["end"] and r["queue_s"] is not None
     assert run["stats"] and {"waiting", "running", "kv_cache_usage", "num_preemptions"} <= set(run["stats"][0])
+    # The server's per-tenant counters (GET /metrics) from before the first request to after
+    # the last equal what the client was served: every prompt once, every output token.
+    first, last = run["served"][0]["served"], run["served"][-1]["served"]
+    for tenant in ("a", "b"):
+        mine = [r for r in run["requests"] if r["tenant"] == tenant]
+        got = [x - y for x, y in zip(last[tenant], first.get(tenant, (0, 0)))]
+        assert got == [sum(r["prompt_tokens"] for r in mine), sum(r["output_tokens"] for r in mine)]
+    assert s["weighted_service"]["client"]["pair"] == ["a", "b"]
     pngs = sorted((tmp_path / "plots").glob("*.png"))
     assert {p.name for p in pngs} == {"tiny-latency_cdf.png", "tiny-ws-itl_time.png", "tiny-ws-tenant_tokens.png"}
     assert all(p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size > 1000 for p in pngs)

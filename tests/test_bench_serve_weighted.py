@@ -41,33 +41,50 @@ def test_a_request_that_never_ended_keeps_its_user_outstanding():
     assert backlogged_until(recs) == 7.0
 
 
-def test_service_counts_prompts_at_first_token_and_output_up_to_the_window():
-    """Prompt tokens x1 count for requests whose first token came within the window,
-    output tokens x2 for deltas within it; the split is heavier over lighter tenant,
-    against their weight ratio."""
+def test_client_count_takes_prompts_at_first_token_and_output_up_to_the_window():
+    """By the records: prompt tokens x1 count for requests whose first token came within
+    the window, output tokens x2 for deltas within it; the split is heavier over lighter
+    tenant, against their weight ratio."""
     recs = [rec("gold", 0, 0.0, [(1.0, 2), (2.0, 3), (20.0, 4)], prompt=30),   # 5 output tokens by t=10
             rec("gold", 0, 0.0, [(12.0, 5)], end=None, prompt=99),             # first token after t=10
             rec("silver", 1, 0.0, [(3.0, 1), (10.0, 1)], prompt=12)]           # silver's only user ends at 10
     ws = weighted_service(recs, {"gold": 2.0, "silver": 1.0})
-    assert ws["until_s"] == 10.0
-    gold, silver = ws["tenants"]["gold"], ws["tenants"]["silver"]
+    assert ws["until_s"] == 10.0 and ws["server"] is None
+    gold, silver = ws["client"]["tenants"]["gold"], ws["client"]["tenants"]["silver"]
     assert (gold["prompt_tokens"], gold["output_tokens"], gold["service"]) == (30, 5, 40)
     assert (silver["prompt_tokens"], silver["output_tokens"], silver["service"]) == (12, 2, 16)
     assert gold["per_weight"] == 20 and silver["per_weight"] == 16
-    assert ws["pair"] == ["gold", "silver"] and ws["target"] == 2.0
-    assert ws["split"] == pytest.approx(40 / 16) and ws["error"] == pytest.approx(40 / 16 / 2 - 1)
+    assert ws["client"]["pair"] == ["gold", "silver"] and ws["client"]["target"] == 2.0
+    assert ws["client"]["split"] == pytest.approx(40 / 16) and ws["client"]["error"] == pytest.approx(40 / 16 / 2 - 1)
 
 
-def test_the_table_shows_the_split_and_each_tenants_service():
-    """The printed table has a split row with its target and error, and a service row per tenant."""
+def test_server_count_is_the_counters_change_from_the_baseline_to_the_window_end():
+    """By the server's counters: the last sample at or before the window's end less the
+    baseline sample (the warm-up is before it); tenants outside the workload are left out."""
+    recs = [rec("gold", 0, 0.0, [(1.0, 1), (9.0, 1)]), rec("silver", 1, 0.0, [(1.0, 1), (6.0, 1)])]
+    samples = [{"t": 0.0, "served": {"gold": (10, 4)}},
+               {"t": 5.5, "served": {"gold": (110, 54), "silver": (60, 20), "other": (5, 5)}},
+               {"t": 6.5, "served": {"gold": (999, 999), "silver": (999, 999)}}]          # after t=6
+    ws = weighted_service(recs, {"gold": 2.0, "silver": 1.0}, samples)
+    server = ws["server"]["tenants"]
+    assert set(server) == {"gold", "silver"}
+    assert server["gold"]["service"] == 100 + 2 * 50 and server["silver"]["service"] == 60 + 2 * 20
+    assert ws["server"]["split"] == pytest.approx(200 / 100) and ws["server"]["error"] == pytest.approx(0.0)
+    assert weighted_service(recs, {"gold": 2.0, "silver": 1.0}, samples[:1])["server"] is None
+
+
+def test_the_table_shows_both_splits_and_each_tenants_service():
+    """The printed table has the server's and the client's split with target and error,
+    and each tenant's service by both counts."""
     recs = [rec("gold", 0, 0.0, [(1.0, 10)], prompt=20), rec("silver", 1, 0.0, [(1.0, 5)], prompt=10)]
-    summary = {"weighted_service": weighted_service(recs, {"gold": 2.0, "silver": 1.0}),
-               "tenants": {}}
+    samples = [{"t": 0.0, "served": {}}, {"t": 1.0, "served": {"gold": (20, 10), "silver": (10, 5)}}]
+    summary = {"weighted_service": weighted_service(recs, {"gold": 2.0, "silver": 1.0}, samples), "tenants": {}}
     lines = servestats.format_table([{"label": "fair", "summary": summary}])
-    split = next(line for line in lines if line.startswith("weighted service split"))
-    assert "gold:silver 2.00 (target 2, +0.0%)" in split
-    assert any(line.startswith("tenant silver weighted service") and "10 in + 2 x 5 out = 20" in line
-               for line in lines)
+    for source in ("server", "client"):
+        row = next(line for line in lines if line.startswith(f"weighted split, backlogged ({source})"))
+        assert "gold:silver 2.00 (target 2, +0.0%) to 1 s" in row
+        assert any(line.startswith(f"tenant silver weighted service ({source})") and "10 in + 2 x 5 out = 20" in line
+                   for line in lines)
 
 
 def closed_requests(users: dict[str, tuple[int, float]], per_user: int, think_s: float = 0.0) -> list[Req]:
@@ -111,6 +128,6 @@ def test_the_closed_weighted_workload_splits_2_to_1_in_the_model():
     for policy in ("fair", "fcfs"):
         config = EngineConfig(max_num_seqs=8, policy=policy, itl_target_ms=None)
         recs, _, tot = replay_model(reqs, prompts, config, (0.144, 0.012, 0.005), wl)
-        splits[policy] = weighted_service(recs, weights)["error"]
+        splits[policy] = weighted_service(recs, weights)["client"]["error"]
         assert tot["max_preemptions"] <= 3
     assert abs(splits["fair"]) <= 0.05 and abs(splits["fcfs"]) > 0.05, splits
