@@ -25,7 +25,9 @@ only by the request count).
 
 Output: a progress line on stderr, a table on stdout, JSON (--json-out, default
 bench/results/serve-<workload>.json) and PNG plots (--plots-dir). Each delta counts one
-token unless the server sends `num_tokens` with it (see drivers.py).
+token unless the server sends `num_tokens` with it (see drivers.py). Per tenant, the
+weighted service as the fair policy counts it, while every tenant is backlogged, by the
+server's own counters and by the client's records (bench/weighted.py).
 """
 
 from __future__ import annotations
