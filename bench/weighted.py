@@ -11,7 +11,7 @@ every user has a request in flight all that while.
 Two counts of the same thing, side by side:
 - `server`: the engine's own per-tenant counters (`tenant_served_tokens`: prompt tokens
   as billed, so a recompute after a preemption is free, and output tokens as sampled),
-  sampled during the run (`sample_served`: `GET /metrics` of a server, `stats()` of an
+  sampled during the run (`ServedSampler`: `GET /metrics` of a server, `stats()` of an
   in-process engine) and read at the last sample within the window, less the first
   (the warm-up request is before it);
 - `client`: the records alone: a request's prompt counts once, when its first token
@@ -92,7 +92,7 @@ def split(tokens: dict[str, tuple[float, float]], weights: dict[str, float]) -> 
 
 def weighted_service(recs: list[dict], weights: dict[str, float], served: list[dict] | None = None) -> dict:
     """The window's end (`until_s`) and the split there, by the client's count and, given
-    the run's `sample_served` samples, by the server's (None if it has too few)."""
+    the run's `ServedSampler` samples, by the server's (None if it has too few)."""
     until = backlogged_until(recs)
     if until is None:
         return {"until_s": None, "client": {"tenants": {}}, "server": None}
