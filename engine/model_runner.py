@@ -10,6 +10,7 @@ import torch
 
 from .attention import AttentionMetadata, DecodeGroup, KernelBatch, PrefillChunk
 from .config import EngineConfig
+from .cuda_graphs import DecodeGraphs
 from .kernels import paged_attention_op
 from .kv_cache import PagedKVCache
 from .models import load_model
@@ -35,12 +36,23 @@ class ModelRunner:
         num_kv_heads = (getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads) // tp   # this rank's
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.num_blocks = config.num_kv_blocks or self._auto_num_blocks(hf.num_hidden_layers, num_kv_heads, head_dim)
-        self.kv_cache = PagedKVCache(hf.num_hidden_layers, self.num_blocks, config.block_size,
+        use_graphs = config.compile and config.cuda_graphs and self.device.type == "cuda"
+        # With CUDA graphs one block more than the block manager hands out: the scratch
+        # block that padded rows read and write.
+        self.kv_cache = PagedKVCache(hf.num_hidden_layers, self.num_blocks + int(use_graphs), config.block_size,
                                      num_kv_heads, head_dim, self.dtype, self.device, config.num_swap_blocks)
         self.use_kernel = self._use_kernel(config)
         log.info("dtype %s, attention backend %s", self.dtype, "kernel" if self.use_kernel else "torch")
         self.forward = self.model
-        if config.compile:
+        self.graphs: DecodeGraphs | None = None
+        self.compile_time_s = 0.0
+        if use_graphs:                                                # steps with prefill stay eager
+            self.graphs = DecodeGraphs(torch.compile(self.model, mode="reduce-overhead", dynamic=True), self.kv_cache,
+                                       self.num_blocks, config.max_num_seqs, self.device)
+            self.compile_time_s = self.graphs.warm_up()
+            log.info("torch.compile + CUDA graphs: decode buckets of 1..%d rows recorded in %.1f s",
+                     self.graphs.max_rows, self.compile_time_s)
+        elif config.compile:
             self.forward = self._compiled()
         self.last_forward_time = 0.0
 
@@ -67,7 +79,8 @@ class ModelRunner:
                         position_ids=torch.arange(ctx - n, ctx, device=self.device).repeat(seqs)[None],
                         cache=self.kv_cache, use_cache=False, paged=meta,
                         logits_to_keep=torch.arange(n - 1, tokens, n, device=self.device))
-        log.info("torch.compile: model compiled in %.1f s", time.perf_counter() - start)
+        self.compile_time_s = time.perf_counter() - start
+        log.info("torch.compile: model compiled in %.1f s", self.compile_time_s)
         return forward
 
     def _use_kernel(self, config: EngineConfig) -> bool:
@@ -114,6 +127,13 @@ class ModelRunner:
     def run(self, batch: SchedulerOutput) -> torch.Tensor:
         """Returns float32 logits [num_sampling_rows, V], one row per sequence that
         reaches its last token this step, in batch order."""
+        if self.graphs is not None and self.graphs.accepts(batch):
+            start = time.perf_counter()
+            logits = self.graphs.run(batch)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.last_forward_time = time.perf_counter() - start
+            return logits
         return self.execute(*self._prepare(batch))
 
     @torch.inference_mode()
