@@ -63,29 +63,29 @@ class ModelRunner:
         size is 0 or 1: it compiles once, here, on a dummy batch on the scratch block whose
         sizes all differ (torch would take equal sizes for one symbol and recompile when
         they part); its time is logged. With the torch backend the per-group lists are
-        guarded on and recompile as the batch changes (up to dynamo's limit, then eager)."""
+        guarded on and recompile as batches change (up to dynamo's limit, then eager); it
+        compiles here for a decode group beside three prompt chunks."""
         forward = torch.compile(self.model, dynamic=True)
-        bs, scratch = self.config.block_size, self.num_blocks
+        bs, scratch, dev = self.config.block_size, self.num_blocks, self.device
+        ids, pos, slots, sample_rows, kernel = [], [], [], [], []
+        # (context, new tokens, sampled): 21 rows, 5 sequences, 7 blocks wide, 4 sampled (with _pad).
+        for ctx, n, samples in [(6 * bs + 3, 1, True), (9, 9, True), (2 * bs, 4, False), (5, 5, False)]:
+            pos += range(ctx - n, ctx)
+            slots += (scratch * bs + p % bs for p in range(ctx - n, ctx))
+            sample_rows += [len(ids) + n - 1] if samples else []
+            ids += [0] * n
+            kernel.append((ctx, n, [scratch] * -(-ctx // bs)))
+        if self.use_kernel:
+            meta = self._pad(ids, pos, slots, sample_rows, kernel)
+        else:
+            meta = AttentionMetadata(self.kv_cache, torch.tensor(slots, device=dev), [], [])
+            self._torch_groups(meta, [0], [kernel[0][2]], [kernel[0][0]],
+                               [(row, ctx - n, n, table) for row, (ctx, n, table) in zip((1, 10, 14), kernel[1:])])
         start = time.perf_counter()
         with torch.inference_mode():
-            if self.use_kernel:   # (context, new tokens, sampled): 21 rows, 5 sequences, 7 blocks wide, 4 sampled
-                batch = [(6 * bs + 3, 1, True), (9, 9, True), (2 * bs, 4, False), (5, 5, False)]
-                ids, pos, slots, sample_rows, kernel = [], [], [], [], []
-                for ctx, n, samples in batch:
-                    table = [scratch] * -(-ctx // bs)
-                    pos += range(ctx - n, ctx)
-                    slots += (scratch * bs + p % bs for p in range(ctx - n, ctx))
-                    sample_rows += [len(ids) + n - 1] if samples else []
-                    ids += [0] * n
-                    kernel.append((ctx, n, table))
-                meta = self._pad(ids, pos, slots, sample_rows, kernel)
-            else:                 # two 8-token prompts
-                ids, pos, sample_rows = [0] * 16, list(range(8)) * 2, [7, 15]
-                meta = AttentionMetadata(self.kv_cache, torch.zeros(16, dtype=torch.long, device=self.device), [],
-                                         [PrefillChunk(slice(0, 8), None, None), PrefillChunk(slice(8, 16), None, None)])
-            forward(input_ids=torch.tensor([ids], device=self.device), position_ids=torch.tensor([pos], device=self.device),
+            forward(input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([pos], device=dev),
                     cache=self.kv_cache, use_cache=False, paged=meta,
-                    logits_to_keep=torch.tensor(sample_rows, device=self.device))
+                    logits_to_keep=torch.tensor(sample_rows, device=dev))
         self.compile_time_s = time.perf_counter() - start
         log.info("torch.compile: model compiled in %.1f s", self.compile_time_s)
         return forward
@@ -184,7 +184,7 @@ class ModelRunner:
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
         prefills: list[tuple[int, int, int, list[int]]] = []       # (row, start_pos, n, block table)
-        kernel: list[tuple[int, int, list[int]]] = []               # (context, new tokens, table) the kernel attends for
+        kernel: list[tuple[int, int, list[int]]] = []               # (context, new tokens, table) for the kernel
         kernel_rows: list[int] = []                                 # their packed query rows
         for seq, n, samples, is_decode in zip(batch.seqs, batch.num_new_tokens, batch.samples, batch.is_decode):
             start, row, table = seq.num_computed_tokens, len(ids), seq.block_table
