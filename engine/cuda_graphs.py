@@ -16,6 +16,7 @@ import logging
 import time
 
 import torch
+from torch.fx.experimental import _config as shape_config
 
 from .attention import AttentionMetadata, DecodeGroup
 from .kv_cache import PagedKVCache
@@ -48,13 +49,17 @@ class DecodeGraphs:
                 and all(batch.samples))
 
     def warm_up(self) -> float:
-        """Compile and record the one-block bucket of every row count; returns seconds."""
+        """Compile and record the 1- and 2-block buckets of every row count, which covers
+        every graph torch compiles (it specializes sizes of 1: rows, blocks); wider
+        contexts only record more CUDA graphs later. Returns seconds."""
         start = time.perf_counter()
-        rows = 1
-        while rows <= self.max_rows:
-            for _ in range(3):                          # cudagraph trees: warm-up run, record, replay
-                self._forward([0] * rows, [0] * rows, [[self.scratch]] * rows, rows)
-            rows *= 2
+        for width in (1, 2):
+            rows = 1
+            while rows <= self.max_rows:
+                for _ in range(3):                      # cudagraph trees: warm-up run, record, replay
+                    self._forward([0] * rows, [width * self.cache.block_size - 1] * rows,
+                                  [[self.scratch] * width] * rows, rows)
+                rows *= 2
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
@@ -86,8 +91,11 @@ class DecodeGraphs:
         meta = AttentionMetadata(self.cache, torch.tensor(slots, dtype=torch.long, device=dev),
                                  [DecodeGroup(torch.arange(rows, device=dev), context, mask)], [])
         torch.compiler.cudagraph_mark_step_begin()
-        logits = self.forward(input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
-                              position_ids=(lens_t - 1)[None], cache=self.cache, use_cache=False, paged=meta,
-                              logits_to_keep=0).logits                                  # [1, R, V]
+        # Without duck shapes: rows and context width equal when first traced would be
+        # guarded equal, and recompile when they part.
+        with shape_config.patch(use_duck_shape=False):
+            logits = self.forward(input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
+                                  position_ids=(lens_t - 1)[None], cache=self.cache, use_cache=False, paged=meta,
+                                  logits_to_keep=0).logits                              # [1, R, V]
         # The recording owns its output buffer and the next replay overwrites it: copy.
         return logits[0, :num_real].to(torch.float32, copy=True)                          # [B, V]

@@ -67,22 +67,22 @@ class ModelRunner:
         compiles here for a decode group beside three prompt chunks."""
         forward = torch.compile(self.model, dynamic=True)
         bs, scratch, dev = self.config.block_size, self.num_blocks, self.device
-        ids, pos, slots, sample_rows, kernel = [], [], [], [], []
-        # (context, new tokens, sampled): 21 rows, 5 sequences, 7 blocks wide, 4 sampled (with _pad).
-        for ctx, n, samples in [(6 * bs + 3, 1, True), (9, 9, True), (2 * bs, 4, False), (5, 5, False)]:
-            pos += range(ctx - n, ctx)
-            slots += (scratch * bs + p % bs for p in range(ctx - n, ctx))
-            sample_rows += [len(ids) + n - 1] if samples else []
-            ids += [0] * n
-            kernel.append((ctx, n, [scratch] * -(-ctx // bs)))
-        if self.use_kernel:
-            meta = self._pad(ids, pos, slots, sample_rows, kernel)
-        else:
-            meta = AttentionMetadata(self.kv_cache, torch.tensor(slots, device=dev), [], [])
-            self._torch_groups(meta, [0], [kernel[0][2]], [kernel[0][0]],
-                               [(row, ctx - n, n, table) for row, (ctx, n, table) in zip((1, 10, 14), kernel[1:])])
         start = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode():                                 # as in steps: guards tell inference tensors apart
+            ids, pos, slots, sample_rows, kernel = [], [], [], [], []
+            # (context, new tokens, sampled): 21 rows, 5 sequences, 7 blocks wide, 4 sampled (with _pad).
+            for ctx, n, samples in [(6 * bs + 3, 1, True), (9, 9, True), (2 * bs, 4, False), (5, 5, False)]:
+                pos += range(ctx - n, ctx)
+                slots += (scratch * bs + p % bs for p in range(ctx - n, ctx))
+                sample_rows += [len(ids) + n - 1] if samples else []
+                ids += [0] * n
+                kernel.append((ctx, n, [scratch] * -(-ctx // bs)))
+            if self.use_kernel:
+                meta = self._pad(ids, pos, slots, sample_rows, kernel)
+            else:
+                meta = AttentionMetadata(self.kv_cache, torch.tensor(slots, device=dev), [], [])
+                self._torch_groups(meta, [0], [kernel[0][2]], [kernel[0][0]],
+                                   [(row, ctx - n, n, table) for row, (ctx, n, table) in zip((1, 10, 14), kernel[1:])])
             forward(input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([pos], device=dev),
                     cache=self.kv_cache, use_cache=False, paged=meta,
                     logits_to_keep=torch.tensor(sample_rows, device=dev))
