@@ -95,7 +95,7 @@ def run_engine(model_dir: str, requests, kv_tokens: int, max_num_seqs: int, max_
     wall = time.perf_counter() - start - stats_s
     bad = {k: v for k, v in reasons.items() if v != "length"}
     notes = [f"attention {'kernel' if eng.runner.use_kernel else 'torch'}, {eng.runner.dtype}, "
-             f"{'compiled' if compile else 'eager'}, "
+             f"{f'compiled in {eng.runner.compile_time_s:.0f} s' if compile else 'eager'}, "
              f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_batched_tokens}, "
              f"KV {cfg.num_kv_blocks} x {cfg.block_size}-token blocks"]
     return {
