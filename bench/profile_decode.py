@@ -118,7 +118,7 @@ def profile_offline(args, activities) -> int:
         kinds[KINDS.get(e.key, "other operators")] += e.self_cpu_time_total / 1e6
     print(f"{args.num_requests} requests (prompts <= {args.max_prompt}, outputs <= {args.max_output}), "
           f"{eng.runner.dtype}, attention {'kernel' if eng.runner.use_kernel else 'torch'}"
-          f"{', compiled' if args.compile else ''}: "
+          f"{f', compiled in {eng.runner.compile_time_s:.0f} s' if args.compile else ''}: "
           f"{steps} steps, wall {wall:.1f} s, model forward {forward:.1f} s")
     for kind, seconds in kinds.most_common():
         print(f"  {kind:24s} {seconds:8.2f} s {seconds / wall:7.1%}")
