@@ -102,6 +102,28 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
     return out.unsqueeze(0), None
 
 
+@torch.library.custom_op("streamgate::kv_write", mutates_args=("pool",))
+def kv_write(pool: torch.Tensor, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """pool[layer][slots] = rows, as one opaque op that declares what it mutates."""
+    pool[layer].index_copy_(0, slots, rows)
+
+
+@kv_write.register_fake
+def _(pool, layer, slots, rows) -> None:
+    return None
+
+
+class CompiledKVCache(PagedKVCache):
+    """The pool for a compiled model. torch.compile turns an in-place write into a graph
+    input (the pool) into an out-of-place one plus a copy of the whole pool back, per layer
+    and step: a compiled SmolLM2 step ran 2-10x slower than eager, two thirds of it copying
+    (docs/BENCHMARKS.md §8.11). A custom op that declares the mutation is written in place."""
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        kv_write(self.k, layer, slots, key)
+        kv_write(self.v, layer, slots, value)
+
+
 def _gather(cache: PagedKVCache, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager: the cache's gather into its reused scratch buffer. Compiled: plain indexing,
     whose buffers inductor plans itself (a CUDA graph cannot hold the scratch buffer's

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from .attention import AttentionMetadata, DecodeGroup, KernelBatch, PrefillChunk
+from .attention import AttentionMetadata, CompiledKVCache, DecodeGroup, KernelBatch, PrefillChunk
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .kernels import paged_attention_op
@@ -39,8 +39,9 @@ class ModelRunner:
         use_graphs = config.compile and config.cuda_graphs and self.device.type == "cuda"
         # Compiled, one block more than the block manager hands out: the scratch block (block
         # num_blocks) that padded rows read and write.
-        self.kv_cache = PagedKVCache(hf.num_hidden_layers, self.num_blocks + int(config.compile), config.block_size,
-                                     num_kv_heads, head_dim, self.dtype, self.device, config.num_swap_blocks)
+        pool = CompiledKVCache if config.compile else PagedKVCache
+        self.kv_cache = pool(hf.num_hidden_layers, self.num_blocks + int(config.compile), config.block_size,
+                             num_kv_heads, head_dim, self.dtype, self.device, config.num_swap_blocks)
         self.use_kernel = self._use_kernel(config)
         self.pad_rows = _PAD_ROWS if config.compile and self.use_kernel else 0
         log.info("dtype %s, attention backend %s", self.dtype, "kernel" if self.use_kernel else "torch")
