@@ -55,14 +55,14 @@ def _rss_mib() -> float:
 
 def run_engine(model_dir: str, requests, kv_tokens: int, max_num_seqs: int, max_batched_tokens: int,
                device: str = "cpu", dtype: str = "float32", attention_backend: str = "auto",
-               compile: bool = False) -> dict:
+               compile: bool = False, cuda_graphs: bool = True) -> dict:
     """Drive `LLMEngine.step()` over all requests, recording the engine's per-step stats."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     cfg = EngineConfig(model=model_dir, device=device, dtype=dtype, block_size=BLOCK_SIZE,
                        num_kv_blocks=kv_tokens // BLOCK_SIZE, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_batched_tokens, attention_backend=attention_backend,
-                       compile=compile)
+                       compile=compile, cuda_graphs=cuda_graphs)
     eng = LLMEngine(cfg)
     rss_loaded = _rss_mib()
     eng.add_request("warmup", prompt_token_ids=list(requests[0].prompt_ids[:8]),
@@ -95,7 +95,7 @@ def run_engine(model_dir: str, requests, kv_tokens: int, max_num_seqs: int, max_
     wall = time.perf_counter() - start - stats_s
     bad = {k: v for k, v in reasons.items() if v != "length"}
     notes = [f"attention {'kernel' if eng.runner.use_kernel else 'torch'}, {eng.runner.dtype}, "
-             f"{'compiled' if compile else 'eager'}, "
+             f"{f'compiled in {eng.runner.compile_time_s:.0f} s' if compile else 'eager'}, "
              f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_batched_tokens}, "
              f"KV {cfg.num_kv_blocks} x {cfg.block_size}-token blocks"]
     return {
@@ -150,7 +150,7 @@ def run_system(args) -> dict:
     requests = _workload(AutoTokenizer.from_pretrained(model_dir), args)
     if args.system == "engine":
         result = run_engine(model_dir, requests, args.kv_tokens, args.max_num_seqs, args.max_batched_tokens,
-                            args.device, args.dtype, args.attention_backend, args.compile)
+                            args.device, args.dtype, args.attention_backend, args.compile, not args.no_cuda_graphs)
     elif args.device != "cpu":
         raise SystemExit(f"{args.system} runs on the CPU only; use --systems engine with --device {args.device}")
     else:
@@ -183,8 +183,7 @@ def _spawn(system: str, args, tmp: Path) -> dict:
                  "max_num_seqs", "max_batched_tokens", "kv_tokens", "device", "dtype", "attention_backend"):
         if getattr(args, flag) is not None:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-    if args.compile:
-        cmd.append("--compile")
+    cmd += [flag for flag, on in (("--compile", args.compile), ("--no-cuda-graphs", args.no_cuda_graphs)) if on]
     print(f"== {system} ...", file=sys.stderr, flush=True)
     rc = subprocess.run(cmd).returncode
     if out.exists():
@@ -263,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "kernel", "torch"],
                    help="engine attention backend (engine system only)")
     p.add_argument("--compile", action="store_true", help="engine with torch.compile (engine system only)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="with --compile on CUDA: no CUDA graphs for decode")
     p.add_argument("--json-out", default="bench/results/offline.json")
     p.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)  # child mode: run one system
     args = p.parse_args(argv)

@@ -2,13 +2,18 @@
 
     python -m bench.profile_decode [--seqs 32] [--min-ctx 200] [--max-ctx 1000] [--steps 3]
                                    [--dtype auto] [--attention-backend auto|kernel|torch]
-    python -m bench.profile_decode --offline [--num-requests 16] [--max-prompt 512] [--max-output 32]
+    python -m bench.profile_decode --offline [--num-requests 16] [--max-prompt 512] [--max-output 32] [--compile]
+    python -m bench.profile_decode --serving [--num-requests 64] [--max-prompt 512] [--max-output 64]
 
 Default: prefills `--seqs` prompts of random length in [min-ctx, max-ctx], then profiles
 `--steps` pure decode steps and prints the operators by self CPU time. `--offline`: runs
 bench.offline's engine workload (same generator and engine settings) to completion under the
 profiler and also prints the time by kind (linear layers, attention, gather, ...) and the
-share spent outside the model forward.
+share spent outside the model forward. `--serving`: requests arrive one per step (decode
+batches of 1..32 beside chunked prefill) on an eager and a compiled engine stepping in turn (the
+host is shared: alternating steps gives both the same load); prints each one's forward time by
+step kind, the graphs torch.compile made (start-up and during the run) and whether the greedy
+outputs agree.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--max-output", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--compile", action="store_true", help="--offline: profile the compiled engine")
+    ap.add_argument("--serving", action="store_true", help="eager vs compiled on staggered arrivals (see above)")
     args = ap.parse_args(argv)
 
     import torch
@@ -53,6 +60,8 @@ def main(argv=None) -> int:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
     if args.offline:
         return profile_offline(args, activities)
+    if args.serving:
+        return compare_serving(args)
     eng = LLMEngine(EngineConfig(model="default", device=args.device, dtype=args.dtype, max_num_batched_tokens=2048,
                                  max_num_seqs=max(64, args.seqs), enable_prefix_caching=False,
                                  attention_backend=args.attention_backend))
@@ -90,7 +99,7 @@ def profile_offline(args, activities) -> int:
                              min_output=min(16, args.max_output), max_output=args.max_output)
     eng = LLMEngine(EngineConfig(model=model_dir, device=args.device, dtype=args.dtype, block_size=BLOCK_SIZE,
                                  num_kv_blocks=24576 // BLOCK_SIZE, max_num_seqs=64, max_num_batched_tokens=512,
-                                 attention_backend=args.attention_backend))
+                                 attention_backend=args.attention_backend, compile=args.compile))
     greedy = dict(temperature=0.0, ignore_eos=True)
     eng.add_request("warmup", list(requests[0].prompt_ids[:8]), SamplingParams(max_tokens=2, **greedy))
     while eng.has_unfinished():
@@ -108,12 +117,57 @@ def profile_offline(args, activities) -> int:
     for e in prof.key_averages():
         kinds[KINDS.get(e.key, "other operators")] += e.self_cpu_time_total / 1e6
     print(f"{args.num_requests} requests (prompts <= {args.max_prompt}, outputs <= {args.max_output}), "
-          f"{eng.runner.dtype}, attention {'kernel' if eng.runner.use_kernel else 'torch'}: "
+          f"{eng.runner.dtype}, attention {'kernel' if eng.runner.use_kernel else 'torch'}"
+          f"{f', compiled in {eng.runner.compile_time_s:.0f} s' if args.compile else ''}: "
           f"{steps} steps, wall {wall:.1f} s, model forward {forward:.1f} s")
     for kind, seconds in kinds.most_common():
         print(f"  {kind:24s} {seconds:8.2f} s {seconds / wall:7.1%}")
     print(f"  {'outside the forward':24s} {wall - forward:8.2f} s {(wall - forward) / wall:7.1%}")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    return 0
+
+
+def compare_serving(args) -> int:
+    """One request arrives per step into an eager and a compiled engine that step in turn."""
+    from torch._dynamo.utils import counters
+
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    cfg = dict(model="default", device=args.device, dtype=args.dtype, max_num_seqs=32, max_num_batched_tokens=256,
+               attention_backend=args.attention_backend)
+    engines = {"eager": LLMEngine(EngineConfig(**cfg))}
+    engines["compiled"] = LLMEngine(EngineConfig(**cfg, compile=True))
+    startup_graphs = counters["stats"]["unique_graphs"]
+    rng = random.Random(0)
+    requests = [([rng.randrange(1000, 40000) for _ in range(rng.randint(16, args.max_prompt))],
+                 SamplingParams(max_tokens=rng.randint(4, args.max_output), temperature=0.0, ignore_eos=True))
+                for _ in range(args.num_requests)]
+    outputs = {name: {} for name in engines}
+    forward = {name: Counter() for name in engines}
+    step = 0
+    while step < len(requests) or any(e.has_unfinished() for e in engines.values()):
+        for name, eng in engines.items():
+            if step < len(requests):
+                eng.add_request(f"r{step}", *requests[step])
+            if not eng.has_unfinished():
+                continue
+            decode_only = not eng.scheduler.waiting and all(not s.is_prefill for s in eng.scheduler.running)
+            for out in eng.step():
+                outputs[name].setdefault(out.request_id, []).extend(out.new_token_ids)
+            kind = "decode-only steps" if decode_only else "steps with prefill"
+            forward[name][kind] += eng.runner.last_forward_time
+            forward[name][kind + " (count)"] += 1
+        step += 1
+    same = sum(outputs["eager"][r] == outputs["compiled"][r] for r in outputs["eager"])
+    print(f"{args.num_requests} requests (prompts 16..{args.max_prompt}, outputs 4..{args.max_output}), one per "
+          f"step, max 32 running, 256-token steps; compile took {engines['compiled'].runner.compile_time_s:.1f} s")
+    for kind in ("decode-only steps", "steps with prefill"):
+        e, c = forward["eager"][kind], forward["compiled"][kind]
+        print(f"  {kind:20s} eager {e:7.2f} s ({forward['eager'][kind + ' (count)']} steps), compiled {c:7.2f} s "
+              f"({forward['compiled'][kind + ' (count)']}): compiled/eager {c / e if e else float('nan'):.3f}")
+    print(f"  graphs: {startup_graphs} at start-up, {counters['stats']['unique_graphs'] - startup_graphs} more "
+          f"during {step} steps; graph breaks {sum(counters['graph_break'].values())}; "
+          f"greedy outputs equal for {same}/{len(outputs['eager'])} requests")
     return 0
 
 

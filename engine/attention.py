@@ -82,7 +82,7 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
     group = num_heads // num_kv_heads
 
     for dec in meta.decodes:
-        k_ctx, v_ctx = meta.cache.gather(layer, dec.slots)        # [B, T, H_kv, D]
+        k_ctx, v_ctx = _gather(meta.cache, layer, dec.slots)     # [B, T, H_kv, D]
         b = k_ctx.shape[0]
         qd = q[dec.rows].view(b, num_kv_heads, group, head_dim)    # [B, H_kv, G, D]
         o = F.scaled_dot_product_attention(qd, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
@@ -94,12 +94,43 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
         if chunk.context_slots is None:                            # whole context is this chunk
             kp, vp = key[:, :, chunk.rows], value[:, :, chunk.rows]  # [1, H_kv, q, D]
         else:
-            kc, vc = meta.cache.gather(layer, chunk.context_slots)  # [T, H_kv, D]
+            kc, vc = _gather(meta.cache, layer, chunk.context_slots)  # [T, H_kv, D]
             kp, vp = kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0)  # [1, H_kv, T, D]
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, is_causal=chunk.mask is None,
                                            scale=scaling, enable_gqa=group > 1)  # [1, H, q, D]
         out[chunk.rows] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+@torch.library.custom_op("streamgate::kv_write", mutates_args=("pool",))
+def kv_write(pool: torch.Tensor, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """pool[layer][slots] = rows, as one opaque op that declares what it mutates."""
+    pool[layer].index_copy_(0, slots, rows)
+
+
+@kv_write.register_fake
+def _(pool, layer, slots, rows) -> None:
+    return None
+
+
+class CompiledKVCache(PagedKVCache):
+    """The pool for a compiled model. torch.compile turns an in-place write into a graph
+    input (the pool) into an out-of-place one plus a copy of the whole pool back, per layer
+    and step: a compiled SmolLM2 step ran 2-10x slower than eager, two thirds of it copying
+    (docs/BENCHMARKS.md §8.11). A custom op that declares the mutation is written in place."""
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        kv_write(self.k, layer, slots, key)
+        kv_write(self.v, layer, slots, value)
+
+
+def _gather(cache: PagedKVCache, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager: the cache's gather into its reused scratch buffer. Compiled: plain indexing,
+    whose buffers inductor plans itself (a CUDA graph cannot hold the scratch buffer's
+    reallocation, and would copy it in as an input on every replay)."""
+    if torch.compiler.is_compiling():
+        return cache.k[layer][slots], cache.v[layer][slots]
+    return cache.gather(layer, slots)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

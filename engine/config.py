@@ -42,6 +42,7 @@ class EngineConfig:
     attention_backend: str = "auto"       # "kernel": C++ paged attention (CPU), "torch": gather + SDPA,
                                           # "auto": the kernel on CPU where it builds, else torch
     compile: bool = False                 # torch.compile the model (dynamic batch size; opt-in: see docs/BENCHMARKS.md §8.3)
+    cuda_graphs: bool = True              # with compile on CUDA: decode steps replay CUDA graphs per batch bucket
     # -- scheduling: fair seats and the adaptive token budget (issues 11 and 14) -----------
     # With a target, steps may grow past max_num_batched_tokens while they stay this long
     # (measured) and, while streams decode, within 2x their decode-only step; up to
@@ -96,6 +97,7 @@ class EngineConfig:
         need(self.attention_backend != "kernel" or self.device == "cpu", "attention_backend",
              "'kernel' is the CPU kernel; use 'auto' or 'torch' on CUDA")
         need(isinstance(self.compile, bool), "compile", "must be a bool")
+        need(isinstance(self.cuda_graphs, bool), "cuda_graphs", "must be a bool")
         need(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
              "must be an int >= 1")
         need(self.tensor_parallel_size == 1 or not self.compile, "compile",

@@ -8,8 +8,9 @@ import time
 
 import torch
 
-from .attention import AttentionMetadata, DecodeGroup, KernelBatch, PrefillChunk
+from .attention import AttentionMetadata, CompiledKVCache, DecodeGroup, KernelBatch, PrefillChunk
 from .config import EngineConfig
+from .cuda_graphs import DecodeGraphs
 from .kernels import paged_attention_op
 from .kv_cache import PagedKVCache
 from .models import load_model
@@ -35,40 +36,78 @@ class ModelRunner:
         num_kv_heads = (getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads) // tp   # this rank's
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.num_blocks = config.num_kv_blocks or self._auto_num_blocks(hf.num_hidden_layers, num_kv_heads, head_dim)
-        self.kv_cache = PagedKVCache(hf.num_hidden_layers, self.num_blocks, config.block_size,
-                                     num_kv_heads, head_dim, self.dtype, self.device, config.num_swap_blocks)
+        use_graphs = config.compile and config.cuda_graphs and self.device.type == "cuda"
+        # Compiled, one block more than the block manager hands out: the scratch block (block
+        # num_blocks) that padded rows read and write.
+        pool = CompiledKVCache if config.compile else PagedKVCache
+        self.kv_cache = pool(hf.num_hidden_layers, self.num_blocks + int(config.compile), config.block_size,
+                             num_kv_heads, head_dim, self.dtype, self.device, config.num_swap_blocks)
         self.use_kernel = self._use_kernel(config)
+        self.pad_rows = _PAD_ROWS if config.compile and self.use_kernel else 0
         log.info("dtype %s, attention backend %s", self.dtype, "kernel" if self.use_kernel else "torch")
         self.forward = self.model
-        if config.compile:
+        self.graphs: DecodeGraphs | None = None
+        self.compile_time_s = 0.0
+        if use_graphs:                                                # steps with prefill stay eager
+            self.graphs = DecodeGraphs(torch.compile(self.model, mode="reduce-overhead", dynamic=True), self.kv_cache,
+                                       self.num_blocks, config.max_num_seqs, self.device)
+            self.compile_time_s = self.graphs.warm_up()
+            log.info("torch.compile + CUDA graphs: decode buckets of 1..%d rows recorded in %.1f s",
+                     self.graphs.max_rows, self.compile_time_s)
+        elif config.compile:
             self.forward = self._compiled()
         self.last_forward_time = 0.0
 
     def _compiled(self):
-        """torch.compile with symbolic sizes, so one graph serves many batch shapes. It compiles
-        here, on dummy batches (block 0 is unused yet): one decode row, then 2 sequences x 8
-        tokens over 2-block contexts, the shapes torch specializes (1 vs many rows, sampled
-        rows, sequences, blocks); its time is logged. With the kernel the attention metadata
-        is three tensors; the torch backend's per-group lists are guarded on and recompile
-        as the batch changes (up to dynamo's limit, then eager)."""
+        """torch.compile with symbolic sizes, so one graph serves every batch. With the kernel
+        the attention metadata is three tensors and every batch is padded (`_pad`) so that no
+        size is 0 or 1: it compiles once, here, on a dummy batch on the scratch block whose
+        sizes all differ (torch would take equal sizes for one symbol and recompile when
+        they part); its time is logged. With the torch backend the per-group lists are
+        guarded on and recompile as batches change (up to dynamo's limit, then eager); it
+        compiles here for a decode group beside three prompt chunks."""
         forward = torch.compile(self.model, dynamic=True)
+        bs, scratch, dev = self.config.block_size, self.num_blocks, self.device
         start = time.perf_counter()
-        with torch.inference_mode():
-            for seqs, n in ((1, 1), (2, 8)):
-                tokens, ctx = seqs * n, n + (self.config.block_size if n > 1 else 0)
-                slots = torch.zeros(tokens, dtype=torch.long, device=self.device)
-                meta = AttentionMetadata(self.kv_cache, slots, [], [])
-                if self.use_kernel:
-                    meta.kernel = KernelBatch(torch.zeros(seqs, -(-ctx // self.config.block_size), dtype=torch.long),
-                                              torch.arange(seqs + 1) * n, torch.full((seqs,), ctx))
-                else:
-                    meta.prefills += [PrefillChunk(slice(i * n, (i + 1) * n), None, None) for i in range(seqs)]
-                forward(input_ids=torch.zeros(1, tokens, dtype=torch.long, device=self.device),
-                        position_ids=torch.arange(ctx - n, ctx, device=self.device).repeat(seqs)[None],
-                        cache=self.kv_cache, use_cache=False, paged=meta,
-                        logits_to_keep=torch.arange(n - 1, tokens, n, device=self.device))
-        log.info("torch.compile: model compiled in %.1f s", time.perf_counter() - start)
+        with torch.inference_mode():                                 # as in steps: guards tell inference tensors apart
+            ids, pos, slots, sample_rows, kernel = [], [], [], [], []
+            # (context, new tokens, sampled): 21 rows, 5 sequences, 7 blocks wide, 4 sampled (with _pad).
+            for ctx, n, samples in [(6 * bs + 3, 1, True), (9, 9, True), (2 * bs, 4, False), (5, 5, False)]:
+                pos += range(ctx - n, ctx)
+                slots += (scratch * bs + p % bs for p in range(ctx - n, ctx))
+                sample_rows += [len(ids) + n - 1] if samples else []
+                ids += [0] * n
+                kernel.append((ctx, n, [scratch] * -(-ctx // bs)))
+            if self.use_kernel:
+                meta = self._pad(ids, pos, slots, sample_rows, kernel)
+            else:
+                meta = AttentionMetadata(self.kv_cache, torch.tensor(slots, device=dev), [], [])
+                self._torch_groups(meta, [0], [kernel[0][2]], [kernel[0][0]],
+                                   [(row, ctx - n, n, table) for row, (ctx, n, table) in zip((1, 10, 14), kernel[1:])])
+            forward(input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([pos], device=dev),
+                    cache=self.kv_cache, use_cache=False, paged=meta,
+                    logits_to_keep=torch.tensor(sample_rows, device=dev))
+        self.compile_time_s = time.perf_counter() - start
+        log.info("torch.compile: model compiled in %.1f s", self.compile_time_s)
         return forward
+
+    def _pad(self, ids, pos, slots, sample_rows, kernel: list[tuple[int, int, list[int]]]) -> AttentionMetadata:
+        """Compiled with the kernel: append a dummy sequence of two rows on the scratch block,
+        both sampled (run() drops their logits), so that rows, sequences, sampled rows and
+        block-table width are all >= 2 in every step. torch specializes sizes 0 and 1, so
+        without it a lone prompt, one sampled row or none each cost one more graph, compiled
+        mid-serving (minutes for SmolLM2 on this CPU: docs/BENCHMARKS.md §8.11). Returns the
+        step's attention metadata; kernel: (context length, new tokens, block table) per
+        sequence."""
+        bs, scratch = self.config.block_size, self.num_blocks
+        sample_rows += [len(ids), len(ids) + 1]
+        ids += [0] * _PAD_ROWS
+        pos += [bs - 1, bs]                                            # a 2-block context
+        slots += [scratch * bs + bs - 1, scratch * bs]
+        kernel.append((bs + 1, _PAD_ROWS, [scratch, scratch]))
+        meta = AttentionMetadata(self.kv_cache, torch.tensor(slots, dtype=torch.long, device=self.device), [], [])
+        meta.kernel = self._kernel_batch(kernel, None)
+        return meta
 
     def _use_kernel(self, config: EngineConfig) -> bool:
         if config.attention_backend == "torch" or self.device.type != "cpu":
@@ -114,7 +153,15 @@ class ModelRunner:
     def run(self, batch: SchedulerOutput) -> torch.Tensor:
         """Returns float32 logits [num_sampling_rows, V], one row per sequence that
         reaches its last token this step, in batch order."""
-        return self.execute(*self._prepare(batch))
+        if self.graphs is not None and self.graphs.accepts(batch):
+            start = time.perf_counter()
+            logits = self.graphs.run(batch)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.last_forward_time = time.perf_counter() - start
+            return logits
+        logits = self.execute(*self._prepare(batch))
+        return logits[:logits.shape[0] - self.pad_rows]
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor,
@@ -138,10 +185,9 @@ class ModelRunner:
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
         prefills: list[tuple[int, int, int, list[int]]] = []       # (row, start_pos, n, block table)
-        kernel_seqs: list[int] = []                                 # batch indices the kernel attends for
+        kernel: list[tuple[int, int, list[int]]] = []               # (context, new tokens, table) for the kernel
         kernel_rows: list[int] = []                                 # their packed query rows
-        for i, (seq, n, samples, is_decode) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.samples,
-                                                              batch.is_decode)):
+        for seq, n, samples, is_decode in zip(batch.seqs, batch.num_new_tokens, batch.samples, batch.is_decode):
             start, row, table = seq.num_computed_tokens, len(ids), seq.block_table
             ids.extend(seq.token_ids(start, start + n))
             pos.extend(range(start, start + n))
@@ -152,7 +198,7 @@ class ModelRunner:
             # batch. Eager, it takes decode rows and short chunks; longer chunks stay on SDPA, whose
             # blocked GEMMs beat the kernel there (crossover: docs/BENCHMARKS.md §8.7).
             if self.use_kernel and (self.config.compile or n <= KERNEL_MAX_CHUNK):
-                kernel_seqs.append(i)
+                kernel.append((start + n, n, table))
                 kernel_rows.extend(range(row, row + n))
             elif is_decode:
                 dec_rows.append(row)
@@ -160,25 +206,25 @@ class ModelRunner:
                 dec_lens.append(start + 1)
             else:
                 prefills.append((row, start, n, table))
-        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
-        meta = AttentionMetadata(self.kv_cache, slot_t, [], [])
+        if self.pad_rows:
+            meta = self._pad(ids, pos, slots, sample_rows, kernel)
+        else:
+            meta = AttentionMetadata(self.kv_cache, torch.tensor(slots, dtype=torch.long, device=dev), [], [])
+            if kernel:
+                meta.kernel = self._kernel_batch(kernel, None if len(kernel_rows) == len(ids) else kernel_rows)
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)      # [1, N]
         positions = torch.tensor([pos], dtype=torch.long, device=dev)      # [1, N]
         sample_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        if kernel_seqs:
-            meta.kernel = self._kernel_batch([batch.seqs[i] for i in kernel_seqs],
-                                             [batch.num_new_tokens[i] for i in kernel_seqs],
-                                             None if len(kernel_rows) == len(ids) else kernel_rows)
         self._torch_groups(meta, dec_rows, dec_tables, dec_lens, prefills)
         return input_ids, positions, sample_t, meta
 
-    def _kernel_batch(self, seqs, num_new_tokens: list[int], rows: list[int] | None) -> KernelBatch:
+    def _kernel_batch(self, kernel: list[tuple[int, int, list[int]]], rows: list[int] | None) -> KernelBatch:
         bs = self.config.block_size
-        lens = [seq.num_computed_tokens + n for seq, n in zip(seqs, num_new_tokens)]
+        lens = [ctx for ctx, _, _ in kernel]
         width = max(-(-n // bs) for n in lens)
-        tables = [seq.block_table[:width] + [0] * (width - len(seq.block_table[:width])) for seq in seqs]
+        tables = [table[:width] + [0] * (width - len(table[:width])) for _, _, table in kernel]
         q_start = [0]
-        for n in num_new_tokens:
+        for _, n, _ in kernel:
             q_start.append(q_start[-1] + n)
         return KernelBatch(torch.tensor(tables, dtype=torch.long), torch.tensor(q_start, dtype=torch.long),
                            torch.tensor(lens, dtype=torch.long),
@@ -235,6 +281,9 @@ def _cpu_flags() -> set[str]:
     except OSError:                                                  # not Linux: no bf16 guess
         return set()
 
+
+# Compiled with the kernel, every step gets a dummy sequence of this many rows (`_pad`).
+_PAD_ROWS = 2
 
 # Eager, the kernel attends for sequences with at most this many new tokens this step (decode
 # rows, short chunks); above it gather + SDPA is faster on this AVX2 CPU (docs/BENCHMARKS.md §8.7).

@@ -28,6 +28,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "kernel", "torch"],
                    help="auto: the C++ paged attention kernel on CPU where it builds, else gather + SDPA")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (start-up takes minutes)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="with --compile on CUDA: run decode steps compiled but without CUDA graphs")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N ranks (processes; one GPU each on CUDA, gloo on CPU)")
     p.add_argument("--tp-timeout", type=float, default=30.0,
@@ -39,6 +41,7 @@ def chat(args: argparse.Namespace) -> int:
 
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                                     attention_backend=args.attention_backend, compile=args.compile,
+                                    cuda_graphs=not args.no_cuda_graphs,
                                     tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout))
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})
@@ -96,7 +99,8 @@ def engine_config_from_args(args: argparse.Namespace):
     from engine import EngineConfig
 
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                        attention_backend=args.attention_backend, compile=args.compile, policy=args.policy,
+                        attention_backend=args.attention_backend, compile=args.compile,
+                        cuda_graphs=not args.no_cuda_graphs, policy=args.policy,
                         tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout,
                         preemption_mode=args.preemption_mode, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
