@@ -13,7 +13,8 @@ from engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 
 @pytest.fixture
 async def aeng(tiny_model):
-    eng = AsyncEngine(EngineConfig(model=tiny_model("llama"), max_num_batched_tokens=64, max_num_seqs=16))
+    eng = AsyncEngine(EngineConfig(model=tiny_model("llama"), max_num_batched_tokens=64, max_num_seqs=16,
+                                   num_kv_blocks=256))
     await eng.start()
     yield eng
     await eng.stop()
@@ -32,7 +33,7 @@ async def collect(aeng, rid, prompt, params, delay: float = 0.0):
 
 
 def reference(tiny_model, prompts, params):
-    eng = LLMEngine(EngineConfig(model=tiny_model("llama"), max_num_batched_tokens=64))
+    eng = LLMEngine(EngineConfig(model=tiny_model("llama"), max_num_batched_tokens=64, num_kv_blocks=256))
     res = {}
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, params)
@@ -161,7 +162,8 @@ async def test_burst_past_the_queue_limit_is_refused_up_front_never_mid_stream(t
     burst is refused by generate() with EngineOverloaded and no accepted request errors."""
     from engine import EngineOverloaded
 
-    eng = AsyncEngine(EngineConfig(model=tiny_model("llama"), max_num_seqs=1, max_queued_requests=2))
+    eng = AsyncEngine(EngineConfig(model=tiny_model("llama"), max_num_seqs=1, max_queued_requests=2,
+                                   num_kv_blocks=256))
     await eng.start()
     try:
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)

@@ -92,7 +92,7 @@ def test_engine_feeds_the_budget_and_it_grows_on_a_fast_model(tiny_model):
     results = {}
     for target in (None, 1000.0):
         eng = LLMEngine(EngineConfig(model=tiny_model("llama"), max_num_batched_tokens=32, max_num_seqs=8,
-                                     itl_target_ms=target))
+                                     itl_target_ms=target, num_kv_blocks=256))
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         for i in range(6):                                   # warm the fit with small requests
             eng.add_request(f"w{i}", [5 + i, 6, 7, 8] * (i + 1), params)

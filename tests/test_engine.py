@@ -11,7 +11,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     return LLMEngine(EngineConfig(model=tiny_model("llama"), max_num_batched_tokens=64, max_num_seqs=8,
-                                  max_model_len=256))
+                                  max_model_len=256, num_kv_blocks=256))
 
 
 def drain(engine) -> dict:

@@ -14,7 +14,8 @@ def test_static_batching_waits_for_the_batch_and_keeps_outputs(tiny_model):
     prompts = {"a": [11, 12, 13], "b": [21, 22, 23, 24], "late": [31, 32]}
     outputs = {}
     for mode in ("continuous", "static"):
-        eng = LLMEngine(EngineConfig(model=tiny_model("llama"), batching=mode, max_num_batched_tokens=64))
+        eng = LLMEngine(EngineConfig(model=tiny_model("llama"), batching=mode, max_num_batched_tokens=64,
+                                      num_kv_blocks=256))
         eng.add_request("a", prompts["a"], params)
         eng.add_request("b", prompts["b"], params)
         toks = {k: [] for k in prompts}

@@ -51,7 +51,7 @@ def test_a_real_engines_stats_feed_the_series(tiny_model):
     """The stats keys the collector reads are those LLMEngine.stats() publishes, and a
     queued request shows up as waiting, a scheduled one as running with KV in use."""
     engine = LLMEngine(EngineConfig(model=tiny_model("llama"), max_num_batched_tokens=64,
-                                    max_num_seqs=8, max_model_len=256))
+                                    max_num_seqs=8, max_model_len=256, num_kv_blocks=256))
     engine.add_request("r1", list(range(5, 25)), SamplingParams(max_tokens=4))
     families = scrape(engine.stats)
     assert families["vllm:num_requests_waiting"].samples[0].value == 1
