@@ -10,8 +10,7 @@ from engine import EngineConfig, LLMEngine
 from engine.cuda_graphs import DecodeGraphs, bucket
 from engine.kv_cache import PagedKVCache
 from tests.conftest import NO_CUDA, cuda_available
-from tests.models import assert_greedy_parity, load_reference, run_to_completion
-from tests.test_parity import TOL, mixed_workload
+from tests.test_parity import assert_parity, mixed_workload
 
 # Small blocks and a small pool: contexts span several blocks (width buckets 1..16) and
 # the pool forces recompute preemption; 8 seats give row buckets 1..8.
@@ -21,16 +20,6 @@ CONFIG = dict(num_kv_blocks=20, block_size=8, max_num_batched_tokens=64, max_num
 def test_bucket_is_the_next_power_of_two():
     """Rows and context widths pad to the next power of two, exact powers staying put."""
     assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 31, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 32, 64]
-
-
-def check_parity(engine: LLMEngine, model_dir: str, device: str, dtype: str, arrivals) -> None:
-    outputs = run_to_completion(engine, arrivals)
-    ref = load_reference(model_dir, device, dtype)
-    for reqs in arrivals.values():
-        for rid, prompt, params in reqs:
-            assert len(outputs[rid]) == params.max_tokens
-            assert_greedy_parity(ref, prompt, outputs[rid], TOL[dtype])
-    assert engine.stats()["kv_blocks_used"] == 0
 
 
 def test_padded_decode_steps_keep_parity_on_cpu(tiny_model):
@@ -48,7 +37,7 @@ def test_padded_decode_steps_keep_parity_on_cpu(tiny_model):
     runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.num_blocks, 8, runner.device)
     scratch = slice(runner.num_blocks * 8, None)
     arrivals = mixed_workload(8, [40, 70, 20, 90, 3], max_new=16, seed=1)
-    check_parity(engine, model_dir, "cpu", "float32", arrivals)
+    assert_parity(engine, model_dir, "cpu", "float32", arrivals)
     assert engine.stats()["num_preemptions"] > 0
     assert runner.graphs.num_steps > 20
     assert runner.kv_cache.k[:, scratch].abs().sum() > 0               # padded rows wrote there
@@ -66,7 +55,7 @@ def test_cuda_decode_graphs_keep_parity(tiny_model, cuda_graphs):
     engine = LLMEngine(EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", compile=True,
                                     cuda_graphs=cuda_graphs, **CONFIG))
     skips = counters["inductor"]["cudagraph_skips"]
-    check_parity(engine, model_dir, "cuda", "bfloat16", mixed_workload(8, [40, 70, 20, 90, 3], max_new=16, seed=1))
+    assert_parity(engine, model_dir, "cuda", "bfloat16", mixed_workload(8, [40, 70, 20, 90, 3], max_new=16, seed=1))
     assert engine.stats()["num_preemptions"] > 0
     if cuda_graphs:
         assert engine.runner.graphs.num_steps > 20

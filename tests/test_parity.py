@@ -37,15 +37,21 @@ def mixed_workload(n: int, lengths: list[int], max_new: int, seed: int = 0) -> d
 def check(engine_dir: str, path: tuple, arrivals, **cfg) -> LLMEngine:
     device, dtype, backend = path
     engine = LLMEngine(EngineConfig(model=engine_dir, device=device, dtype=dtype, attention_backend=backend, **cfg))
+    assert_parity(engine, engine_dir, device, dtype, arrivals)
+    return engine
+
+
+def assert_parity(engine: LLMEngine, model_dir: str, device: str, dtype: str, arrivals) -> None:
+    """Runs `arrivals` on `engine` to the end: every output equals HF greedy (within the
+    dtype's tolerance) at full length, and nothing is left running or holding blocks."""
     outputs = run_to_completion(engine, arrivals)
-    ref = load_reference(engine_dir, device, dtype)
+    ref = load_reference(model_dir, device, dtype)
     for reqs in arrivals.values():
         for rid, prompt, params in reqs:
             assert len(outputs[rid]) == params.max_tokens
             assert_greedy_parity(ref, prompt, outputs[rid], TOL[dtype])
     stats = engine.stats()
     assert stats["kv_blocks_used"] == 0 and stats["running"] == stats["waiting"] == 0
-    return engine
 
 
 @pytest.mark.parametrize("path", PATHS)
