@@ -322,7 +322,11 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const 
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Paged attention over block tables (CPU)",
-        py::call_guard<py::gil_scoped_release>());
+// Registered as a torch operator (not a Python binding) so that a call costs the dispatcher's
+// few microseconds: through a Python-defined custom op it cost ~150 us, 30 times a step.
+TORCH_LIBRARY_FRAGMENT(streamgate, m) {
+  m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor q_start, "
+        "Tensor ctx_lens, int block_size, float scale, Tensor(a!) out) -> ()");
 }
+
+TORCH_LIBRARY_IMPL(streamgate, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -2,7 +2,8 @@
 
 `make setup` builds them once (`python -m engine.kernels`); the engine then only loads the
 built library, rebuilding it if the source changed. Where no compiler is available the build
-fails with its log and the engine keeps its pure-torch attention (attention.py).
+fails with its log and the engine keeps its pure-torch attention (attention.py) and
+oneDNN linear layers (packed_linear.py).
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ from .models import cache_dir
 
 log = logging.getLogger("streamgate.engine")
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention.cpp"
-NAME = "streamgate_paged_attention"
-SCHEMA = ("(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor q_start, Tensor ctx_lens, "
-          "int block_size, float scale, Tensor(a!) out) -> ()")
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "linear.cpp"]
+NAME = "streamgate_kernels"
 
 
 # A build holds torch's `lock` file for about a minute; one older than this was left by a
@@ -50,49 +50,58 @@ def build_dir() -> Path:
 
 
 @cache
-def paged_attention_ops():
-    """The compiled module (its `paged_attention` function), or None if it cannot be built."""
+def load_kernels() -> bool:
+    """Build (if the sources changed) and load the kernels as torch operators in the
+    `streamgate` namespace (`torch.ops.streamgate.paged_attention`, `.pack_linear`, `.linear`);
+    False if they cannot be built."""
+    import torch
     from torch.utils.cpp_extension import load
 
-    if not SOURCE.exists():
-        log.warning("paged attention kernel: %s is missing; using the torch attention path", SOURCE)
-        return None
+    if missing := [str(p) for p in SOURCES if not p.exists()]:
+        log.warning("C++ kernels: %s missing; using the torch paths", ", ".join(missing))
+        return False
     # cpp_extension runs `ninja` from PATH; the venv's own (the `ninja` package) is there only
     # when the venv is activated, which `make` does not do.
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     start = time.perf_counter()
     try:
-        module = load(name=NAME, sources=[str(SOURCE)], build_directory=str(build_dir()),
-                      extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                      verbose=os.environ.get("STREAMGATE_VERBOSE_BUILD") == "1")
+        # is_python_module=False: the library is loaded with torch.ops.load_library, so its
+        # operators are called through the dispatcher (a few us) rather than a Python wrapper.
+        load(name=NAME, sources=[str(p) for p in SOURCES], build_directory=str(build_dir()),
+             extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=os.environ.get("STREAMGATE_VERBOSE_BUILD") == "1")
     except Exception as e:  # noqa: BLE001 (no compiler, bad toolchain: fall back, say why)
-        log.warning("paged attention kernel did not build (%s); using the torch attention path", e)
-        return None
-    log.info("paged attention kernel ready in %.1f s", time.perf_counter() - start)
-    return module
+        log.warning("C++ kernels did not build (%s); using the torch paths", e)
+        return False
+    _register_fakes(torch)
+    log.info("C++ kernels ready in %.1f s", time.perf_counter() - start)
+    return True
 
 
-@cache
-def paged_attention_op():
-    """The kernel as a torch custom op (`torch.ops.streamgate.paged_attention`), so that
-    torch.compile keeps it as one opaque call instead of breaking the graph; None if unbuilt."""
-    import torch
-
-    module = paged_attention_ops()
-    if module is None:
-        return None
-
-    @torch.library.custom_op("streamgate::paged_attention", mutates_args=("out",), schema=SCHEMA)
-    def paged_attention(q, k_pool, v_pool, block_tables, q_start, ctx_lens, block_size, scale, out):
-        module.paged_attention(q, k_pool, v_pool, block_tables, q_start, ctx_lens, block_size, scale, out)
-
-    @paged_attention.register_fake
+def _register_fakes(torch) -> None:
+    """Shapes for torch.compile, which traces the operators without running them."""
+    @torch.library.register_fake("streamgate::paged_attention")
     def _(q, k_pool, v_pool, block_tables, q_start, ctx_lens, block_size, scale, out) -> None:
         return None
 
-    return paged_attention
+    @torch.library.register_fake("streamgate::linear")
+    def _(x, packed, bias, out_features):
+        return x.new_empty((x.shape[0], out_features))
+
+
+def paged_attention_ops():
+    """`torch.ops.streamgate` once the kernels are loaded (its `paged_attention`), or None."""
+    import torch
+
+    return torch.ops.streamgate if load_kernels() else None
+
+
+def paged_attention_op():
+    """`torch.ops.streamgate.paged_attention` (one opaque call under torch.compile), or None."""
+    ops = paged_attention_ops()
+    return None if ops is None else ops.paged_attention
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    raise SystemExit(0 if paged_attention_ops() is not None else 1)
+    raise SystemExit(0 if load_kernels() else 1)

@@ -1,12 +1,15 @@
-"""oneDNN linear layers with prepacked weights, for eager fp32 on CPU.
+"""Linear layers with weights packed once at load, for eager fp32 on CPU.
 
-torch's `F.linear` on CPU calls MKL's sgemm, which leaves the second core idle on the
-few-row GEMMs of a decode step: a [8, 576] x [576, 1536] product takes 512 us on two
-threads and 557 us on one. oneDNN's matmul with the weight reordered once into its
-blocked layout (what inductor's weight prepacking and vLLM's CPU linear use) takes 239 us
-on two threads, 2.1x; 1.3x at 32 rows, 1.15x at 256, even at one row
-(docs/BENCHMARKS.md §8.12). Results differ from MKL's in the last bits (another
-summation order), as between any two GEMM libraries.
+A decode step's GEMMs have a few rows, so they are bound by reading the weights. torch's
+`F.linear` on CPU calls MKL's sgemm, which streams them at ~10 GB/s and leaves the second
+core idle at a few rows. Two packed forms, best first:
+- "streamgate": the C++ kernel (csrc/linear.cpp), weight in 16-output column blocks; it
+  streams ~17-20 GB/s on two cores: 1.5x oneDNN at 1 row, 1.7x at 8, 1.2x at 32, within 3 %
+  at 128-512 (docs/BENCHMARKS.md §8.13);
+- "onednn": where the kernel did not build, oneDNN's matmul on its own blocked layout (what
+  inductor's weight prepacking and vLLM's CPU linear use): 2.1x MKL at 8 rows (§8.12).
+Either differs from MKL in the last bits (another summation order), as between any two GEMM
+libraries.
 """
 
 from __future__ import annotations
@@ -16,36 +19,50 @@ import logging
 import torch
 from torch import nn
 
+from .kernels import load_kernels
+
 log = logging.getLogger("streamgate.engine")
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` whose weight is kept only in oneDNN's blocked layout."""
+    """`nn.Linear` whose weight is kept only in a packed layout (`kind`: streamgate or onednn)."""
 
-    def __init__(self, linear: nn.Linear, rows_hint: int):
+    def __init__(self, linear: nn.Linear, kind: str = "streamgate", rows_hint: int = 8):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features, self.kind = linear.in_features, linear.out_features, kind
+        weight = linear.weight.detach()
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows_hint)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+            if kind == "streamgate":
+                self.packed = torch.ops.streamgate.pack_linear(weight)
+            else:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:     # [..., in] -> [..., out]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.kind == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        y = torch.ops.streamgate.linear(x.reshape(-1, self.in_features), self.packed, self.bias, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
 
 
-def available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+def available() -> str | None:
+    """The best packed form here: "streamgate", "onednn", or None."""
+    if load_kernels():
+        return "streamgate"
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return "onednn"
+    return None
 
 
-def pack_linears(model: nn.Module, rows_hint: int = 8) -> int:
+def pack_linears(model: nn.Module, kind: str) -> int:
     """Replace every fp32 `nn.Linear` of `model` (on CPU) by a `PackedLinear`; returns how
     many. A tied lm_head gets its own packed copy; the embedding keeps the original."""
     targets = [(name, mod) for name, mod in model.named_modules()
                if type(mod) is nn.Linear and mod.weight.dtype == torch.float32 and mod.weight.device.type == "cpu"]
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, PackedLinear(mod, rows_hint))
-    log.info("linear layers: %d prepacked for oneDNN", len(targets))
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, PackedLinear(mod, kind))
+    log.info("linear layers: %d packed (%s)", len(targets), kind)
     return len(targets)
 
 
@@ -54,6 +71,6 @@ def maybe_pack(model: nn.Module, config, device: torch.device, dtype: torch.dtyp
     (a compiled model is left to inductor; tensor-parallel shards are DTensors)."""
     if config.packed_linear is False or config.compile or config.tensor_parallel_size > 1:
         return False
-    if not (device.type == "cpu" and dtype == torch.float32 and available()):
+    if not (device.type == "cpu" and dtype == torch.float32 and (kind := available())):
         return False
-    return pack_linears(model) > 0
+    return pack_linears(model, kind) > 0

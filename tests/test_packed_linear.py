@@ -1,5 +1,6 @@
-"""oneDNN prepacked linear layers (engine/packed_linear.py): same products as nn.Linear, used
-by default for eager fp32 on CPU, and off when asked."""
+"""Packed linear layers (engine/packed_linear.py: the C++ kernel of csrc/linear.cpp, and oneDNN
+where it did not build): same products as nn.Linear, used by default for eager fp32 on CPU,
+and off when asked."""
 
 import pytest
 import torch
@@ -7,20 +8,26 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
+from engine.kernels import load_kernels
 from engine.packed_linear import PackedLinear, available
 
-pytestmark = pytest.mark.skipif(not available(), reason="torch built without oneDNN (mkldnn)")
+pytestmark = pytest.mark.skipif(not available(), reason="neither the C++ kernels nor oneDNN are available")
+KINDS = [pytest.param("streamgate", marks=pytest.mark.skipif(not load_kernels(), reason="C++ kernels did not build")),
+         pytest.param("onednn", marks=pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN"))]
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_nn_linear_for_any_row_count(bias):
-    """Packed for 8 rows, it still gives nn.Linear's product (to fp32 rounding) for 1, 8, 33
-    rows and for a [1, N, in] batch as the model passes it."""
+@pytest.mark.parametrize("out_features", [160, 37])
+def test_packed_linear_matches_nn_linear_for_any_row_count(kind, bias, out_features):
+    """Either packed form gives nn.Linear's product (to fp32 rounding) for 1 to 4 rows (every
+    register group of the kernel), 8, 33 and a [1, N, in] batch as the model passes it, a
+    non-contiguous input, and an output size that is not a whole number of 16-wide blocks."""
     torch.manual_seed(0)
-    lin = nn.Linear(96, 160, bias=bias)
-    packed = PackedLinear(lin, rows_hint=8)
-    for shape in [(1, 96), (8, 96), (33, 96), (1, 17, 96)]:
-        x = torch.randn(*shape)
+    lin = nn.Linear(96, out_features, bias=bias)
+    packed = PackedLinear(lin, kind)
+    strided = torch.randn(96, 5).t()                              # [5, 96], stride 1 over rows
+    for x in [torch.randn(*shape) for shape in [(1, 96), (2, 96), (3, 96), (4, 96), (8, 96), (33, 96), (1, 17, 96)]] + [strided]:
         with torch.inference_mode():
             ref, out = lin(x), packed(x)
         assert out.shape == ref.shape
@@ -36,6 +43,7 @@ def test_runner_packs_eager_fp32_by_default_and_not_when_off(tiny_model):
     assert not any(type(m) is nn.Linear for m in on.modules())
     assert sum(isinstance(m, PackedLinear) for m in on.modules()) == sum(type(m) is nn.Linear for m in off.modules()) > 0
     assert isinstance(on.get_input_embeddings(), nn.Embedding)
+    assert {m.kind for m in on.modules() if isinstance(m, PackedLinear)} == {available()}
 
 
 def test_packed_linear_option_is_validated():
