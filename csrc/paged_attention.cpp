@@ -21,6 +21,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 #include <limits>
 #include <vector>
 
@@ -94,12 +98,38 @@ inline void scores_rows(const float* q, const float* kT, float* s, int64_t kpad,
   }
 }
 
-// The same scores from keys stored row by row (kb [kpad, D]) as dot products: for the few query
-// vectors of a decode row, transposing each key would cost more than the reductions across lanes.
+#ifdef __AVX2__
+// [sum(a[0]), ..., sum(a[7])]: eight horizontal sums in one vector.
+inline __m256 sum8(const __m256* a) {
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+#endif
+
+// The same scores from keys read in place, row by row (krow[t] -> key t's D values), as dot
+// products: for the few query vectors of a decode row, transposing each key would cost more.
+// With AVX2, eight keys' dot products are reduced across lanes together.
 template <int R>
-inline void scores_rows_by_key(const float* q, const float* kb, float* s, int64_t kpad, int64_t n, int64_t D) {
-  for (int64_t t = 0; t < n; ++t) {
-    const float* k = kb + t * D;
+inline void scores_rows_by_key(const float* q, const float* const* krow, float* s, int64_t kpad, int64_t n, int64_t D) {
+  int64_t t = 0;
+#ifdef __AVX2__
+  if (D % kLanes == 0) {
+    for (; t + 8 <= n; t += 8) {
+      for (int j = 0; j < R; ++j) {
+        __m256 a[8];
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += kLanes) {
+          const __m256 qv = _mm256_loadu_ps(q + j * D + d);
+          for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krow[t + i] + d), a[i]);
+        }
+        _mm256_storeu_ps(s + j * kpad + t, sum8(a));
+      }
+    }
+  }
+#endif
+  for (; t < n; ++t) {
+    const float* k = krow[t];
     vec8 a[R] = {};
     int64_t d = 0;
     for (; d + kLanes <= D; d += kLanes) {
@@ -111,6 +141,39 @@ inline void scores_rows_by_key(const float* q, const float* kb, float* s, int64_
       for (int64_t l = 0; l < kLanes; ++l) dot += a[j][l];
       for (int64_t r = d; r < D; ++r) dot += q[j * D + r] * k[r];        // head_dim not a multiple of kLanes
       s[j * kpad + t] = dot;
+    }
+  }
+}
+
+// acc_j = alpha_j * acc_j + sum_t p_j[t] v_t over values read in place (vrow[t] -> value t):
+// sixteen lanes of each of R rows stay in registers over t.
+template <int R>
+inline void values_rows_by_key(const float* p, const float* alpha, const float* const* vrow, float* acc,
+                               int64_t kpad, int64_t n, int64_t D) {
+  int64_t d = 0;
+  for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
+    vec8 a[R], b[R];
+    for (int j = 0; j < R; ++j) {
+      a[j] = load8(acc + j * D + d) * alpha[j];
+      b[j] = load8(acc + j * D + d + kLanes) * alpha[j];
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const vec8 v = load8(vrow[t] + d), v2 = load8(vrow[t] + d + kLanes);
+      for (int j = 0; j < R; ++j) {
+        a[j] += p[j * kpad + t] * v;
+        b[j] += p[j * kpad + t] * v2;
+      }
+    }
+    for (int j = 0; j < R; ++j) {
+      store8(acc + j * D + d, a[j]);
+      store8(acc + j * D + d + kLanes, b[j]);
+    }
+  }
+  for (; d < D; ++d) {                                      // head_dim not a multiple of 16
+    for (int j = 0; j < R; ++j) {
+      float a = acc[j * D + d] * alpha[j];
+      for (int64_t t = 0; t < n; ++t) a += p[j * kpad + t] * vrow[t][d];
+      acc[j * D + d] = a;
     }
   }
 }
@@ -183,6 +246,9 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
     std::vector<float> qf(max_q * D), acc(max_q * D), m(max_q), l(max_q), alpha(max_q), s(max_q * kpad);
     std::vector<float> kT(D * kpad, 0.0f), vb(kpad * D);                  // kT holds kb [kpad, D] by key
     std::vector<int64_t> qpos(max_q);
+    // krow/vrow: where key/value t of the span is read (in the pool, or converted in kT/vb).
+    std::vector<const float*> krow(kpad), vrow(kpad);
+    for (int64_t t = 0; t < kpad; ++t) krow[t] = kT.data() + t * D, vrow[t] = vb.data() + t * D;
     for (int64_t bin = first_bin; bin < last_bin; ++bin)
     for (const Item& w : bins[bin]) {
       const int64_t q_len = starts[w.seq + 1] - starts[w.seq];
@@ -207,20 +273,31 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
       const bool by_key = nq < kRows;                                  // a decode row: few query vectors
       for (int64_t b0 = 0; b0 <= last_pos; b0 += span) {
         const int64_t n = std::min(span, last_pos + 1 - b0);           // keys used in this span
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t pos = b0 + t, slot = table[pos / block_size] * block_size + pos % block_size;
-          const int64_t off = slot * kv_slot + w.kv_head * kv_head_stride;
-          if (by_key) {
+        // Keys and values of the span, block by block (one table lookup per block). A decode
+        // row reads fp32 rows in place and converts other dtypes into kT/vb row by row; a
+        // query tile gets K transposed into kT for the outer-product scores.
+        for (int64_t t = 0; t < n;) {
+          const int64_t pos = b0 + t, in_block = std::min(block_size - pos % block_size, n - t);
+          const int64_t first = table[pos / block_size] * block_size + pos % block_size;
+          for (int64_t e = 0; e < in_block; ++e, ++t) {
+            const int64_t off = (first + e) * kv_slot + w.kv_head * kv_head_stride;
+            if (by_key && std::is_same_v<scalar_t, float>) {
+              krow[t] = reinterpret_cast<const float*>(kp + off);
+              vrow[t] = reinterpret_cast<const float*>(vp + off);
+              continue;
+            }
+            if (by_key) {
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) kT[t * D + d] = static_cast<float>(kp[off + d]);
-          } else {
-            for (int64_t d = 0; d < D; ++d) kT[d * kpad + t] = static_cast<float>(kp[off + d]);
+              for (int64_t d = 0; d < D; ++d) kT[t * D + d] = static_cast<float>(kp[off + d]);
+            } else {
+              for (int64_t d = 0; d < D; ++d) kT[d * kpad + t] = static_cast<float>(kp[off + d]);
+            }
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) vb[t * D + d] = static_cast<float>(vp[off + d]);
           }
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) vb[t * D + d] = static_cast<float>(vp[off + d]);
         }
         for_row_groups(nq, [&]<int R>(int64_t i) {                     // keys >= n: never read
-          if (by_key) scores_rows_by_key<R>(qf.data() + i * D, kT.data(), s.data() + i * kpad, kpad, n, D);
+          if (by_key) scores_rows_by_key<R>(qf.data() + i * D, krow.data(), s.data() + i * kpad, kpad, n, D);
           else scores_rows<R>(qf.data() + i * D, kT.data(), s.data() + i * kpad, kpad, D);
         });
         // Online softmax per query row: s becomes the span's probabilities (0 past the row's
@@ -249,7 +326,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
           m[i] = new_m;
         }
         for_row_groups(nq, [&]<int R>(int64_t i) {
-          values_rows<R>(s.data() + i * kpad, alpha.data() + i, vb.data(), acc.data() + i * D, kpad, n, D);
+          if (by_key) values_rows_by_key<R>(s.data() + i * kpad, alpha.data() + i, vrow.data(), acc.data() + i * D, kpad, n, D);
+          else values_rows<R>(s.data() + i * kpad, alpha.data() + i, vb.data(), acc.data() + i * D, kpad, n, D);
         });
       }
       for (int64_t r = w.row_begin; r < w.row_end; ++r) {

@@ -41,7 +41,8 @@ class EngineConfig:
     # -- engine speed (issue 14, branch `speed`) --
     attention_backend: str = "auto"       # "kernel": C++ paged attention (CPU), "torch": gather + SDPA,
                                           # "auto": the kernel on CPU where it builds, else torch
-    packed_linear: bool | None = None     # oneDNN prepacked linears; None: on for eager fp32 on CPU (§8.12)
+    packed_linear: bool | None = None     # packed linear layers; None: on for eager fp32 on CPU (§8.12, §8.13)
+    fused_layers: bool | None = None      # fused Llama forward (fused_llama.py); None: on where packed linears are
     compile: bool = False                 # torch.compile the model (dynamic batch size; opt-in: see docs/BENCHMARKS.md §8.3)
     cuda_graphs: bool = True              # with compile on CUDA: decode steps replay CUDA graphs per batch bucket
     # -- scheduling: fair seats and the adaptive token budget (issues 11 and 14) -----------
@@ -99,6 +100,7 @@ class EngineConfig:
              "'kernel' is the CPU kernel; use 'auto' or 'torch' on CUDA")
         need(isinstance(self.compile, bool), "compile", "must be a bool")
         need(self.packed_linear in (None, True, False), "packed_linear", "must be None, True or False")
+        need(self.fused_layers in (None, True, False), "fused_layers", "must be None, True or False")
         need(isinstance(self.cuda_graphs, bool), "cuda_graphs", "must be a bool")
         need(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
              "must be an int >= 1")

@@ -20,7 +20,7 @@ from .models import cache_dir
 log = logging.getLogger("streamgate.engine")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "linear.cpp"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "linear.cpp", CSRC / "layers.cpp"]
 NAME = "streamgate_kernels"
 
 

@@ -14,6 +14,7 @@ from .cuda_graphs import DecodeGraphs
 from .kernels import paged_attention_op
 from .kv_cache import PagedKVCache
 from .models import load_model
+from .fused_llama import maybe_fuse
 from .packed_linear import maybe_pack
 from .scheduler import SchedulerOutput
 
@@ -46,8 +47,9 @@ class ModelRunner:
         self.use_kernel = self._use_kernel(config)
         self.pad_rows = _PAD_ROWS if config.compile and self.use_kernel else 0
         log.info("dtype %s, attention backend %s", self.dtype, "kernel" if self.use_kernel else "torch")
-        maybe_pack(self.model, config, self.device, self.dtype)
-        self.forward = self.model
+        self.forward = maybe_fuse(self.model, config, self.device, self.dtype) or self.model
+        if self.forward is self.model:
+            maybe_pack(self.model, config, self.device, self.dtype)
         self.graphs: DecodeGraphs | None = None
         self.compile_time_s = 0.0
         if use_graphs:                                                # steps with prefill stay eager

@@ -25,10 +25,11 @@ def test_bucket_is_the_next_power_of_two():
 def test_padded_decode_steps_keep_parity_on_cpu(tiny_model):
     """The CUDA-graph path's padding, run eagerly on the CPU: decode steps padded to row and
     width buckets (padded rows on the scratch block, not sampled) beside chunked prefill and
-    preemption still equal HF greedy; the padded rows wrote the scratch block."""
+    preemption still equal HF greedy; the padded rows wrote the scratch block. (transformers'
+    forward, as on CUDA: the CPU's fused Llama forward is off.)"""
     model_dir = tiny_model("llama")
     engine = LLMEngine(EngineConfig(model=model_dir, device="cpu", dtype="float32", attention_backend="torch",
-                                    **CONFIG))
+                                    fused_layers=False, **CONFIG))
     runner = engine.runner
     # What the runner builds on CUDA: a pool with one block more, the scratch block.
     old = runner.kv_cache

@@ -38,7 +38,7 @@ def test_runner_packs_eager_fp32_by_default_and_not_when_off(tiny_model):
     """Every nn.Linear of the model (lm_head included) is packed by default; packed_linear=False
     keeps plain nn.Linear; the embedding a tied lm_head shares is left as it was."""
     model = tiny_model("llama")
-    on = ModelRunner(EngineConfig(model=model, num_kv_blocks=64)).model
+    on = ModelRunner(EngineConfig(model=model, num_kv_blocks=64, fused_layers=False)).model
     off = ModelRunner(EngineConfig(model=model, num_kv_blocks=64, packed_linear=False)).model
     assert not any(type(m) is nn.Linear for m in on.modules())
     assert sum(isinstance(m, PackedLinear) for m in on.modules()) == sum(type(m) is nn.Linear for m in off.modules()) > 0

@@ -13,9 +13,12 @@ from tests.models import assert_greedy_parity, load_reference, run_to_completion
 
 TOL = {"float32": 1e-4, "bfloat16": 0.15, "float16": 0.05}
 
-# (device, dtype, attention backend): every attention path the engine can take.
+# (device, dtype, attention backend[, engine options]): every attention path the engine can
+# take. CPU fp32 runs the fused Llama forward (engine/fused_llama.py) on Llama models, and
+# transformers' forward when fused_layers is off.
 PATHS = [
     pytest.param(("cpu", "float32", "kernel"), id="cpu-fp32-kernel"),
+    pytest.param(("cpu", "float32", "kernel", {"fused_layers": False}), id="cpu-fp32-kernel-hf-forward"),
     pytest.param(("cpu", "float32", "torch"), id="cpu-fp32-torch"),
     pytest.param(("cpu", "bfloat16", "kernel"), id="cpu-bf16-kernel"),
     pytest.param(("cuda", "bfloat16", "torch"), id="cuda-bf16",
@@ -35,8 +38,9 @@ def mixed_workload(n: int, lengths: list[int], max_new: int, seed: int = 0) -> d
 
 
 def check(engine_dir: str, path: tuple, arrivals, **cfg) -> LLMEngine:
-    device, dtype, backend = path
-    engine = LLMEngine(EngineConfig(model=engine_dir, device=device, dtype=dtype, attention_backend=backend, **cfg))
+    device, dtype, backend, *options = path
+    engine = LLMEngine(EngineConfig(model=engine_dir, device=device, dtype=dtype, attention_backend=backend,
+                                    **(options[0] if options else {}), **cfg))
     assert_parity(engine, engine_dir, device, dtype, arrivals)
     return engine
 
@@ -106,9 +110,11 @@ def has_amx() -> bool:
 
 # bf16 on a CPU without AMX is emulated (tens of times slower than fp32 at one token): the
 # SmolLM2 bf16 run would take many minutes there, so it runs only on AMX machines.
+# transformers' forward on CPU fp32 is checked on the tiny models only (the fused forward is
+# SmolLM2's default and is checked on it).
 SMOLLM2_PATHS = [p if p.id != "cpu-bf16-kernel" else pytest.param(
     *p.values, id=p.id, marks=pytest.mark.skipif(not has_amx(), reason="no AMX-bf16 on this CPU: bf16 is emulated"))
-    for p in PATHS]
+    for p in PATHS if p.id != "cpu-fp32-kernel-hf-forward"]
 
 
 @pytest.mark.slow

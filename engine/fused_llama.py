@@ -1,0 +1,112 @@
+"""A lean forward for Llama-architecture models (SmolLM2's), eager fp32 on CPU.
+
+transformers' Llama forward runs ~50 operators and a dozen module calls per layer; once the
+linear layers were fast (csrc/linear.cpp), that dispatch and Python took ~40 % of a one-row
+SmolLM2 decode step. This forward runs the same model on the same weights with ~12 calls per
+layer: q/k/v as one packed GEMM and gate/up as another (vLLM's QKV and merged gate-up
+layers), and the C++ operators of csrc/layers.cpp for the residual add + RMSNorm, the
+rotary embedding (in place) and SiLU(gate) * up. Attention and the KV cache are the engine's
+own (attention.py), as on the transformers path. Rotary cos/sin come from the model's own
+rotary module (so every rope scaling transformers knows is honoured), once per step.
+
+Used where `supports()` holds: model_type "llama" with SiLU, no per-layer differences, the C++
+kernels built; anything else keeps transformers' forward. Greedy parity with HF `generate` is
+tested as for the transformers path (tests/test_parity.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from .attention import paged_attention
+from .packed_linear import PackedLinear, available
+
+log = logging.getLogger("streamgate.engine")
+
+
+def supports(model: nn.Module) -> bool:
+    cfg = model.config
+    return (getattr(cfg, "model_type", None) == "llama" and getattr(cfg, "hidden_act", None) == "silu"
+            and getattr(cfg, "pretraining_tp", 1) == 1 and type(model).__name__ == "LlamaForCausalLM"
+            and all(type(m).__name__ == "LlamaDecoderLayer" for m in model.model.layers))
+
+
+def maybe_fuse(model: nn.Module, config, device: torch.device, dtype: torch.dtype) -> FusedLlama | None:
+    """The fused forward for eager fp32 on CPU in one process, unless `config.fused_layers` or
+    `config.packed_linear` is False; None where it does not apply."""
+    if config.fused_layers is False or config.packed_linear is False or config.compile or config.tensor_parallel_size > 1:
+        return None
+    if not (device.type == "cpu" and dtype == torch.float32 and available() == "streamgate" and supports(model)):
+        return None
+    return FusedLlama(model)
+
+
+def _fuse(*linears: nn.Linear) -> PackedLinear:
+    """One packed linear computing the concatenation of `linears`' outputs."""
+    fused = nn.Linear(linears[0].in_features, sum(m.out_features for m in linears), bias=linears[0].bias is not None)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([m.weight for m in linears]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([m.bias for m in linears]))
+    return PackedLinear(fused, "streamgate")
+
+
+class _Layer:
+    """One decoder layer's weights, packed. The transformers modules give theirs up (no second
+    copy in memory): the fused ones take their place as `qkv_proj` / `gate_up_proj`, o_proj and
+    down_proj become packed, so transformers' own forward cannot run this model any more."""
+
+    def __init__(self, layer: nn.Module):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.attn = attn                                        # layer_idx, scaling for attention
+        self.qkv = attn.qkv_proj = _fuse(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o = attn.o_proj = PackedLinear(attn.o_proj, "streamgate")
+        self.gate_up = mlp.gate_up_proj = _fuse(mlp.gate_proj, mlp.up_proj)
+        self.down = mlp.down_proj = PackedLinear(mlp.down_proj, "streamgate")
+        attn.q_proj = attn.k_proj = attn.v_proj = mlp.gate_proj = mlp.up_proj = None
+        self.norm_in, self.eps_in = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
+        self.norm_post = layer.post_attention_layernorm.weight.detach()
+        self.eps_post = layer.post_attention_layernorm.variance_epsilon
+
+
+class FusedLlama:
+    """Callable like the transformers model as the runner calls it; returns `.logits` [1, K, V]."""
+
+    def __init__(self, model: nn.Module):
+        cfg, body = model.config, model.model
+        self.embed, self.rotary_emb = body.embed_tokens, body.rotary_emb
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.layers = [_Layer(layer) for layer in body.layers]
+        self.norm, self.eps = body.norm.weight.detach(), body.norm.variance_epsilon
+        self.lm_head = model.lm_head = PackedLinear(model.lm_head, "streamgate")   # a tied one: its own copy
+        log.info("fused Llama forward: %d layers, q/k/v and gate/up packed as one GEMM each", len(self.layers))
+
+    def __call__(self, input_ids, position_ids, cache, paged, logits_to_keep, **_):
+        ops = torch.ops.streamgate
+        hidden = self.embed(input_ids[0])                                       # [N, C]
+        cos, sin = (t[0].float().contiguous() for t in self.rotary_emb(hidden[None], position_ids))  # [N, D]
+        n, hd = hidden.shape[0], self.head_dim
+        q_end, k_end = self.heads * hd, (self.heads + self.kv_heads) * hd
+        residual = hidden.contiguous().clone()
+        x = ops.rms_norm(residual, self.layers[0].norm_in, self.layers[0].eps_in) if self.layers else hidden
+        for i, layer in enumerate(self.layers):
+            if i:
+                x = ops.add_rms_norm(hidden, residual, layer.norm_in, layer.eps_in)
+            qkv = layer.qkv(x)                                                    # [N, (H + 2 H_kv) D]
+            q = qkv[:, :q_end].view(n, self.heads, hd)
+            k = qkv[:, q_end:k_end].view(n, self.kv_heads, hd)
+            v = qkv[:, k_end:].view(n, self.kv_heads, hd)
+            ops.rotary(q, k, cos, sin)
+            cache.write(i, k, v, paged.slot_mapping)
+            out, _ = paged_attention(layer.attn, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                     v.transpose(0, 1)[None], None, scaling=layer.attn.scaling, paged=paged)
+            hidden = layer.o(out[0].reshape(n, q_end))
+            x = ops.add_rms_norm(hidden, residual, layer.norm_post, layer.eps_post)
+            hidden = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+        final = ops.add_rms_norm(hidden, residual, self.norm, self.eps)
+        return SimpleNamespace(logits=self.lm_head(final[logits_to_keep])[None])

@@ -1,0 +1,95 @@
+"""The fused Llama forward (engine/fused_llama.py) and its C++ operators (csrc/layers.cpp):
+each operator against transformers' own module math, the forward's logits against
+transformers' on a packed batch, and when the runner uses it. Greedy parity with HF
+`generate` through the engine is in tests/test_parity.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from engine.config import EngineConfig
+from engine.fused_llama import FusedLlama
+from engine.kernels import load_kernels
+from engine.model_runner import ModelRunner
+from engine.packed_linear import PackedLinear
+
+pytestmark = pytest.mark.skipif(not load_kernels(), reason="the C++ kernels did not build (see the log)")
+ops = torch.ops.streamgate
+
+
+def test_rms_norm_and_residual_add_match_transformers():
+    """rms_norm is LlamaRMSNorm; add_rms_norm adds x into the residual in place first, on a
+    row-strided input as the fused forward passes it."""
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(40, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(7, 80)[:, :40]                                # row stride 80
+    residual = torch.randn(7, 40)
+    with torch.inference_mode():
+        torch.testing.assert_close(ops.rms_norm(x, norm.weight, 1e-5), norm(x), rtol=1e-5, atol=1e-5)
+        expected_residual = residual + x
+        out = ops.add_rms_norm(x, residual, norm.weight, 1e-5)
+        torch.testing.assert_close(residual, expected_residual)
+        torch.testing.assert_close(out, norm(expected_residual), rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_in_place_matches_transformers():
+    """rotary applies apply_rotary_pos_emb to q [N, H, D] and k [N, H_kv, D] in place, views
+    into one fused q/k/v row as the fused forward has them."""
+    torch.manual_seed(1)
+    n, h, hkv, d = 5, 4, 2, 16
+    qkv = torch.randn(n, (h + 2 * hkv) * d)
+    q, k = qkv[:, :h * d].view(n, h, d), qkv[:, h * d:(h + hkv) * d].view(n, hkv, d)
+    angles = torch.rand(n, d // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    ref_q, ref_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    v_before = qkv[:, (h + hkv) * d:].clone()
+    ops.rotary(q, k, cos, sin)
+    torch.testing.assert_close(q, ref_q[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, ref_k[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, (h + hkv) * d:], v_before)           # v untouched
+
+
+def test_silu_and_mul_matches_torch():
+    """silu_and_mul(gate ++ up) is silu(gate) * up."""
+    torch.manual_seed(2)
+    gate_up = torch.randn(3, 2 * 24) * 4
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :24]) * gate_up[:, 24:], rtol=1e-5, atol=1e-6)
+
+
+def test_runner_fuses_llama_by_default_and_not_when_off(tiny_model):
+    """A Llama model on CPU fp32 runs the fused forward, its weights held once (q/k/v and
+    gate/up fused, no nn.Linear left); fused_layers=False or packed_linear=False keeps
+    transformers' forward; another architecture (Qwen2) is never fused."""
+    runner = ModelRunner(EngineConfig(model=tiny_model("llama"), num_kv_blocks=64))
+    assert isinstance(runner.forward, FusedLlama)
+    assert not any(type(m) is nn.Linear for m in runner.model.modules())
+    layer = runner.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, PackedLinear) and layer.self_attn.q_proj is None
+    for off in ({"fused_layers": False}, {"packed_linear": False}):
+        assert ModelRunner(EngineConfig(model=tiny_model("llama"), num_kv_blocks=64, **off)).forward.__class__ is not FusedLlama
+    assert not isinstance(ModelRunner(EngineConfig(model=tiny_model("qwen2"), num_kv_blocks=64)).forward, FusedLlama)
+
+
+def test_fused_logits_match_transformers_on_a_packed_batch(tiny_model):
+    """One step packing a prompt chunk beside a decode row: the fused forward's logits equal
+    transformers' forward's (same engine, same weights, fused_layers off) to fp32 rounding."""
+    from engine import LLMEngine, SamplingParams
+
+    logits = {}
+    for fused in (True, False):
+        eng = LLMEngine(EngineConfig(model=tiny_model("llama"), num_kv_blocks=64, fused_layers=fused, max_num_batched_tokens=64))
+        assert isinstance(eng.runner.forward, FusedLlama) == fused
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        eng.add_request("a", list(range(100, 120)), params)
+        eng.step()                                                  # a's prompt
+        eng.add_request("b", list(range(300, 333)), params)        # b's prompt beside a's decode
+        batch = eng.scheduler.schedule()
+        logits[fused] = eng.runner.run(batch)
+    assert logits[True].shape == logits[False].shape == (2, logits[True].shape[1])
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
