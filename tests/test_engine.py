@@ -118,6 +118,32 @@ def test_sampling_follows_the_distribution():
     assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
     probs = _filtered_probs(logits, torch.tensor([3]), torch.tensor([1.0]))
     assert torch.allclose(probs[0, :3], torch.tensor([0.5, 0.3, 0.15]) / 0.95) and probs[0, 3] == 0
+    # No cut: the plain softmax. Rows with different cuts in one call: each gets its own.
+    assert torch.allclose(_filtered_probs(logits, torch.tensor([0]), torch.tensor([1.0])), logits.softmax(-1))
+    rows = logits.repeat(3, 1)[:, [3, 1, 0, 2]]                    # shuffled: sort order matters
+    probs = _filtered_probs(rows, torch.tensor([2, 0, 0]), torch.tensor([1.0, 1.0, 0.8]))
+    assert torch.allclose(probs, torch.tensor([[0.0, 0.375, 0.625, 0.0],
+                                               [0.05, 0.3, 0.5, 0.15],
+                                               [0.0, 0.375, 0.625, 0.0]]))
+
+
+def test_sampled_tokens_follow_the_filtered_distribution():
+    """sample() draws each token with its filtered probability (4000 seeded draws within
+    0.03), never a token the cut removed, and greedy rows take the argmax."""
+    from types import SimpleNamespace
+
+    from engine.sampler import sample
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]]))
+    seq = SimpleNamespace(params=SamplingParams(temperature=1.0, top_p=0.95, seed=3), generator=None)
+    greedy = SimpleNamespace(params=SamplingParams(temperature=0.0), generator=None)
+    counts = torch.zeros(4)
+    for _ in range(4000):
+        token, best = sample(logits, [seq, greedy])
+        counts[token] += 1
+        assert best == 3
+    assert counts[3] == 0                                          # cut by top-p 0.95
+    assert torch.allclose(counts / 4000, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95, atol=0.03)
 
 
 def test_exception_in_step_fails_that_batch_and_engine_keeps_serving(engine, monkeypatch):
