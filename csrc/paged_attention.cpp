@@ -377,21 +377,35 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const 
   }
   // at::parallel_for hands each thread one contiguous range, so items are first dealt into
   // one bin per thread, longest first, each to the least loaded bin (contexts are ragged).
-  std::vector<int64_t> cost(items.size()), order(items.size());
+  // With enough sequences to go round, a sequence's items (its KV heads) are dealt together and
+  // run back to back: they read the same blocks (the heads of a slot are adjacent in memory),
+  // which then come from cache rather than memory.
+  const int64_t threads = at::get_num_threads();
+  const bool by_seq = num_seqs >= 2 * threads;
+  std::vector<std::pair<int64_t, int64_t>> groups;                      // [first, last) items
+  std::vector<int64_t> cost;
   for (size_t i = 0; i < items.size(); ++i) {
     const Item& w = items[i];
     const int64_t q_len = starts[w.seq + 1] - starts[w.seq];
-    cost[i] = (w.row_end - w.row_begin) * (lens[w.seq] - q_len + w.row_end);
-    order[i] = static_cast<int64_t>(i);
+    const int64_t c = (w.row_end - w.row_begin) * (lens[w.seq] - q_len + w.row_end);
+    if (by_seq && !groups.empty() && items[groups.back().first].seq == w.seq) {
+      groups.back().second = i + 1;
+      cost.back() += c;
+    } else {
+      groups.emplace_back(i, i + 1);
+      cost.push_back(c);
+    }
   }
+  std::vector<int64_t> order(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) order[g] = static_cast<int64_t>(g);
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
-  const int64_t num_bins = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  const int64_t num_bins = std::max<int64_t>(1, std::min<int64_t>(threads, groups.size()));
   std::vector<std::vector<Item>> bins(num_bins);
   std::vector<int64_t> load(num_bins, 0);
-  for (int64_t i : order) {
+  for (int64_t g : order) {
     const int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
-    bins[b].push_back(items[i]);
-    load[b] += cost[i];
+    for (int64_t i = groups[g].first; i < groups[g].second; ++i) bins[b].push_back(items[i]);
+    load[b] += cost[g];
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     run<scalar_t>(q, k_pool, v_pool, block_tables, q_start, ctx_lens, block_size, scale, out, bins);
