@@ -4,6 +4,7 @@
                                    [--dtype auto] [--attention-backend auto|kernel|torch]
     python -m bench.profile_decode --offline [--num-requests 16] [--max-prompt 512] [--max-output 32] [--compile]
     python -m bench.profile_decode --serving [--num-requests 64] [--max-prompt 512] [--max-output 64]
+    python -m bench.profile_decode --forwards [--seqs 1,8,32] [--steps 20]
 
 Default: prefills `--seqs` prompts of random length in [min-ctx, max-ctx], then profiles
 `--steps` pure decode steps and prints the operators by self CPU time. `--offline`: runs
@@ -13,7 +14,10 @@ share spent outside the model forward. `--serving`: requests arrive one per step
 batches of 1..32 beside chunked prefill) on an eager and a compiled engine stepping in turn (the
 host is shared: alternating steps gives both the same load); prints each one's forward time by
 step kind, the graphs torch.compile made (start-up and during the run) and whether the greedy
-outputs agree.
+outputs agree. `--forwards`: decode steps (no profiler) of three engines stepping in turn:
+transformers' forward on MKL linears (packed_linear off), transformers' forward on the packed
+linear kernel (fused_layers off), and the default fused Llama forward; median step per engine
+for each batch size in `--seqs`.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ KINDS = {"aten::mm": "linear layers", "aten::addmm": "linear layers",
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seqs", type=int, default=32)
+    ap.add_argument("--seqs", default="32", help="decoding sequences (--forwards: comma-separated sizes)")
     ap.add_argument("--min-ctx", type=int, default=200)
     ap.add_argument("--max-ctx", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=3)
@@ -48,6 +52,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--compile", action="store_true", help="--offline: profile the compiled engine")
     ap.add_argument("--serving", action="store_true", help="eager vs compiled on staggered arrivals (see above)")
+    ap.add_argument("--forwards", action="store_true", help="decode steps: MKL vs packed linears vs fused forward")
     args = ap.parse_args(argv)
 
     import torch
@@ -62,6 +67,9 @@ def main(argv=None) -> int:
         return profile_offline(args, activities)
     if args.serving:
         return compare_serving(args)
+    if args.forwards:
+        return compare_forwards(args)
+    args.seqs = int(args.seqs)
     eng = LLMEngine(EngineConfig(model="default", device=args.device, dtype=args.dtype, max_num_batched_tokens=2048,
                                  max_num_seqs=max(64, args.seqs), enable_prefix_caching=False,
                                  attention_backend=args.attention_backend))
@@ -124,6 +132,43 @@ def profile_offline(args, activities) -> int:
         print(f"  {kind:24s} {seconds:8.2f} s {seconds / wall:7.1%}")
     print(f"  {'outside the forward':24s} {wall - forward:8.2f} s {(wall - forward) / wall:7.1%}")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    return 0
+
+
+def compare_forwards(args) -> int:
+    """Median decode step of three forward paths, side by side (engines step in turn)."""
+    import statistics
+
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    paths = {"transformers + MKL linears": dict(packed_linear=False),
+             "transformers + packed linears": dict(fused_layers=False),
+             "fused Llama forward (default)": {}}
+    for n in (int(x) for x in args.seqs.split(",")):
+        blocks = n * (args.max_ctx + args.steps + 16) // 16 + 8
+        engines = {name: LLMEngine(EngineConfig(model="default", device=args.device, dtype=args.dtype,
+                                                max_num_batched_tokens=2048, max_num_seqs=max(64, n),
+                                                enable_prefix_caching=False, num_kv_blocks=blocks, **cfg))
+                   for name, cfg in paths.items()}
+        rng = random.Random(0)
+        prompts = [[rng.randrange(1000, 40000) for _ in range(rng.randint(args.min_ctx, args.max_ctx))] for _ in range(n)]
+        times = {name: [] for name in engines}
+        for name, eng in engines.items():
+            for i, prompt in enumerate(prompts):
+                eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=args.steps + 4, temperature=0.0, ignore_eos=True))
+            while eng.stats()["waiting"] or any(s.is_prefill for s in eng.scheduler.running):
+                eng.step()
+            eng.step()                                               # one warm decode step
+        for _ in range(args.steps):
+            for name, eng in engines.items():
+                start = time.perf_counter()
+                eng.step()
+                times[name].append(time.perf_counter() - start)
+        base = statistics.median(times["transformers + MKL linears"])
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            print(f"{n:3d} rows  {name:30s} {med * 1000:7.1f} ms  {base / med:5.2f}x")
+        del engines
     return 0
 
 

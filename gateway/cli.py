@@ -30,6 +30,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the model (start-up takes minutes)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="with --compile on CUDA: run decode steps compiled but without CUDA graphs")
+    p.add_argument("--no-packed-linear", action="store_true",
+                   help="CPU fp32: torch's linear layers instead of the packed C++ kernel (and no fused forward)")
+    p.add_argument("--no-fused-layers", action="store_true",
+                   help="CPU fp32 Llama: transformers' forward instead of the fused one")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N ranks (processes; one GPU each on CUDA, gloo on CPU)")
     p.add_argument("--tp-timeout", type=float, default=30.0,
@@ -42,6 +46,8 @@ def chat(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                                     attention_backend=args.attention_backend, compile=args.compile,
                                     cuda_graphs=not args.no_cuda_graphs,
+                                    packed_linear=False if args.no_packed_linear else None,
+                                    fused_layers=False if args.no_fused_layers else None,
                                     tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout))
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})
@@ -101,6 +107,8 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                         attention_backend=args.attention_backend, compile=args.compile,
                         cuda_graphs=not args.no_cuda_graphs, policy=args.policy,
+                        packed_linear=False if args.no_packed_linear else None,
+                        fused_layers=False if args.no_fused_layers else None,
                         tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout,
                         preemption_mode=args.preemption_mode, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

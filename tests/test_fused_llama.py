@@ -93,3 +93,18 @@ def test_fused_logits_match_transformers_on_a_packed_batch(tiny_model):
         logits[fused] = eng.runner.run(batch)
     assert logits[True].shape == logits[False].shape == (2, logits[True].shape[1])
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
+
+
+def test_serve_flags_reach_the_engine_config():
+    """`--no-packed-linear` / `--no-fused-layers` turn the options off; by default both are auto."""
+    import argparse
+
+    from gateway.cli import _engine_args, _scheduling_args, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    _engine_args(p)
+    _scheduling_args(p)
+    default = engine_config_from_args(p.parse_args([]))
+    assert default.packed_linear is None and default.fused_layers is None
+    off = engine_config_from_args(p.parse_args(["--no-packed-linear", "--no-fused-layers"]))
+    assert off.packed_linear is False and off.fused_layers is False
