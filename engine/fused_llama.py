@@ -32,6 +32,7 @@ def supports(model: nn.Module) -> bool:
     cfg = model.config
     return (getattr(cfg, "model_type", None) == "llama" and getattr(cfg, "hidden_act", None) == "silu"
             and getattr(cfg, "pretraining_tp", 1) == 1 and type(model).__name__ == "LlamaForCausalLM"
+            and len(model.model.layers) > 0
             and all(type(m).__name__ == "LlamaDecoderLayer" for m in model.model.layers))
 
 
@@ -88,12 +89,11 @@ class FusedLlama:
 
     def __call__(self, input_ids, position_ids, cache, paged, logits_to_keep, **_):
         ops = torch.ops.streamgate
-        hidden = self.embed(input_ids[0])                                       # [N, C]
-        cos, sin = (t[0].float().contiguous() for t in self.rotary_emb(hidden[None], position_ids))  # [N, D]
-        n, hd = hidden.shape[0], self.head_dim
+        residual = self.embed(input_ids[0])             # [N, C], a new tensor: updated in place below
+        cos, sin = (t[0].float().contiguous() for t in self.rotary_emb(residual[None], position_ids))  # [N, D]
+        n, hd = residual.shape[0], self.head_dim
         q_end, k_end = self.heads * hd, (self.heads + self.kv_heads) * hd
-        residual = hidden.contiguous().clone()
-        x = ops.rms_norm(residual, self.layers[0].norm_in, self.layers[0].eps_in) if self.layers else hidden
+        hidden = x = ops.rms_norm(residual, self.layers[0].norm_in, self.layers[0].eps_in)
         for i, layer in enumerate(self.layers):
             if i:
                 x = ops.add_rms_norm(hidden, residual, layer.norm_in, layer.eps_in)

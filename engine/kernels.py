@@ -8,6 +8,7 @@ oneDNN linear layers (packed_linear.py).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -21,6 +22,7 @@ log = logging.getLogger("streamgate.engine")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "linear.cpp", CSRC / "layers.cpp"]
+HEADERS = [CSRC / "simd.h", CSRC / "attention_tiles.h"]
 NAME = "streamgate_kernels"
 
 
@@ -57,7 +59,7 @@ def load_kernels() -> bool:
     import torch
     from torch.utils.cpp_extension import load
 
-    if missing := [str(p) for p in SOURCES if not p.exists()]:
+    if missing := [str(p) for p in SOURCES + HEADERS if not p.exists()]:
         log.warning("C++ kernels: %s missing; using the torch paths", ", ".join(missing))
         return False
     # cpp_extension runs `ninja` from PATH; the venv's own (the `ninja` package) is there only
@@ -68,7 +70,8 @@ def load_kernels() -> bool:
         # is_python_module=False: the library is loaded with torch.ops.load_library, so its
         # operators are called through the dispatcher (a few us) rather than a Python wrapper.
         load(name=NAME, sources=[str(p) for p in SOURCES], build_directory=str(build_dir()),
-             extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp", _headers_flag()],
+             extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=os.environ.get("STREAMGATE_VERBOSE_BUILD") == "1")
     except Exception as e:  # noqa: BLE001 (no compiler, bad toolchain: fall back, say why)
         log.warning("C++ kernels did not build (%s); using the torch paths", e)
@@ -76,6 +79,13 @@ def load_kernels() -> bool:
     _register_fakes(torch)
     log.info("C++ kernels ready in %.1f s", time.perf_counter() - start)
     return True
+
+
+def _headers_flag() -> str:
+    """A define carrying the headers' hash: torch rebuilds when the sources or the flags
+    change, and does not read the headers they include."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in HEADERS)).hexdigest()[:16]
+    return f"-DSTREAMGATE_HEADERS={digest}"
 
 
 def _register_fakes(torch) -> None:

@@ -11,10 +11,10 @@ import torch
 from .attention import AttentionMetadata, CompiledKVCache, DecodeGroup, KernelBatch, PrefillChunk
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
+from .fused_llama import maybe_fuse
 from .kernels import paged_attention_op
 from .kv_cache import PagedKVCache
 from .models import load_model
-from .fused_llama import maybe_fuse
 from .packed_linear import maybe_pack
 from .scheduler import SchedulerOutput
 
