@@ -146,14 +146,26 @@ async def chat_completions(request: Request) -> Response:
             await events.aclose()       # settle now, not when the generator is collected
 
 
+class Last(str):
+    """A stream's last payload (`[DONE]`, or the error event that ends it)."""
+
+
 class ClosingEventStream(EventSourceResponse):
     """An SSE response that runs `on_close` (async) however it ends, even if it was
     cancelled before its body was first iterated (then the body generator's own `finally`
     never runs): chat streams close their pipeline, stats streams give their slot back."""
 
     def __init__(self, on_close, content, **kw):
-        super().__init__(content, **kw)
+        super().__init__(self._quiet_after_last(content), **kw)
         self.on_close = on_close
+
+    async def _quiet_after_last(self, content):
+        """No keep-alive comment after the stream's `Last` payload: the body's cleanup (settling
+        the request) runs after it, and a ping sent meanwhile would follow `[DONE]`."""
+        async for item in content:
+            yield item
+            if isinstance(item, Last):
+                self.active = False             # sse-starlette's ping loop checks it before each ping
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -196,10 +208,10 @@ async def _chunks(adm: Admission, first, events):
                 if usage_on:
                     yield json.dumps({**head, "choices": [], "usage": event.usage.as_dict(),
                                       "timings": event.timings})      # a streamgate extension
-                yield "[DONE]"
+                yield Last("[DONE]")
                 return
             else:
-                yield json.dumps(event.error.body())
+                yield Last(json.dumps(event.error.body()))
                 return
             event = await anext(events)
     finally:

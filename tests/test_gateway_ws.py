@@ -134,9 +134,10 @@ async def test_stats_stream_is_aggregate_only(live):
     """stats.subscribe pushes queue, KV and token-split numbers, and no request text."""
     async with await connect(live) as ws:
         await ws.send(json.dumps({"type": "stats.subscribe", "interval_ms": 100}))
-        await ws.send(json.dumps({"type": "chat.request", "id": "s", "messages": HELLO, "max_tokens": 30}))
+        # Long enough to span several 100 ms stats ticks on a fast engine (30 tokens took 97 ms).
+        await ws.send(json.dumps({"type": "chat.request", "id": "s", "messages": HELLO, "max_tokens": 400}))
         seen_running, text = False, ""
-        for _ in range(200):
+        for _ in range(2000):
             msg = await recv(ws)
             if msg["type"] == "stats":
                 eng = msg["engine"]
