@@ -29,9 +29,12 @@ pytestmark = pytest.mark.browser
 
 @pytest.fixture(scope="module")
 def live(tiny_model, tmp_path_factory):
-    """The real app with the shipped tenants file, so the page's default demo key must work."""
-    registry = Registry.from_file(str(TENANTS_FILE))
-    with serve(tiny_model("llama"), tmp_path_factory.mktemp("browser"), registry=registry) as server:
+    """The real app with the shipped tenants file, so the page's default demo key must work
+    (its max_tokens raised to 1990, so that an answer lasts long enough to be stopped)."""
+    tmp = tmp_path_factory.mktemp("browser")
+    tenants = tmp / "tenants.toml"
+    tenants.write_text(TENANTS_FILE.read_text().replace("max_tokens = 1024", "max_tokens = 1990"))
+    with serve(tiny_model("llama"), tmp, registry=Registry.from_file(str(tenants))) as server:
         yield server
 
 
@@ -132,13 +135,15 @@ def test_chat_streams_multi_turn_and_stats_update(tab):
 def test_stop_aborts_the_answer_and_frees_the_engine(tab, live):
     """Stop sends chat.cancel: the answer ends with finish reason abort and the engine frees its blocks."""
     page = tab.page
-    tab.ask("Tell me a long story.", max_tokens=1000)
+    # Near the tiny model's 2048 positions: long enough that Stop lands mid-answer (1000
+    # tokens took ~3 s after the engine sped up, and Stop sometimes came after the end).
+    tab.ask("Tell me a long story.", max_tokens=1900)
     tab.wait_streaming_text()
     expect(page.locator("#stop")).to_be_enabled()
     page.click("#stop")
     answer = page.get_by_test_id("answer").last
     expect(answer.get_by_test_id("finish-reason")).to_have_text("abort")
-    assert 0 < int(answer.get_by_test_id("tokens").text_content()) < 1000
+    assert 0 < int(answer.get_by_test_id("tokens").text_content()) < 1900
     assert wait_until(lambda: engine_idle(live)), live.engine_stats()
     expect(page.locator("#stop")).to_be_disabled()
     expect(page.locator("#send")).to_be_enabled()
