@@ -167,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slowest", type=int, default=6)
     p.add_argument("--time-limit", type=float, default=600.0)
     p.add_argument("--costs", default=None, help="a,b,c: replay on the cost model instead (seconds)")
+    p.add_argument("--seeds", type=int, default=0,
+                   help="with --costs: replay seeds 1..N of the workload and summarize each preset's "
+                        "--tenant TTFT p99 / p90 as multiples of the tenant alone (one p99 of a dozen "
+                        "requests is its slowest one)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     wl = load_workload(args.workload)
@@ -174,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                         if v is not None})
     reqs = make_requests(wl)
     if args.costs:
-        return model_main(args, wl, reqs)
+        return model_seeds(args, wl) if args.seeds else model_main(args, wl, reqs)
     out = []
     for preset, flags in parse_presets(args.compare):
         flags = shlex.split(wl.server_args) + flags + shlex.split(args.engine_args)
@@ -209,6 +213,42 @@ def model_main(args, wl, reqs) -> int:
               f"({tot['seat_preemptions']} for seats, at most {tot['max_preemptions']} for one); weighted service "
               f"(VTC, every tenant backlogged): {describe(ws)}; "
               + ", ".join(f"{k} {v['service']:.0f}" for k, v in ws["client"]["tenants"].items()), flush=True)
+    return 0
+
+
+def model_seeds(args, wl) -> int:
+    from statistics import mean
+
+    from transformers import AutoTokenizer
+
+    from engine.models import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
+    costs = tuple(float(x) for x in args.costs.split(","))
+    presets = parse_presets(args.compare)
+    rows: dict[str, list[tuple]] = {label: [] for label, _ in presets}
+    for seed in range(1, args.seeds + 1):
+        w = replace(wl, seed=seed)
+        reqs = make_requests(w)
+        prompts = {r.id: list(tok.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=True)["input_ids"]) for r in reqs}
+
+        def ttfts(mine, flags):
+            recs, _, tot = replay_model(mine, prompts, engine_config(args.model, shlex.split(w.server_args) + flags
+                                                                     + shlex.split(args.engine_args)), costs, w)
+            return [r["deltas"][0][0] - r["send"] for r in recs if r["tenant"] == args.tenant and r["deltas"]], tot
+
+        alone, _ = ttfts([r for r in reqs if r.tenant == args.tenant], [])
+        for label, flags in presets:
+            t, tot = ttfts(reqs, flags)
+            rows[label].append((percentile(t, 99) / percentile(alone, 99), percentile(t, 90) / percentile(alone, 90),
+                                tot["output_tps"], tot["preemptions_per_request"]))
+    print(f"{args.tenant} TTFT as a multiple of its unloaded value, seeds 1..{args.seeds}, costs {args.costs}")
+    for label, r in rows.items():
+        p99 = [x[0] for x in r]
+        print(f"  {label:>14s}: p99 x{mean(p99):.2f} mean, x{max(p99):.2f} max [{' '.join(f'{x:.1f}' for x in p99)}]; "
+              f"p90 x{mean(x[1] for x in r):.2f} mean; {mean(x[2] for x in r):.1f} out tok/s; "
+              f"{mean(x[3] for x in r):.2f} preemptions/request")
     return 0
 
 

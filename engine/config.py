@@ -54,6 +54,7 @@ class EngineConfig:
     max_step_tokens: int = 4096
     seat_quantum_steps: int = 2           # steps a sequence runs after (re)admission before it may lose its seat
     max_seat_preemptions: int = 2         # times a sequence may lose its seat to an arrival
+    fair_burst_tokens: int = 1024         # fair: service a light tenant may bank for its bursts (policy.py)
     # -- tensor parallelism (issue 13): N ranks, one per device; see docs/ENGINE.md ------------
     tensor_parallel_size: int = 1         # 1: one process, no torch.distributed
     tp_timeout_s: float = 30.0            # a collective (or a silent rank) failing past this fails the engine
@@ -92,6 +93,7 @@ class EngineConfig:
         need(_is_int(self.seat_quantum_steps) and self.seat_quantum_steps >= 0, "seat_quantum_steps", "must be an int >= 0")
         need(_is_int(self.max_seat_preemptions) and self.max_seat_preemptions >= 0, "max_seat_preemptions",
              "must be an int >= 0")
+        need(_is_int(self.fair_burst_tokens) and self.fair_burst_tokens >= 0, "fair_burst_tokens", "must be an int >= 0")
         need(self.preemption_mode != "swap" or self.num_swap_blocks > 0, "num_swap_blocks",
              "must be > 0 when preemption_mode is 'swap'")
         # -- engine speed (issue 14) --

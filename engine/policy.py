@@ -103,8 +103,12 @@ class CostPolicy(Policy):
 
 
 class FairPolicy(Policy):
-    """Virtual token counters per tenant, weighted. A tenant returning from idle starts at
-    the smallest counter among backlogged tenants, so idleness is not banked."""
+    """Virtual token counters per tenant (VTC), weighted, with a bounded burst credit: on
+    each arrival a tenant's counter is raised to at least the smallest counter among the
+    other backlogged tenants minus `fair_burst_tokens` / weight. A tenant that was idle or
+    light may so run up to that much service ahead of its share (its bursts are served
+    from the share it left unused), and no more is banked; VTC's own lift is the case
+    `fair_burst_tokens=0` (docs/BENCHMARKS.md §9.13)."""
 
     name = "fair"
     dynamic = True
@@ -120,35 +124,39 @@ class FairPolicy(Policy):
 
     def on_add(self, seq: Sequence, backlogged: Callable[[], set[str | None]]) -> None:
         self.weights[seq.tenant] = seq.weight
-        tenants = backlogged()
-        if seq.tenant not in tenants:
-            active = [self.counters.get(t, 0.0) for t in tenants]
-            floor = min(active) if active else max(self.counters.values(), default=0.0)
-            # Just under the floor: a tie goes to the tenant back from idle, whose request
-            # would otherwise queue behind the backlogged tenant's older ones for a step.
-            self.counters[seq.tenant] = max(self.counters.get(seq.tenant, 0.0), math.nextafter(floor, -INF))
+        others = [self.counters.get(t, 0.0) for t in backlogged() if t != seq.tenant]
+        floor = min(others) if others else max(self.counters.values(), default=0.0)
+        # Strictly under the floor: a tie goes to the tenant back from idle, whose request
+        # would otherwise queue behind the backlogged tenant's older ones for a step.
+        floor = math.nextafter(floor - self.config.fair_burst_tokens / seq.weight, -INF)
+        self.counters[seq.tenant] = max(self.counters.get(seq.tenant, 0.0), floor)
 
     def may_preempt(self, victim: Sequence, newcomer: Sequence, now: float, running: list[Sequence]) -> bool:
-        """Seats are shared by weight too: a tenant holding fewer seats than its weighted
-        share of `max_num_seqs` may take one from a tenant holding more than its own. VTC
-        orders the queue but cannot open a seat; without this, a tenant arriving while a
-        flooder holds every seat waits for one of the flooder's requests to finish. Both
-        sides stay within their shares, so a seat never moves back and forth. And only
-        while the newcomer's counter leads the victim's by at most one step's budget:
-        the claim may bypass VTC order (a blocked head does not end admission), and this
-        keeps the service gap within VTC's bound plus that slack."""
-        if victim.tenant == newcomer.tenant:
-            return False
+        """VTC orders the queue but cannot open a seat; without a claim, a tenant arriving
+        while another holds every seat waits for one of its requests to finish. A newcomer
+        may take a seat from another tenant holding at least two:
+        - by service: if its tenant's counter, once charged for this prompt, still does not
+          lead the victim tenant's. The seat goes where VTC would send the next token, past
+          the newcomer's seat share if need be (a light tenant's burst), and cannot move
+          straight back: the victim's tenant now leads.
+        - by seats, for a tenant holding none: from a tenant over its weighted share of
+          `max_num_seqs`, while the newcomer's counter leads by at most one step's budget
+          (a prompt longer than the credit, or a counter just charged for a burst; a
+          blocked head does not end admission, and this keeps the gap within VTC's bound
+          plus that slack)."""
         seats = Counter(s.tenant for s in running)
-        present = set(seats) | {newcomer.tenant}
-        total = sum(self.weights.get(t, 1.0) for t in present)
-
-        def share(tenant) -> float:
-            return self.config.max_num_seqs * self.weights.get(tenant, 1.0) / total
-
+        if victim.tenant == newcomer.tenant or seats[victim.tenant] < 2:
+            return False
+        weight = self.weights.get(newcomer.tenant, 1.0)
         lead = self.counters.get(newcomer.tenant, 0.0) - self.counters.get(victim.tenant, 0.0)
-        return (seats[newcomer.tenant] + 1 <= share(newcomer.tenant) and seats[victim.tenant] - 1 >= share(victim.tenant)
-                and lead <= self.config.max_num_batched_tokens / self.weights.get(newcomer.tenant, 1.0))
+        charge = self.INPUT_COST * max(0, newcomer.num_tokens - newcomer.num_billed_tokens) / weight
+        if lead + charge <= 0:
+            return True
+        if seats[newcomer.tenant] or lead > self.config.max_num_batched_tokens / weight:
+            return False
+        total = sum(self.weights.get(t, 1.0) for t in set(seats) | {newcomer.tenant})
+        share = lambda tenant: self.config.max_num_seqs * self.weights.get(tenant, 1.0) / total  # noqa: E731
+        return share(newcomer.tenant) >= 1 and seats[victim.tenant] - 1 >= share(victim.tenant)
 
     def on_served(self, seq: Sequence, prompt_tokens: int, output_tokens: int) -> None:
         cost = self.INPUT_COST * prompt_tokens + self.OUTPUT_COST * output_tokens

@@ -6,10 +6,11 @@ Scheduler, whose queues and counters it changes).
   one is more urgent.
 - For a seat (`_make_room`, preemption at admission): an arrival may displace running
   sequences the policy lets it claim (`Policy.may_preempt`: a lower class under
-  `priority`, a tenant over its seat share under `fair`). Churn is bounded: a sequence
-  keeps its seat for `seat_quantum_steps` after (re)admission and loses it at most
-  `max_seat_preemptions` times, and nothing is preempted unless all the candidates
-  together would make enough room.
+  `priority`; under `fair`, a tenant VTC serves first, or one holding no seat from a
+  tenant over its seat share). Churn is bounded: a sequence keeps its seat for
+  `seat_quantum_steps` after (re)admission and loses it at most `max_seat_preemptions`
+  times, and nothing is preempted unless all the candidates together would make enough
+  room.
 - How (`_preempt`): recompute (free the blocks, requeue first, tokens kept) or swap to the
   host pool, whichever `_swap_is_cheaper` says; a victim scheduled earlier in this step is
   taken back first, its tokens returned to the budget and its prompt charge refunded.
@@ -61,8 +62,8 @@ class Preemption:
 
     def _make_room(self, seq: Sequence, swapping: bool, out: SchedulerOutput, now: float, claim: bool = False) -> bool:
         """Whether `seq` can start now; with preemption at admission on, it may preempt
-        running sequences the policy lets it displace (a less urgent class under `priority`,
-        a tenant holding more than its share of seats under `fair`). With `claim`, only if
+        running sequences the policy lets it displace (a less urgent class under `priority`;
+        under `fair`, another tenant's, by service or by seat share). With `claim`, only if
         it has such a claim (it is being let past a head that could not start)."""
         if not claim and self._fits(seq, swapping):
             return True

@@ -98,6 +98,8 @@ def _scheduling_args(p: argparse.ArgumentParser) -> None:
                    help="steps a sequence runs after (re)admission before it may lose its seat")
     p.add_argument("--max-seat-preemptions", type=int, default=2,
                    help="times a sequence may lose its seat to an arrival")
+    p.add_argument("--fair-burst-tokens", type=int, default=1024,
+                   help="fair: service a light tenant may bank for its bursts (0: VTC's own lift)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -117,7 +119,8 @@ def engine_config_from_args(args: argparse.Namespace):
                         enable_prefix_caching=not args.no_prefix_caching,
                         preempt_for_priority={"auto": None, "on": True, "off": False}[args.preempt_at_admission],
                         itl_target_ms=args.itl_target_ms or None, max_step_tokens=args.max_step_tokens,
-                        seat_quantum_steps=args.seat_quantum_steps, max_seat_preemptions=args.max_seat_preemptions)
+                        seat_quantum_steps=args.seat_quantum_steps, max_seat_preemptions=args.max_seat_preemptions,
+                        fair_burst_tokens=args.fair_burst_tokens)
 
 
 def serve(args: argparse.Namespace) -> int:

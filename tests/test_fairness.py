@@ -183,6 +183,36 @@ def test_a_flooders_blocked_queue_head_does_not_hold_back_another_tenants_seat(l
         assert polite.request_id not in load.first and s.counters.seat_preemptions == 0
 
 
+@pytest.mark.parametrize("burst_tokens", [0, 1024])
+def test_a_light_tenants_burst_runs_past_its_seat_share_on_its_credit(burst_tokens):
+    """A flooder holds all 8 seats and has been served for 300 steps; a tenant that was
+    idle sends 6 short requests at once. With a burst credit its counter starts that far
+    under the flooder's (exactly `fair_burst_tokens` under it: the idle time banks no
+    more), so each request claims a seat by service, past its share of 4, and all 6 start
+    within three steps (the victims' quantum). With no credit (VTC's own lift) it is level
+    with the flooder: it gets a seat (it held none) but not past its share, and the rest
+    wait for seats in VTC order."""
+    clock = Clock()
+    s = make(clock, max_num_seqs=8, max_num_batched_tokens=64, fair_burst_tokens=burst_tokens)
+    load = Load(s, clock)
+    for step in range(300):
+        for _ in range(16 - load.queued("flood")):
+            load.arrive("flood", 1.0, load.rng.randrange(8, 30), load.rng.randrange(60, 120))
+        load.step()
+    flood = s.policy.counters["flood"]
+    assert flood > 4 * burst_tokens
+    burst = [load.arrive("light", 1.0, 8, 40) for _ in range(6)]
+    assert s.policy.counters["light"] == pytest.approx(flood - burst_tokens)
+    for _ in range(3):
+        load.step()
+    started = sum(q.request_id in load.first for q in burst)
+    if burst_tokens:
+        assert started == 6
+    else:
+        assert 1 <= started <= 4, started
+    assert max(q.num_seat_preemptions for q in load.seqs.values()) <= s.config.max_seat_preemptions
+
+
 def test_interactive_request_starts_within_a_step_under_an_aged_batch_flood():
     """priority: batch (class 2) requests fill every seat and queue for 60 s, so aging lifts
     the queued ones past class 0; each interactive (class 0) arrival still takes a batch

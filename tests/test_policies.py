@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.config import EngineConfig, SamplingParams
 from engine.policy import make_policy
 from engine.sequence import Sequence
@@ -75,16 +77,22 @@ def test_fair_serves_the_least_served_tenant_and_divides_by_weight():
     assert order(p, [seq("b2", t=0, tenant="b"), seq("a2", t=1, tenant="a")], now=2) == ["a2", "b2"]
 
 
-def test_fair_returning_tenant_starts_at_the_backlogged_minimum():
-    """A tenant back from idle is lifted to (just under) the smallest counter among
-    backlogged tenants, so its idle time is not banked but it wins the tie against the
-    backlogged tenant's older requests; a tenant already ahead keeps its counter."""
-    p = make_policy(EngineConfig(policy="fair"))
+@pytest.mark.parametrize("credit", [0, 300])
+def test_fair_returning_tenant_starts_its_credit_under_the_backlogged_minimum(credit):
+    """A tenant back from idle is lifted to (just under) the smallest counter among the
+    backlogged tenants minus the burst credit, so no more idle time than the credit is
+    banked and it wins the tie against the backlogged tenant's older requests; a tenant
+    already within the credit keeps its counter, and a backlogged tenant that fell further
+    behind is lifted too (the credit bounds the lag)."""
+    p = make_policy(EngineConfig(policy="fair", fair_burst_tokens=credit))
     p.counters = {"a": 500.0, "b": 800.0, "idle": 10.0, "ahead": 900.0}
     p.on_add(seq("x", tenant="idle"), backlogged=lambda: {"a", "b"})
-    assert 499.999 < p.counters["idle"] < 500.0
+    assert 499.999 - credit < p.counters["idle"] < 500.0 - credit
     assert order(p, [seq("a-old", t=0, tenant="a"), seq("x", t=5, tenant="idle")], now=6) == ["x", "a-old"]
     p.on_add(seq("y", tenant="ahead"), backlogged=lambda: {"a", "b"})
     assert p.counters["ahead"] == 900.0
     p.on_add(seq("z", tenant="new"), backlogged=lambda: {"a", "b"})
-    assert 499.999 < p.counters["new"] < 500.0
+    assert 499.999 - credit < p.counters["new"] < 500.0 - credit
+    p.counters["a"] = 100.0                                  # backlogged, far behind b
+    p.on_add(seq("w", tenant="a"), backlogged=lambda: {"a", "b"})
+    assert p.counters["a"] == pytest.approx(800.0 - credit, abs=1e-3)
