@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "simd.h"
 
@@ -14,23 +15,62 @@ namespace streamgate::cpu {
 
 constexpr int64_t kRows = 4;         // query vectors per step of the score microkernel
 
-// exp(x) for x <= 0 (softmax arguments), Cephes' expf: 2^n * p(r) with |r| <= ln2 / 2, relative
-// error ~1e-7. Plain float code so that `omp simd` loops over it vectorize (std::exp does not).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);                                  // 2^-126 is the smallest normal float
-  const float n = std::floor(x * 1.44269504f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+// exp(x) for x <= 0 (softmax arguments), eight lanes at once: Cephes' expf, 2^n * p(r) with
+// |r| <= ln2 / 2, relative error ~1e-7. Written on whole vectors (GCC/Clang vector extensions)
+// because the scalar form did not vectorize: GCC saw control flow in it, and the softmax then
+// cost more than the scores and the values together.
+inline vec8 exp8_nonpositive(vec8 x) {
+  const vec8 lo = vec8{} - 87.0f;                           // 2^-126 is the smallest normal float
+  x = x < lo ? lo : x;
+  const vec8 fx = x * 1.44269504f + 0.5f;
+  vec8 n = __builtin_convertvector(__builtin_convertvector(fx, vec8i), vec8);   // toward zero
+  n = n > fx ? n - 1.0f : n;                                // floor
+  const vec8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vec8 p = vec8{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
+  const vec8i bits = (__builtin_convertvector(n, vec8i) + 127) << 23;
+  vec8 scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+// One query row's span of scores si[0, n) (n <= kpad, si padded to kpad) under the online
+// softmax: keys past `visible` (the causal cut) get probability 0, the others
+// exp(s - new_m) with new_m = max(m, their max). Returns the probabilities' sum; `m` becomes
+// new_m, and `alpha` the factor exp(m_old - new_m) for what was accumulated before.
+inline float softmax_span(float* si, int64_t n, int64_t visible, float& m, float& alpha) {
+  const vec8 ninf = vec8{} - std::numeric_limits<float>::infinity();
+  vec8 vmax = ninf;
+  vec8 lane;
+  for (int64_t l = 0; l < kLanes; ++l) lane[l] = static_cast<float>(l);
+  for (int64_t t = 0; t < visible; t += kLanes) {
+    const vec8 x = load8(si + t);
+    const vec8 keep = (lane + static_cast<float>(t)) < static_cast<float>(visible) ? x : ninf;
+    vmax = keep > vmax ? keep : vmax;
+  }
+  float block_max = vmax[0];
+  for (int64_t l = 1; l < kLanes; ++l) block_max = std::max(block_max, vmax[l]);
+  const float new_m = std::max(m, block_max);
+  alpha = std::exp(m - new_m);                              // 0 on the first span
+  m = new_m;
+  vec8 vsum = {};
+  const vec8 zero = {};
+  int64_t t = 0;
+  for (; t < visible; t += kLanes) {
+    const vec8 e = exp8_nonpositive(load8(si + t) - new_m);
+    const vec8 p = (lane + static_cast<float>(t)) < static_cast<float>(visible) ? e : zero;
+    store8(si + t, p);
+    vsum += p;
+  }
+  for (; t < n; t += kLanes) store8(si + t, zero);        // past the cut, to the padded end
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += vsum[l];
+  return sum;
 }
 
 // S[j, t] = q_j . k_t for R query rows j (R <= kRows) and t < kpad (a multiple of kLanes): a few
@@ -66,22 +106,28 @@ inline void scores_rows(const float* q, const float* kT, float* s, int64_t kpad,
 
 // The same scores from keys read in place, row by row (krow[t] -> key t's D values), as dot
 // products: for the few query vectors of a decode row, transposing each key would cost more.
-// With AVX2, eight keys' dot products are reduced across lanes together.
+// Called for fewer than kRows query vectors (R <= 3). With AVX2, four keys at a time: each key is
+// loaded once per eight of d for all R rows (up to 12 accumulators in registers), and the four
+// keys' dot products are reduced across lanes together.
 template <int R>
 inline void scores_rows_by_key(const float* q, const float* const* krow, float* s, int64_t kpad, int64_t n, int64_t D) {
   int64_t t = 0;
 #ifdef __AVX2__
-  if (D % kLanes == 0) {
-    for (; t + 8 <= n; t += 8) {
-      for (int j = 0; j < R; ++j) {
-        __m256 a[8];
-        for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += kLanes) {
-          const __m256 qv = _mm256_loadu_ps(q + j * D + d);
-          for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krow[t + i] + d), a[i]);
+  // (Instantiated for kRows rows too, by for_row_groups, but never called with them.)
+  if constexpr (R < kRows) {
+    for (; D % kLanes == 0 && t + 4 <= n; t += 4) {
+      __m256 a[R][4];
+      for (int j = 0; j < R; ++j)
+        for (int i = 0; i < 4; ++i) a[j][i] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += kLanes) {
+        __m256 qv[R];
+        for (int j = 0; j < R; ++j) qv[j] = _mm256_loadu_ps(q + j * D + d);
+        for (int i = 0; i < 4; ++i) {
+          const __m256 k = _mm256_loadu_ps(krow[t + i] + d);
+          for (int j = 0; j < R; ++j) a[j][i] = _mm256_fmadd_ps(qv[j], k, a[j][i]);
         }
-        _mm256_storeu_ps(s + j * kpad + t, sum8(a));
       }
+      for (int j = 0; j < R; ++j) _mm_storeu_ps(s + j * kpad + t, sum4(a[j]));
     }
   }
 #endif

@@ -133,20 +133,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
             alpha[i] = 1.0f;
             continue;
           }
-          float block_max = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : block_max)
-          for (int64_t t = 0; t < visible; ++t) block_max = std::max(block_max, si[t]);
-          const float new_m = std::max(m[i], block_max);
-          alpha[i] = std::exp(m[i] - new_m);                             // 0 on the first span
-          float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < visible; ++t) {
-            si[t] = exp_nonpositive(si[t] - new_m);
-            sum += si[t];
-          }
-          std::fill(si + visible, si + n, 0.0f);
+          const float sum = softmax_span(si, n, visible, m[i], alpha[i]);
           l[i] = l[i] * alpha[i] + sum;
-          m[i] = new_m;
         }
         for_row_groups(nq, [&]<int R>(int64_t i) {
           if (by_key) values_rows_by_key<R>(s.data() + i * kpad, alpha.data() + i, vrow.data(), acc.data() + i * D, kpad, n, D);

@@ -1,5 +1,5 @@
 // Vector helpers shared by the CPU kernels: eight fp32 lanes (one AVX2 register) through
-// GCC/Clang vector extensions, so the same code is NEON elsewhere; sum8 with AVX2 only.
+// GCC/Clang vector extensions, so the same code is NEON elsewhere; sum4 with AVX2 only.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +13,7 @@ namespace streamgate::cpu {
 constexpr int64_t kLanes = 8;        // fp32 lanes of one vector (AVX2: one register)
 
 typedef float vec8 __attribute__((vector_size(32)));   // GCC/Clang vector extension
+typedef int32_t vec8i __attribute__((vector_size(32)));
 
 inline vec8 load8(const float* p) {
   vec8 v;
@@ -23,11 +24,10 @@ inline vec8 load8(const float* p) {
 inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof v); }
 
 #ifdef __AVX2__
-// [sum(a[0]), ..., sum(a[7])]: eight horizontal sums in one vector.
-inline __m256 sum8(const __m256* a) {
-  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+// [sum(a[0]), ..., sum(a[3])]: four horizontal sums in one 128-bit vector.
+inline __m128 sum4(const __m256* a) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 #endif
 
