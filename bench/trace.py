@@ -193,20 +193,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def chat_prompts(tok, reqs) -> dict[str, list[int]]:
+    """Each request's prompt as the model sees it: its messages through the chat template."""
+    return {r.id: list(tok.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]) for r in reqs}
+
+
+def model_config(args, wl, flags: list[str]):
+    """The engine config of one preset: the workload's server flags, the preset's, then --engine-args."""
+    return engine_config(args.model, shlex.split(wl.server_args) + flags + shlex.split(args.engine_args))
+
+
 def model_main(args, wl, reqs) -> int:
     from transformers import AutoTokenizer
 
     from engine.models import resolve_model
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
-    prompts = {r.id: list(tok.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-                          ["input_ids"]) for r in reqs}
+    prompts = chat_prompts(tok, reqs)
     costs = tuple(float(x) for x in args.costs.split(","))
     runs = [(preset, flags, reqs) for preset, flags in parse_presets(args.compare)]
     runs.append((f"{args.tenant}-alone", [], [r for r in reqs if r.tenant == args.tenant]))
     for label, flags, mine in runs:
-        flags = shlex.split(wl.server_args) + flags + shlex.split(args.engine_args)
-        recs, steps, tot = replay_model(mine, prompts, engine_config(args.model, flags), costs, wl)
+        recs, steps, tot = replay_model(mine, prompts, model_config(args, wl, flags), costs, wl)
         report(label, recs, steps, args.tenant, args.slowest)
         ws = weighted_service(recs, {t.name: t.weight for t in wl.tenants})
         print(f"   {tot['output_tps']:.1f} out tok/s, {tot['preemptions_per_request']:.2f} preemptions/request "
@@ -230,12 +239,10 @@ def model_seeds(args, wl) -> int:
     for seed in range(1, args.seeds + 1):
         w = replace(wl, seed=seed)
         reqs = make_requests(w)
-        prompts = {r.id: list(tok.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=True)["input_ids"]) for r in reqs}
+        prompts = chat_prompts(tok, reqs)
 
         def ttfts(mine, flags):
-            recs, _, tot = replay_model(mine, prompts, engine_config(args.model, shlex.split(w.server_args) + flags
-                                                                     + shlex.split(args.engine_args)), costs, w)
+            recs, _, tot = replay_model(mine, prompts, model_config(args, w, flags), costs, w)
             return [r["deltas"][0][0] - r["send"] for r in recs if r["tenant"] == args.tenant and r["deltas"]], tot
 
         alone, _ = ttfts([r for r in reqs if r.tenant == args.tenant], [])

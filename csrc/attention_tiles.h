@@ -46,8 +46,7 @@ inline vec8 exp8_nonpositive(vec8 x) {
 inline float softmax_span(float* si, int64_t n, int64_t visible, float& m, float& alpha) {
   const vec8 ninf = vec8{} - std::numeric_limits<float>::infinity();
   vec8 vmax = ninf;
-  vec8 lane;
-  for (int64_t l = 0; l < kLanes; ++l) lane[l] = static_cast<float>(l);
+  const vec8 lane = {0, 1, 2, 3, 4, 5, 6, 7};                // a lane's offset in its vector
   for (int64_t t = 0; t < visible; t += kLanes) {
     const vec8 x = load8(si + t);
     const vec8 keep = (lane + static_cast<float>(t)) < static_cast<float>(visible) ? x : ninf;
