@@ -3,10 +3,9 @@ tokens, registered with transformers' AttentionInterface as "streamgate_paged".
 
 The model runs on one packed row `[1, N]`. Two backends:
 - "kernel" (CPU): the C++ kernel (csrc/, `torch.ops.streamgate.paged_attention`, registered
-  by engine.kernels when the runner picks it) attends for decode rows and short chunks in one
-  call per layer, reading each sequence's keys and values in place through its block table.
-  Longer prefill chunks stay on SDPA as below (faster there on an AVX2 CPU); a compiled model
-  sends every row to the kernel so that its metadata is the same three tensors every step.
+  by engine.kernels when the runner picks it) attends for every row, decode rows and prefill
+  chunks alike, in one call per layer, reading each sequence's keys and values in place
+  through its block table; its metadata is the same three tensors every step.
 - "torch" (CUDA, and the CPU fallback and reference): single-token rows are batched into
   SDPA calls over their gathered, padded contexts, one call per group of similar context
   lengths (so one long context does not make every stream gather and attend over its
@@ -50,7 +49,6 @@ class KernelBatch:
     block_tables: torch.Tensor       # [B, W] int64, padded with block 0
     q_start: torch.Tensor            # [B + 1] int64
     ctx_lens: torch.Tensor           # [B] int64, context length including this step's tokens
-    rows: torch.Tensor | None = None  # [R] packed rows of those query rows, in order; None: all rows
 
 
 @dataclass
@@ -59,7 +57,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor       # [N] where each new token's K/V goes
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
-    kernel: KernelBatch | None = None   # rows the kernel attends for (the groups take the rest)
+    kernel: KernelBatch | None = None   # set: the kernel attends for every row (no groups)
 
 
 def paged_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, **kwargs):
@@ -70,13 +68,9 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
     q = query[0].transpose(0, 1)                                  # [N, H, D]
     out = torch.empty_like(q)                                     # [N, H, D]
     if (kb := meta.kernel) is not None:
-        qk = q if kb.rows is None else q[kb.rows]                 # [B or N, H, D]
-        ok = out if kb.rows is None else torch.empty_like(qk)
-        torch.ops.streamgate.paged_attention(qk, meta.cache.k[layer], meta.cache.v[layer], kb.block_tables,
-                                             kb.q_start, kb.ctx_lens, meta.cache.block_size, scaling, ok)
-        if kb.rows is None:
-            return out.unsqueeze(0), None
-        out[kb.rows] = ok
+        torch.ops.streamgate.paged_attention(q, meta.cache.k[layer], meta.cache.v[layer], kb.block_tables,
+                                             kb.q_start, kb.ctx_lens, meta.cache.block_size, scaling, out)
+        return out.unsqueeze(0), None
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads

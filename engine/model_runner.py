@@ -110,7 +110,7 @@ class ModelRunner:
         slots += [scratch * bs + bs - 1, scratch * bs]
         kernel.append((bs + 1, _PAD_ROWS, [scratch, scratch]))
         meta = AttentionMetadata(self.kv_cache, torch.tensor(slots, dtype=torch.long, device=self.device), [], [])
-        meta.kernel = self._kernel_batch(kernel, None)
+        meta.kernel = self._kernel_batch(kernel)
         return meta
 
     def _use_kernel(self, config: EngineConfig) -> bool:
@@ -190,7 +190,6 @@ class ModelRunner:
         dec_lens: list[int] = []
         prefills: list[tuple[int, int, int, list[int]]] = []       # (row, start_pos, n, block table)
         kernel: list[tuple[int, int, list[int]]] = []               # (context, new tokens, table) for the kernel
-        kernel_rows: list[int] = []                                 # their packed query rows
         for seq, n, samples, is_decode in zip(batch.seqs, batch.num_new_tokens, batch.samples, batch.is_decode):
             start, row, table = seq.num_computed_tokens, len(ids), seq.block_table
             ids.extend(seq.token_ids(start, start + n))
@@ -198,12 +197,11 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if samples:
                 sample_rows.append(row + n - 1)
-            # Compiled, the kernel takes every row, so the metadata is three tensors whatever the
-            # batch. Eager, it takes decode rows and short chunks; longer chunks stay on SDPA, whose
-            # blocked GEMMs beat the kernel there (crossover: docs/BENCHMARKS.md §8.7).
-            if self.use_kernel and (self.config.compile or n <= KERNEL_MAX_CHUNK):
+            # The kernel takes every row, decode or chunk, compiled or eager: since its softmax is
+            # vectorized it is level with or ahead of gather + SDPA at every chunk size up to the
+            # 512-token budget (docs/BENCHMARKS.md §8.15), and no context is copied.
+            if self.use_kernel:
                 kernel.append((start + n, n, table))
-                kernel_rows.extend(range(row, row + n))
             elif is_decode:
                 dec_rows.append(row)
                 dec_tables.append(table)
@@ -215,14 +213,14 @@ class ModelRunner:
         else:
             meta = AttentionMetadata(self.kv_cache, torch.tensor(slots, dtype=torch.long, device=dev), [], [])
             if kernel:
-                meta.kernel = self._kernel_batch(kernel, None if len(kernel_rows) == len(ids) else kernel_rows)
+                meta.kernel = self._kernel_batch(kernel)
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)      # [1, N]
         positions = torch.tensor([pos], dtype=torch.long, device=dev)      # [1, N]
         sample_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         self._torch_groups(meta, dec_rows, dec_tables, dec_lens, prefills)
         return input_ids, positions, sample_t, meta
 
-    def _kernel_batch(self, kernel: list[tuple[int, int, list[int]]], rows: list[int] | None) -> KernelBatch:
+    def _kernel_batch(self, kernel: list[tuple[int, int, list[int]]]) -> KernelBatch:
         bs = self.config.block_size
         lens = [ctx for ctx, _, _ in kernel]
         width = max(-(-n // bs) for n in lens)
@@ -231,8 +229,7 @@ class ModelRunner:
         for _, n, _ in kernel:
             q_start.append(q_start[-1] + n)
         return KernelBatch(torch.tensor(tables, dtype=torch.long), torch.tensor(q_start, dtype=torch.long),
-                           torch.tensor(lens, dtype=torch.long),
-                           None if rows is None else torch.tensor(rows, dtype=torch.long))
+                           torch.tensor(lens, dtype=torch.long))
 
     def _torch_groups(self, meta: AttentionMetadata, dec_rows, dec_tables, dec_lens, prefills) -> None:
         """Decode groups of similar context length and per-chunk masks for the torch backend."""
@@ -288,10 +285,6 @@ def _cpu_flags() -> set[str]:
 
 # Compiled with the kernel, every step gets a dummy sequence of this many rows (`_pad`).
 _PAD_ROWS = 2
-
-# Eager, the kernel attends for sequences with at most this many new tokens this step (decode
-# rows, short chunks); above it gather + SDPA is faster on this AVX2 CPU (docs/BENCHMARKS.md §8.7).
-KERNEL_MAX_CHUNK = 4
 
 # A decode group may pad its rows up to this factor of its shortest context (plus a block)
 # before a new group starts: one more gather+SDPA call per layer is cheaper than attending

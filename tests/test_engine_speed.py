@@ -55,17 +55,17 @@ def test_auto_backend_takes_the_kernel_where_it_builds(tiny_model):
 
 
 @pytest.mark.skipif(paged_attention_ops() is None, reason="the paged attention kernel did not build (see the log)")
-def test_eager_kernel_takes_decodes_and_short_chunks_sdpa_the_long_ones(tiny_model):
-    """Eager, sequences with at most KERNEL_MAX_CHUNK new tokens go to the kernel, longer chunks to SDPA."""
+def test_eager_kernel_takes_every_row_decode_and_chunk(tiny_model):
+    """Eager, the kernel attends for every sequence, a 1-token tail and a 40-token chunk alike,
+    in one call: no row is left to the gather + SDPA groups."""
     engine = LLMEngine(EngineConfig(model=tiny_model("llama"), num_kv_blocks=32, max_num_batched_tokens=64))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    short, long = model_runner.KERNEL_MAX_CHUNK, model_runner.KERNEL_MAX_CHUNK + 36
-    engine.add_request("long", list(range(5, 5 + long)), params)
-    engine.add_request("short", list(range(5, 5 + short)), params)
+    engine.add_request("long", list(range(5, 45)), params)
+    engine.add_request("short", [5], params)
     batch = engine.scheduler.schedule()
-    assert sorted(batch.num_new_tokens) == [short, long]
+    assert sorted(batch.num_new_tokens) == [1, 40]
     _, _, _, meta = engine.runner._prepare(batch)
-    first = batch.num_new_tokens.index(short) == 0
-    assert meta.kernel.rows.tolist() == list(range(0, short) if first else range(long, long + short))
-    assert meta.kernel.q_start.tolist() == [0, short]
-    assert [c.rows.stop - c.rows.start for c in meta.prefills] == [long] and meta.decodes == []
+    n = batch.num_new_tokens
+    assert meta.kernel.q_start.tolist() == [0, n[0], n[0] + n[1]]
+    assert meta.kernel.ctx_lens.tolist() == n
+    assert meta.prefills == [] and meta.decodes == []
