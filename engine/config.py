@@ -55,6 +55,10 @@ class EngineConfig:
     seat_quantum_steps: int = 2           # steps a sequence runs after (re)admission before it may lose its seat
     max_seat_preemptions: int = 2         # times a sequence may lose its seat to an arrival
     fair_burst_tokens: int = 1024         # fair: service a light tenant may bank for its bursts (policy.py)
+    # priority: a less urgent class's prompts wait a step rather than join the step that admits a
+    # more urgent class's prompt, whose first token would wait for them (Policy.may_share_step;
+    # measured under fair too, where it did not pay: docs/BENCHMARKS.md §9.14)
+    isolate_prompts: bool = True
     # -- tensor parallelism (issue 13): N ranks, one per device; see docs/ENGINE.md ------------
     tensor_parallel_size: int = 1         # 1: one process, no torch.distributed
     tp_timeout_s: float = 30.0            # a collective (or a silent rank) failing past this fails the engine
@@ -94,6 +98,7 @@ class EngineConfig:
         need(_is_int(self.max_seat_preemptions) and self.max_seat_preemptions >= 0, "max_seat_preemptions",
              "must be an int >= 0")
         need(_is_int(self.fair_burst_tokens) and self.fair_burst_tokens >= 0, "fair_burst_tokens", "must be an int >= 0")
+        need(isinstance(self.isolate_prompts, bool), "isolate_prompts", "must be a bool")
         need(self.preemption_mode != "swap" or self.num_swap_blocks > 0, "num_swap_blocks",
              "must be > 0 when preemption_mode is 'swap'")
         # -- engine speed (issue 14) --

@@ -49,6 +49,13 @@ class Policy:
         preempted forever: the scheduler gives each sequence a quantum and a limit."""
         return victim.priority > newcomer.priority
 
+    def may_share_step(self, first: Sequence, other: Sequence) -> bool:
+        """With `isolate_prompts`: whether `other`'s prompt may be admitted in the step that
+        admitted `first`'s. Always, but under `priority`. (Under `fair` it was measured: the
+        polite tenant's median gained and its p99 lost, to a seat wait later in its burst:
+        docs/BENCHMARKS.md §9.14.)"""
+        return True
+
     # Hooks for stateful policies (fair); no-ops elsewhere.
     def on_add(self, seq: Sequence, backlogged: Callable[[], set[str | None]]) -> None:
         """A request arrived; `backlogged()` gives the tenants with queued or running work."""
@@ -81,6 +88,10 @@ class PriorityPolicy(Policy):
 
     def urgency(self, seq: Sequence, now: float) -> tuple:
         return (seq.priority,)     # preemption compares classes only, so aging cannot ping-pong
+
+    def may_share_step(self, first: Sequence, other: Sequence) -> bool:
+        """Not a less urgent class's prompt beside a more urgent class's first token."""
+        return other.priority <= first.priority
 
 
 class CostPolicy(Policy):

@@ -170,24 +170,34 @@ class Scheduler(Preemption):
         start by taking a seat the policy lets it claim (another tenant's beyond its share,
         a lower class), so a flooder's queue or an aged batch request never holds a polite
         or interactive arrival back. Requests of a blocked head's group (tenant and class)
-        are not tried again this step."""
+        are not tried again this step. With `isolate_prompts`, a prompt the policy will not
+        let share the step of the step's first prompt (`Policy.may_share_step`: under
+        `priority`, a less urgent class's) is held for the next step: an interactive first
+        token then costs its own prompt's step, not one filled up with the batch class's
+        prompts (swap-ins, which compute nothing, still follow)."""
         if not self.admission.is_open(self.running):
             return
         if len(self.running) >= self.config.max_num_seqs and not self.config.priority_preemption:
             return                                           # no seat can open this step
         key = lambda s: self.policy.key(s, now)  # noqa: E731
         group = lambda s: (s.tenant, s.priority)  # noqa: E731
-        blocked: set[tuple] = set()
+        blocked: set[tuple] = set()                          # heads that could not start
+        held: set[tuple] = set()                             # prompts that may not share this step
+        first: Sequence | None = None                        # isolate_prompts: the step's first prompt
         self.waiting.sort(key=key)
         self.swapped.sort(key=key)
         while out.budget_left > 0:
             if self.policy.dynamic:                          # keys moved with the last admission
                 self.waiting.sort(key=key)
                 self.swapped.sort(key=key)
-            seq = next((s for s in heapq.merge(self.waiting, self.swapped, key=key) if group(s) not in blocked), None)
+            seq = next((s for s in heapq.merge(self.waiting, self.swapped, key=key)
+                        if group(s) not in blocked and group(s) not in held), None)
             if seq is None:
                 break
             swapping = seq.status is SequenceStatus.SWAPPED
+            if first is not None and not swapping and not self.policy.may_share_step(first, seq):
+                held.add(group(seq))                         # its prompt would slow first's token: next step
+                continue
             if self.admission.chunk(seq.num_uncomputed_tokens if swapping else seq.num_tokens, out.budget_left) == 0:
                 break                                        # the budget is spent (unchunked: for this prompt)
             if seq in out.preempted or not self._make_room(seq, swapping, out, now, claim=bool(blocked)):
@@ -203,6 +213,8 @@ class Scheduler(Preemption):
             else:
                 self.waiting.remove(seq)
                 self.bm.allocate(seq)
+                if self.config.isolate_prompts and first is None:
+                    first = seq
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = now
             seq.status = SequenceStatus.RUNNING

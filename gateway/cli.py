@@ -100,6 +100,9 @@ def _scheduling_args(p: argparse.ArgumentParser) -> None:
                    help="times a sequence may lose its seat to an arrival")
     p.add_argument("--fair-burst-tokens", type=int, default=1024,
                    help="fair: service a light tenant may bank for its bursts (0: VTC's own lift)")
+    p.add_argument("--isolate-prompts", default="on", choices=["on", "off"],
+                   help="priority: a less urgent class's prompts wait a step rather than share a more "
+                        "urgent class's prompt's step")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -120,7 +123,7 @@ def engine_config_from_args(args: argparse.Namespace):
                         preempt_for_priority={"auto": None, "on": True, "off": False}[args.preempt_at_admission],
                         itl_target_ms=args.itl_target_ms or None, max_step_tokens=args.max_step_tokens,
                         seat_quantum_steps=args.seat_quantum_steps, max_seat_preemptions=args.max_seat_preemptions,
-                        fair_burst_tokens=args.fair_burst_tokens)
+                        fair_burst_tokens=args.fair_burst_tokens, isolate_prompts=args.isolate_prompts == "on")
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -234,3 +234,32 @@ def test_interactive_request_starts_within_a_step_under_an_aged_batch_flood():
     assert aged, "the batch queue should have aged past class 0"
     assert len(waits) == 7 and max(waits) <= 1, waits
     assert max(q.num_seat_preemptions for q in load.seqs.values()) <= s.config.max_seat_preemptions
+
+
+@pytest.mark.parametrize("policy, isolate", [("priority", True), ("priority", False), ("fair", True)])
+def test_an_interactive_prompt_does_not_share_its_step_with_batch_prompts(policy, isolate):
+    """With `isolate_prompts` (the default) the step that admits the interactive class's
+    prompt admits none of the batch class's, though the budget has room: the first token
+    waits for its own prompt only, and the batch prompts start the step after. Off, they
+    fill that step's budget beside it; under fair (which does not isolate: §9.14) too."""
+    clock = Clock()
+    s = make(clock, max_num_seqs=16, max_num_batched_tokens=256, policy=policy, isolate_prompts=isolate)
+    load = Load(s, clock)
+    batch_class = 0 if policy == "fair" else 2
+    for _ in range(2):
+        load.arrive("flood", 1.0, 40, 50, priority=batch_class)
+    load.step()
+    load.step()                                              # the flood decodes
+    for _ in range(6):
+        load.arrive("flood", 1.0, 40, 50, priority=batch_class)
+    polite = load.arrive("polite", 1.0, 40, 4)
+    out = s.schedule()
+    prompts = [q.tenant for q, decode in zip(out.seqs, out.is_decode) if not decode]
+    assert prompts[0] == "polite" and polite.request_id in [q.request_id for q in out.seqs]
+    if policy == "fair" or not isolate:
+        assert prompts.count("flood") >= 4
+        return
+    assert prompts == ["polite"] and out.budget_left >= 5 * 40
+    s.update(out, [7] * len(out.sampling_seqs))
+    nxt = s.schedule()
+    assert [q.tenant for q, decode in zip(nxt.seqs, nxt.is_decode) if not decode].count("flood") >= 4

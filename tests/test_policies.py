@@ -96,3 +96,16 @@ def test_fair_returning_tenant_starts_its_credit_under_the_backlogged_minimum(cr
     p.counters["a"] = 100.0                                  # backlogged, far behind b
     p.on_add(seq("w", tenant="a"), backlogged=lambda: {"a", "b"})
     assert p.counters["a"] == pytest.approx(800.0 - credit, abs=1e-3)
+
+
+def test_which_prompts_may_share_a_step_with_the_first():
+    """isolate_prompts: under priority a less urgent class's prompt waits for the next step
+    beside a more urgent class's, an equal or more urgent one shares it; fcfs, cost and fair
+    never hold a prompt back."""
+    prio = make_policy(EngineConfig(policy="priority"))
+    assert not prio.may_share_step(seq("i", prio=0), seq("b", prio=2))
+    assert prio.may_share_step(seq("b", prio=2), seq("i", prio=0))
+    assert prio.may_share_step(seq("i", prio=1), seq("i2", prio=1))
+    for name in ("fcfs", "cost", "fair"):
+        assert make_policy(EngineConfig(policy=name)).may_share_step(seq("i", prio=0, tenant="a"),
+                                                                      seq("b", prio=2, tenant="b"))
