@@ -60,6 +60,11 @@ CASES = {
     "long": ([70, 2, 1], [300, 130, 77], 9, 3, 64, 16),
     # head_dim 20 (not a whole number of vector lanes), GQA 3:1, block size 8, row groups of 3
     "odd": ([5, 1, 3], [29, 11, 40], 3, 1, 20, 8),
+    # enough sequences that an fp32 decode row is one work item for all its KV heads, beside
+    # a chunk (per-head items); SmolLM2's shapes, ragged contexts over several key spans
+    "many": ([1] * 8 + [24], [1, 15, 16, 17, 63, 64, 65, 300, 90], 9, 3, 64, 16),
+    # the same with head_dim 20 and 4 KV heads of GQA 2:1, block size 8
+    "many-odd": ([1] * 9, [3, 8, 9, 30, 70, 71, 129, 5, 200], 8, 4, 20, 8),
 }
 
 
