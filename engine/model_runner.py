@@ -198,8 +198,9 @@ class ModelRunner:
             if samples:
                 sample_rows.append(row + n - 1)
             # The kernel takes every row, decode or chunk, compiled or eager: since its softmax is
-            # vectorized it is level with or ahead of gather + SDPA at every chunk size up to the
-            # 512-token budget (docs/BENCHMARKS.md §8.15), and no context is copied.
+            # vectorized it is level with or ahead of gather + SDPA up to the 512-token budget but
+            # for a full chunk deep in a long context (0.95x, docs/BENCHMARKS.md §8.15), and no
+            # context is copied.
             if self.use_kernel:
                 kernel.append((start + n, n, table))
             elif is_decode:
