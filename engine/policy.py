@@ -56,7 +56,12 @@ class Policy:
         docs/BENCHMARKS.md §9.14.)"""
         return True
 
-    # Hooks for stateful policies (fair); no-ops elsewhere.
+    def prompt_cap(self, seq: Sequence, now: float) -> int | None:
+        """Prompt tokens a step may compute for `seq`, shared with every other sequence this
+        returns a cap for (None: only the step's budget). Only under `priority`."""
+        return None
+
+    # Hooks for stateful policies (fair, priority); no-ops elsewhere.
     def on_add(self, seq: Sequence, backlogged: Callable[[], set[str | None]]) -> None:
         """A request arrived; `backlogged()` gives the tenants with queued or running work."""
 
@@ -78,6 +83,14 @@ class PriorityPolicy(Policy):
     Earlier deadlines first within a class."""
 
     name = "priority"
+    CLASS_MEMORY_S = 60.0     # a class counts as present this long after its last arrival
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self.last_arrival: dict[int, float] = {}             # class -> its latest arrival time
+
+    def on_add(self, seq: Sequence, backlogged: Callable[[], set[str | None]]) -> None:
+        self.last_arrival[seq.priority] = max(self.last_arrival.get(seq.priority, -INF), seq.arrival_time)
 
     def effective_priority(self, seq: Sequence, now: float) -> float:
         return seq.priority - self.config.aging_rate * max(0.0, now - seq.arrival_time)
@@ -92,6 +105,16 @@ class PriorityPolicy(Policy):
     def may_share_step(self, first: Sequence, other: Sequence) -> bool:
         """Not a less urgent class's prompt beside a more urgent class's first token."""
         return other.priority <= first.priority
+
+    def prompt_cap(self, seq: Sequence, now: float) -> int | None:
+        """`lower_class_prompt_tokens` while a more urgent class has arrived within
+        CLASS_MEMORY_S: a step is as long as its prompt tokens on a CPU, and an arriving
+        interactive request waits for the step in flight, so batch prompts go in small
+        chunks while interactive traffic is about (not only while it is queued: most of
+        its arrivals find none of their class there). A batch-only server is not slowed."""
+        cap = self.config.lower_class_prompt_tokens
+        recent = any(c < seq.priority and now - t <= self.CLASS_MEMORY_S for c, t in self.last_arrival.items())
+        return cap if cap and recent else None
 
 
 class CostPolicy(Policy):

@@ -109,7 +109,7 @@ class Scheduler(Preemption):
         out.token_budget = self.budget.tokens(sum(1 for s in self.running if not s.is_prefill))
         if not self.admission.prompts_alone(self, out, now):
             self._schedule_decodes(out, now)
-            self._schedule_prefills(out)
+            self._schedule_prefills(out, now)
             self.admit(out, now)
         self.last_output = out
         return out
@@ -156,13 +156,33 @@ class Scheduler(Preemption):
             if seq.status is SequenceStatus.RUNNING and self._reserve_decode_slot(seq, out, now):
                 self._add(out, seq, 1)                       # (a prompt's last token is charged)
 
-    def _schedule_prefills(self, out: SchedulerOutput) -> None:
+    def _schedule_prefills(self, out: SchedulerOutput, now: float) -> None:
         """Ongoing prefills (chunked), in urgency order."""
         for seq in [s for s in self.running if s.is_prefill]:
-            n = self.admission.chunk(seq.num_uncomputed_tokens, out.budget_left)
-            if n == 0:
+            if out.budget_left == 0:
                 break
-            self._add(out, seq, n)
+            n = self._chunk(seq, out, now)
+            if n:                                            # 0: its class's cap is spent
+                self._add(out, seq, n)
+
+    def _cap_left(self, seq: Sequence, out: SchedulerOutput, now: float) -> int | None:
+        """What `Policy.prompt_cap` leaves for `seq`'s prompt this step (None: no cap).
+        Chunked prefill only: unchunked, a prompt runs whole or not at all."""
+        if not (seq.is_prefill and self.config.chunked_prefill):
+            return None
+        cap = self.policy.prompt_cap(seq, now)
+        return None if cap is None else max(0, cap - out.capped_prompt_tokens)
+
+    def _chunk(self, seq: Sequence, out: SchedulerOutput, now: float) -> int:
+        """Tokens of `seq` to compute this step, counted against its cap if it has one (a
+        victim taken back later in the step does not return them: the cap is only
+        under-used for that step)."""
+        n = self.admission.chunk(seq.num_uncomputed_tokens, out.budget_left)
+        left = self._cap_left(seq, out, now)
+        if left is None:
+            return n
+        out.capped_prompt_tokens += min(n, left)
+        return min(n, left)
 
     def admit(self, out: SchedulerOutput, now: float) -> None:
         """Swap in and admit, most urgent first, while budget, seats and blocks allow.
@@ -200,6 +220,9 @@ class Scheduler(Preemption):
                 continue
             if self.admission.chunk(seq.num_uncomputed_tokens if swapping else seq.num_tokens, out.budget_left) == 0:
                 break                                        # the budget is spent (unchunked: for this prompt)
+            if self._cap_left(seq, out, now) == 0:
+                held.add(group(seq))                         # its class's prompt cap is spent: next step
+                continue
             if seq in out.preempted or not self._make_room(seq, swapping, out, now, claim=bool(blocked)):
                 if not self.config.priority_preemption:
                     break
@@ -220,7 +243,7 @@ class Scheduler(Preemption):
             seq.status = SequenceStatus.RUNNING
             seq.admitted_step = self.num_steps
             self.running.append(seq)
-            self._add(out, seq, self.admission.chunk(seq.num_uncomputed_tokens, out.budget_left))
+            self._add(out, seq, self._chunk(seq, out, now))
 
     def _add(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         """Schedule `n` tokens of `seq`. Prompt work is charged to the policy now (as VTC

@@ -20,6 +20,7 @@ class SchedulerOutput:
     """
 
     token_budget: int = 0
+    capped_prompt_tokens: int = 0     # prompt tokens scheduled under a Policy.prompt_cap
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)

@@ -103,6 +103,9 @@ def _scheduling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isolate-prompts", default="on", choices=["on", "off"],
                    help="priority: a less urgent class's prompts wait a step rather than share a more "
                         "urgent class's prompt's step")
+    p.add_argument("--lower-class-prompt-tokens", type=int, default=64,
+                   help="priority: prompt tokens a step for less urgent classes while a more urgent "
+                        "one has arrived in the last minute (0: off)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -123,7 +126,8 @@ def engine_config_from_args(args: argparse.Namespace):
                         preempt_for_priority={"auto": None, "on": True, "off": False}[args.preempt_at_admission],
                         itl_target_ms=args.itl_target_ms or None, max_step_tokens=args.max_step_tokens,
                         seat_quantum_steps=args.seat_quantum_steps, max_seat_preemptions=args.max_seat_preemptions,
-                        fair_burst_tokens=args.fair_burst_tokens, isolate_prompts=args.isolate_prompts == "on")
+                        fair_burst_tokens=args.fair_burst_tokens, isolate_prompts=args.isolate_prompts == "on",
+                        lower_class_prompt_tokens=args.lower_class_prompt_tokens)
 
 
 def serve(args: argparse.Namespace) -> int:

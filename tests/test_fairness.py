@@ -241,9 +241,11 @@ def test_an_interactive_prompt_does_not_share_its_step_with_batch_prompts(policy
     """With `isolate_prompts` (the default) the step that admits the interactive class's
     prompt admits none of the batch class's, though the budget has room: the first token
     waits for its own prompt only, and the batch prompts start the step after. Off, they
-    fill that step's budget beside it; under fair (which does not isolate: §9.14) too."""
+    fill that step's budget beside it; under fair (which does not isolate: §9.14) too. (The
+    lower classes' prompt cap is off here: this is isolation alone.)"""
     clock = Clock()
-    s = make(clock, max_num_seqs=16, max_num_batched_tokens=256, policy=policy, isolate_prompts=isolate)
+    s = make(clock, max_num_seqs=16, max_num_batched_tokens=256, policy=policy, isolate_prompts=isolate,
+             lower_class_prompt_tokens=0)
     load = Load(s, clock)
     batch_class = 0 if policy == "fair" else 2
     for _ in range(2):
@@ -263,3 +265,35 @@ def test_an_interactive_prompt_does_not_share_its_step_with_batch_prompts(policy
     s.update(out, [7] * len(out.sampling_seqs))
     nxt = s.schedule()
     assert [q.tenant for q, decode in zip(nxt.seqs, nxt.is_decode) if not decode].count("flood") >= 4
+
+
+@pytest.mark.parametrize("cap", [32, 0])
+def test_batch_prompts_go_in_small_chunks_while_interactive_traffic_is_about(cap):
+    """priority: once an interactive request has arrived, the batch class's prompts compute
+    at most `lower_class_prompt_tokens` a step, together (an interactive arrival then waits
+    for a short step), and still all finish; an interactive prompt is never capped. Before
+    any interactive arrival, and with the cap off, batch prompts fill the budget."""
+    clock = Clock()
+    s = make(clock, max_num_seqs=16, max_num_batched_tokens=256, policy="priority", lower_class_prompt_tokens=cap)
+    load = Load(s, clock)
+    load.arrive("batch", 1.0, 100, 4, priority=2)
+    out = s.schedule()
+    assert out.num_prefill_tokens == 100                     # no interactive class seen yet
+    s.update(out, [7] * len(out.sampling_seqs))
+    load.arrive("interactive", 1.0, 4, 40)
+    load.step()
+    batch = [load.arrive("batch", 1.0, 100, 4, priority=2) for _ in range(3)]
+    for _ in range(20):
+        left = sum(q.num_uncomputed_tokens for q in batch if q.is_prefill and not q.status.finished)
+        out = s.schedule()
+        prompt = sum(n for q, n, p in zip(out.seqs, out.num_new_tokens, out.computes_prompt) if p and q.priority == 2)
+        assert prompt == min(left, cap or out.token_budget) or out.budget_left == 0    # the cap, or the budget, is full
+        s.update(out, [7] * len(out.sampling_seqs))
+        clock.now += 1.0
+    late = load.arrive("interactive", 1.0, 120, 2)
+    out = s.schedule()
+    assert dict(zip([q.request_id for q in out.seqs], out.num_new_tokens))[late.request_id] == 120
+    while s.has_unfinished():
+        s.update(out, [7] * len(out.sampling_seqs))
+        out = s.schedule()
+    assert all(q.status.finished and q.num_output_tokens == 4 for q in batch)

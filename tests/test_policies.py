@@ -109,3 +109,26 @@ def test_which_prompts_may_share_a_step_with_the_first():
     for name in ("fcfs", "cost", "fair"):
         assert make_policy(EngineConfig(policy=name)).may_share_step(seq("i", prio=0, tenant="a"),
                                                                       seq("b", prio=2, tenant="b"))
+
+
+def test_lower_classes_prompt_cap_while_a_more_urgent_class_is_about():
+    """priority: a class's prompts are capped (lower_class_prompt_tokens a step) while a more
+    urgent class has arrived within CLASS_MEMORY_S, not before one ever arrives, not after it
+    has been gone that long, never the most urgent class's; 0 turns it off; other policies
+    never cap."""
+    p = make_policy(EngineConfig(policy="priority", lower_class_prompt_tokens=48))
+    batch, inter = seq("b", t=0.0, prio=2), seq("i", t=100.0, prio=0)
+    p.on_add(batch, backlogged=set)
+    assert p.prompt_cap(batch, now=100.0) is None            # a batch-only server is not slowed
+    p.on_add(inter, backlogged=set)
+    assert p.prompt_cap(batch, now=100.0) == 48
+    assert p.prompt_cap(seq("m", prio=1), now=100.0 + p.CLASS_MEMORY_S) == 48
+    assert p.prompt_cap(batch, now=100.1 + p.CLASS_MEMORY_S) is None
+    assert p.prompt_cap(inter, now=100.0) is None
+    off = make_policy(EngineConfig(policy="priority", lower_class_prompt_tokens=0))
+    off.on_add(inter, backlogged=set)
+    assert off.prompt_cap(batch, now=100.0) is None
+    for name in ("fcfs", "cost", "fair"):
+        other = make_policy(EngineConfig(policy=name))
+        other.on_add(inter, backlogged=set)
+        assert other.prompt_cap(batch, now=100.0) is None

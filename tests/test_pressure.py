@@ -123,6 +123,34 @@ def test_higher_priority_arrival_preempts_a_full_batch(tiny_model):
     assert {"lo0", "lo1", "hi"} <= set(done)
 
 
+def test_batch_prompts_chunked_small_beside_interactive_keep_parity(tiny_model):
+    """priority with lower_class_prompt_tokens=8: once an interactive request has arrived,
+    two long batch prompts are computed 8 tokens a step between them (so over many steps,
+    beside the interactive decodes), and every output still equals HF greedy."""
+    clock = Tick()
+    eng = engine(tiny_model, clock, policy="priority", max_num_seqs=4, max_num_batched_tokens=64,
+                 lower_class_prompt_tokens=8)
+    rng = random.Random(5)
+    prompts = {"hi": prompt(rng, 12), "lo0": prompt(rng, 70), "lo1": prompt(rng, 45)}
+    eng.add_request("hi", prompts["hi"], SamplingParams(max_tokens=30, **GREEDY), priority=0)
+    outputs = {rid: [] for rid in prompts}
+    for rid in ("lo0", "lo1"):
+        eng.add_request(rid, prompts[rid], SamplingParams(max_tokens=6, **GREEDY), priority=2)
+    prompt_steps = 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            outputs[o.request_id].extend(o.new_token_ids)
+        b = eng.scheduler.last_output
+        lower = sum(n for q, n, p in zip(b.seqs, b.num_new_tokens, b.computes_prompt) if p and q.priority == 2)
+        assert lower <= 8
+        prompt_steps += lower > 0
+        clock.now += 1.0
+    assert prompt_steps >= (70 + 45) // 8
+    ref = load_reference(tiny_model("llama"))
+    for rid, p in prompts.items():
+        assert_greedy_parity(ref, p, outputs[rid], 1e-4)
+
+
 def served_cost(eng, tenant):
     inp, out = eng.stats()["tenant_served_tokens"].get(tenant, (0, 0))
     return inp + 2 * out
