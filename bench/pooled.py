@@ -11,7 +11,8 @@ the seed put the tenant's bursts. Here each seed's arrivals are replayed against
 server once with the tenant alone (its unloaded baseline) and once per preset, one after
 another per seed (so a slow spell of a shared host hits every system), and the tenant's
 TTFTs are pooled per system over all seeds. It reports the pooled p50 / p90 / p99 as
-multiples of the pooled unloaded ones, and each seed's own p99 multiple beside them.
+multiples of the pooled unloaded ones, each system's output tokens/s (mean over seeds)
+and preemptions per request, and each seed's own p99 multiple beside them.
 Presets and flags are `bench.serve`'s; JSON with every record goes to --json-out.
 """
 
@@ -49,13 +50,23 @@ def ttfts(run: dict, tenant: str) -> list[float]:
     return out
 
 
-def summarize(pooled: dict[str, list[float]], per_seed: dict[str, list[float]], alone: str) -> list[str]:
+def totals(runs: list[dict]) -> tuple[float, float]:
+    """Output tokens/s (mean over the runs) and seat or KV preemptions per request (all runs)."""
+    tps = sum(r["summary"]["output_tps"] for r in runs) / len(runs)
+    preempted = sum(r["stats"][-1]["num_preemptions"] for r in runs if r["stats"])
+    return tps, preempted / max(1, sum(len(r["requests"]) for r in runs))
+
+
+def summarize(pooled: dict[str, list[float]], per_seed: dict[str, list[float]], runs: list[dict],
+              alone: str) -> list[str]:
     base = {q: percentile(pooled[alone], q) for q in QS}
-    lines = [f"{'system':>14s}  n    " + "  ".join(f"p{q} s (x alone)" for q in QS) + "  per-seed p99 x alone"]
+    lines = [f"{'system':>14s}  n    " + "  ".join(f"p{q} s (x alone)" for q in QS)
+             + "  out tok/s  preempt/req  per-seed p99 x alone"]
     for label, xs in pooled.items():
         cells = "  ".join(f"{percentile(xs, q):5.2f} (x{percentile(xs, q) / base[q]:.2f})" for q in QS)
+        tps, pre = totals([r for r in runs if r["label"] == label])
         seeds = " ".join(f"{x:.2f}" for x in per_seed[label])
-        lines.append(f"{label:>14s} {len(xs):3d}  {cells}  [{seeds}]")
+        lines.append(f"{label:>14s} {len(xs):3d}  {cells}  {tps:9.1f}  {pre:11.2f}  [{seeds}]")
     return lines
 
 
@@ -95,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         for label in pooled:                                 # this seed's p99 as a multiple of alone's
             per_seed[label].append(p99[label] / p99[alone])
     print(f"{args.tenant} TTFT in workload {wl.name}, seeds {args.seeds}, pooled over every seed")
-    print("\n".join(summarize(pooled, per_seed, alone)))
+    print("\n".join(summarize(pooled, per_seed, runs, alone)))
     out = Path(args.json_out or f"bench/results/pooled-{wl.name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "runs": runs, "pooled": pooled}, indent=1))
