@@ -59,11 +59,12 @@ class EngineConfig:
     # more urgent class's prompt, whose first token would wait for them (Policy.may_share_step;
     # measured under fair too, where it did not pay: docs/BENCHMARKS.md §9.14)
     isolate_prompts: bool = True
-    # priority: while a more urgent class has arrived within the last minute, the prompts of
-    # less urgent classes compute at most this many tokens a step, together, so an arriving
-    # interactive request waits for a short step, not a 512-token batch prefill
-    # (Policy.prompt_cap; docs/BENCHMARKS.md §9.15). 0: off.
-    lower_class_prompt_tokens: int = 64
+    # Prompts that yield compute at most this many tokens a step, together, so an arrival that
+    # they yield to waits for a short step, not a 512-token prefill (Policy.prompt_cap;
+    # docs/BENCHMARKS.md §9.15). priority: less urgent classes' while a more urgent class
+    # has arrived within the last minute; fair: a tenant's served ahead of another tenant
+    # that has. 0: off.
+    yielding_prompt_tokens: int = 64
     # -- tensor parallelism (issue 13): N ranks, one per device; see docs/ENGINE.md ------------
     tensor_parallel_size: int = 1         # 1: one process, no torch.distributed
     tp_timeout_s: float = 30.0            # a collective (or a silent rank) failing past this fails the engine
@@ -104,8 +105,8 @@ class EngineConfig:
              "must be an int >= 0")
         need(_is_int(self.fair_burst_tokens) and self.fair_burst_tokens >= 0, "fair_burst_tokens", "must be an int >= 0")
         need(isinstance(self.isolate_prompts, bool), "isolate_prompts", "must be a bool")
-        need(_is_int(self.lower_class_prompt_tokens) and self.lower_class_prompt_tokens >= 0,
-             "lower_class_prompt_tokens", "must be an int >= 0")
+        need(_is_int(self.yielding_prompt_tokens) and self.yielding_prompt_tokens >= 0,
+             "yielding_prompt_tokens", "must be an int >= 0")
         need(self.preemption_mode != "swap" or self.num_swap_blocks > 0, "num_swap_blocks",
              "must be > 0 when preemption_mode is 'swap'")
         # -- engine speed (issue 14) --

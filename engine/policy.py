@@ -28,6 +28,7 @@ INF = math.inf
 class Policy:
     name = "base"
     dynamic = False          # keys change as work is scheduled: re-sort after each admission
+    ARRIVAL_MEMORY_S = 60.0  # prompt_cap: a class or tenant counts as about this long after its last arrival
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -83,7 +84,6 @@ class PriorityPolicy(Policy):
     Earlier deadlines first within a class."""
 
     name = "priority"
-    CLASS_MEMORY_S = 60.0     # a class counts as present this long after its last arrival
 
     def __init__(self, config: EngineConfig):
         super().__init__(config)
@@ -107,13 +107,13 @@ class PriorityPolicy(Policy):
         return other.priority <= first.priority
 
     def prompt_cap(self, seq: Sequence, now: float) -> int | None:
-        """`lower_class_prompt_tokens` while a more urgent class has arrived within
-        CLASS_MEMORY_S: a step is as long as its prompt tokens on a CPU, and an arriving
+        """`yielding_prompt_tokens` while a more urgent class has arrived within
+        ARRIVAL_MEMORY_S: a step is as long as its prompt tokens on a CPU, and an arriving
         interactive request waits for the step in flight, so batch prompts go in small
         chunks while interactive traffic is about (not only while it is queued: most of
         its arrivals find none of their class there). A batch-only server is not slowed."""
-        cap = self.config.lower_class_prompt_tokens
-        recent = any(c < seq.priority and now - t <= self.CLASS_MEMORY_S for c, t in self.last_arrival.items())
+        cap = self.config.yielding_prompt_tokens
+        recent = any(c < seq.priority and now - t <= self.ARRIVAL_MEMORY_S for c, t in self.last_arrival.items())
         return cap if cap and recent else None
 
 
@@ -152,11 +152,13 @@ class FairPolicy(Policy):
         super().__init__(config)
         self.counters: dict[str | None, float] = {}
         self.weights: dict[str | None, float] = {}
+        self.last_arrival: dict[str | None, float] = {}     # tenant -> its latest arrival time
 
     def key(self, seq: Sequence, now: float) -> tuple:
         return (self.counters.get(seq.tenant, 0.0), seq.arrival_time)
 
     def on_add(self, seq: Sequence, backlogged: Callable[[], set[str | None]]) -> None:
+        self.last_arrival[seq.tenant] = max(self.last_arrival.get(seq.tenant, -INF), seq.arrival_time)
         self.weights[seq.tenant] = seq.weight
         others = [self.counters.get(t, 0.0) for t in backlogged() if t != seq.tenant]
         floor = min(others) if others else max(self.counters.values(), default=0.0)
@@ -191,6 +193,16 @@ class FairPolicy(Policy):
         total = sum(self.weights.get(t, 1.0) for t in set(seats) | {newcomer.tenant})
         share = lambda tenant: self.config.max_num_seqs * self.weights.get(tenant, 1.0) / total  # noqa: E731
         return share(newcomer.tenant) >= 1 and seats[victim.tenant] - 1 >= share(victim.tenant)
+
+    def prompt_cap(self, seq: Sequence, now: float) -> int | None:
+        """`yielding_prompt_tokens` for a tenant served ahead of (its counter above) another
+        tenant that has arrived within ARRIVAL_MEMORY_S: a light tenant's arrival then waits
+        for a short step, not for the heavier tenant's long prefill (priority's rule, with
+        service in place of class)."""
+        cap, mine = self.config.yielding_prompt_tokens, self.counters.get(seq.tenant, 0.0)
+        ahead = any(t != seq.tenant and now - at <= self.ARRIVAL_MEMORY_S and self.counters.get(t, 0.0) < mine
+                    for t, at in self.last_arrival.items())
+        return cap if cap and ahead else None
 
     def on_served(self, seq: Sequence, prompt_tokens: int, output_tokens: int) -> None:
         cost = self.INPUT_COST * prompt_tokens + self.OUTPUT_COST * output_tokens

@@ -103,9 +103,10 @@ def _scheduling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isolate-prompts", default="on", choices=["on", "off"],
                    help="priority: a less urgent class's prompts wait a step rather than share a more "
                         "urgent class's prompt's step")
-    p.add_argument("--lower-class-prompt-tokens", type=int, default=64,
-                   help="priority: prompt tokens a step for less urgent classes while a more urgent "
-                        "one has arrived in the last minute (0: off)")
+    p.add_argument("--yielding-prompt-tokens", type=int, default=64,
+                   help="prompt tokens a step for prompts that yield (priority: less urgent classes "
+                        "while a more urgent one has arrived in the last minute; fair: a tenant served "
+                        "ahead of another that has) (0: off)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -127,7 +128,7 @@ def engine_config_from_args(args: argparse.Namespace):
                         itl_target_ms=args.itl_target_ms or None, max_step_tokens=args.max_step_tokens,
                         seat_quantum_steps=args.seat_quantum_steps, max_seat_preemptions=args.max_seat_preemptions,
                         fair_burst_tokens=args.fair_burst_tokens, isolate_prompts=args.isolate_prompts == "on",
-                        lower_class_prompt_tokens=args.lower_class_prompt_tokens)
+                        yielding_prompt_tokens=args.yielding_prompt_tokens)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -245,7 +245,7 @@ def test_an_interactive_prompt_does_not_share_its_step_with_batch_prompts(policy
     lower classes' prompt cap is off here: this is isolation alone.)"""
     clock = Clock()
     s = make(clock, max_num_seqs=16, max_num_batched_tokens=256, policy=policy, isolate_prompts=isolate,
-             lower_class_prompt_tokens=0)
+             yielding_prompt_tokens=0)
     load = Load(s, clock)
     batch_class = 0 if policy == "fair" else 2
     for _ in range(2):
@@ -270,11 +270,11 @@ def test_an_interactive_prompt_does_not_share_its_step_with_batch_prompts(policy
 @pytest.mark.parametrize("cap", [32, 0])
 def test_batch_prompts_go_in_small_chunks_while_interactive_traffic_is_about(cap):
     """priority: once an interactive request has arrived, the batch class's prompts compute
-    at most `lower_class_prompt_tokens` a step, together (an interactive arrival then waits
+    at most `yielding_prompt_tokens` a step, together (an interactive arrival then waits
     for a short step), and still all finish; an interactive prompt is never capped. Before
     any interactive arrival, and with the cap off, batch prompts fill the budget."""
     clock = Clock()
-    s = make(clock, max_num_seqs=16, max_num_batched_tokens=256, policy="priority", lower_class_prompt_tokens=cap)
+    s = make(clock, max_num_seqs=16, max_num_batched_tokens=256, policy="priority", yielding_prompt_tokens=cap)
     load = Load(s, clock)
     load.arrive("batch", 1.0, 100, 4, priority=2)
     out = s.schedule()
@@ -297,3 +297,31 @@ def test_batch_prompts_go_in_small_chunks_while_interactive_traffic_is_about(cap
         s.update(out, [7] * len(out.sampling_seqs))
         out = s.schedule()
     assert all(q.status.finished and q.num_output_tokens == 4 for q in batch)
+
+
+def test_fair_a_tenant_served_ahead_prefills_in_small_chunks_while_another_is_about():
+    """fair: once the polite tenant has arrived, the flooder (served ahead) computes at most
+    `yielding_prompt_tokens` of prompt a step, and its prompts still all finish; the polite
+    tenant's own prompt is not capped."""
+    clock = Clock()
+    s = make(clock, max_num_seqs=16, max_num_batched_tokens=256, yielding_prompt_tokens=32)
+    load = Load(s, clock)
+    load.arrive("flood", 1.0, 100, 4)
+    load.step()                                              # alone: its whole prompt in one step
+    assert s.last_output.num_prefill_tokens == 100
+    load.arrive("polite", 1.0, 4, 30)
+    load.step()
+    flood = [load.arrive("flood", 1.0, 100, 4) for _ in range(3)]
+    for _ in range(12):
+        out = s.schedule()
+        assert sum(n for q, n, p in zip(out.seqs, out.num_new_tokens, out.computes_prompt)
+                   if p and q.tenant == "flood") <= 32
+        s.update(out, [7] * len(out.sampling_seqs))
+        clock.now += 1.0
+    late = load.arrive("polite", 1.0, 120, 2)
+    out = s.schedule()
+    assert dict(zip([q.request_id for q in out.seqs], out.num_new_tokens))[late.request_id] == 120
+    while s.has_unfinished():
+        s.update(out, [7] * len(out.sampling_seqs))
+        out = s.schedule()
+    assert all(q.status.finished and q.num_output_tokens == 4 for q in flood)

@@ -112,23 +112,45 @@ def test_which_prompts_may_share_a_step_with_the_first():
 
 
 def test_lower_classes_prompt_cap_while_a_more_urgent_class_is_about():
-    """priority: a class's prompts are capped (lower_class_prompt_tokens a step) while a more
-    urgent class has arrived within CLASS_MEMORY_S, not before one ever arrives, not after it
-    has been gone that long, never the most urgent class's; 0 turns it off; other policies
+    """priority: a class's prompts are capped (yielding_prompt_tokens a step) while a more
+    urgent class has arrived within ARRIVAL_MEMORY_S, not before one ever arrives, not after it
+    has been gone that long, never the most urgent class's; 0 turns it off; fcfs and cost
     never cap."""
-    p = make_policy(EngineConfig(policy="priority", lower_class_prompt_tokens=48))
+    p = make_policy(EngineConfig(policy="priority", yielding_prompt_tokens=48))
     batch, inter = seq("b", t=0.0, prio=2), seq("i", t=100.0, prio=0)
     p.on_add(batch, backlogged=set)
     assert p.prompt_cap(batch, now=100.0) is None            # a batch-only server is not slowed
     p.on_add(inter, backlogged=set)
     assert p.prompt_cap(batch, now=100.0) == 48
-    assert p.prompt_cap(seq("m", prio=1), now=100.0 + p.CLASS_MEMORY_S) == 48
-    assert p.prompt_cap(batch, now=100.1 + p.CLASS_MEMORY_S) is None
+    assert p.prompt_cap(seq("m", prio=1), now=100.0 + p.ARRIVAL_MEMORY_S) == 48
+    assert p.prompt_cap(batch, now=100.1 + p.ARRIVAL_MEMORY_S) is None
     assert p.prompt_cap(inter, now=100.0) is None
-    off = make_policy(EngineConfig(policy="priority", lower_class_prompt_tokens=0))
+    off = make_policy(EngineConfig(policy="priority", yielding_prompt_tokens=0))
     off.on_add(inter, backlogged=set)
     assert off.prompt_cap(batch, now=100.0) is None
-    for name in ("fcfs", "cost", "fair"):
+    for name in ("fcfs", "cost"):
         other = make_policy(EngineConfig(policy=name))
         other.on_add(inter, backlogged=set)
         assert other.prompt_cap(batch, now=100.0) is None
+
+
+def test_fair_caps_the_prompts_of_a_tenant_served_ahead_of_another_recent_one():
+    """fair: a tenant whose counter is above that of another tenant arrived within
+    ARRIVAL_MEMORY_S has its prompts capped; the tenant behind is not; nor is anyone once the
+    other has been gone that long, nor a tenant alone; 0 turns it off."""
+    p = make_policy(EngineConfig(policy="fair", yielding_prompt_tokens=40))
+    flood, polite = seq("f", t=0.0, tenant="flood"), seq("p", t=10.0, tenant="polite")
+    p.on_add(flood, backlogged=lambda: {"flood"})
+    p.on_served(flood, 500, 0)
+    assert p.prompt_cap(flood, now=10.0) is None              # alone: nobody to yield to
+    p.on_add(polite, backlogged=lambda: {"flood", "polite"})
+    assert p.counters["polite"] < p.counters["flood"]
+    assert p.prompt_cap(flood, now=10.0) == 40 and p.prompt_cap(polite, now=10.0) is None
+    assert p.prompt_cap(flood, now=10.1 + p.ARRIVAL_MEMORY_S) is None
+    p.on_served(polite, 5000, 0)                              # now polite is ahead: it yields
+    assert p.prompt_cap(polite, now=11.0) == 40 and p.prompt_cap(flood, now=11.0) is None
+    off = make_policy(EngineConfig(policy="fair", yielding_prompt_tokens=0))
+    off.on_add(flood, backlogged=set)
+    off.on_served(flood, 500, 0)
+    off.on_add(polite, backlogged=set)
+    assert off.prompt_cap(flood, now=10.0) is None

@@ -124,12 +124,12 @@ def test_higher_priority_arrival_preempts_a_full_batch(tiny_model):
 
 
 def test_batch_prompts_chunked_small_beside_interactive_keep_parity(tiny_model):
-    """priority with lower_class_prompt_tokens=8: once an interactive request has arrived,
+    """priority with yielding_prompt_tokens=8: once an interactive request has arrived,
     two long batch prompts are computed 8 tokens a step between them (so over many steps,
     beside the interactive decodes), and every output still equals HF greedy."""
     clock = Tick()
     eng = engine(tiny_model, clock, policy="priority", max_num_seqs=4, max_num_batched_tokens=64,
-                 lower_class_prompt_tokens=8)
+                 yielding_prompt_tokens=8)
     rng = random.Random(5)
     prompts = {"hi": prompt(rng, 12), "lo0": prompt(rng, 70), "lo1": prompt(rng, 45)}
     eng.add_request("hi", prompts["hi"], SamplingParams(max_tokens=30, **GREEDY), priority=0)
