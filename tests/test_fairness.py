@@ -267,6 +267,18 @@ def test_an_interactive_prompt_does_not_share_its_step_with_batch_prompts(policy
     assert [q.tenant for q, decode in zip(nxt.seqs, nxt.is_decode) if not decode].count("flood") >= 4
 
 
+def uncapped_then_all_finish(s: Scheduler, load: Load, tenant: str, capped: list[Sequence]) -> None:
+    """A 120-token prompt of the tenant yielded to is computed whole in its first step, and
+    then every capped request finishes with its 4 tokens."""
+    late = load.arrive(tenant, 1.0, 120, 2)
+    out = s.schedule()
+    assert dict(zip([q.request_id for q in out.seqs], out.num_new_tokens))[late.request_id] == 120
+    while s.has_unfinished():
+        s.update(out, [7] * len(out.sampling_seqs))
+        out = s.schedule()
+    assert all(q.status.finished and q.num_output_tokens == 4 for q in capped)
+
+
 @pytest.mark.parametrize("cap", [32, 0])
 def test_batch_prompts_go_in_small_chunks_while_interactive_traffic_is_about(cap):
     """priority: once an interactive request has arrived, the batch class's prompts compute
@@ -290,13 +302,7 @@ def test_batch_prompts_go_in_small_chunks_while_interactive_traffic_is_about(cap
         assert prompt == min(left, cap or out.token_budget) or out.budget_left == 0    # the cap, or the budget, is full
         s.update(out, [7] * len(out.sampling_seqs))
         clock.now += 1.0
-    late = load.arrive("interactive", 1.0, 120, 2)
-    out = s.schedule()
-    assert dict(zip([q.request_id for q in out.seqs], out.num_new_tokens))[late.request_id] == 120
-    while s.has_unfinished():
-        s.update(out, [7] * len(out.sampling_seqs))
-        out = s.schedule()
-    assert all(q.status.finished and q.num_output_tokens == 4 for q in batch)
+    uncapped_then_all_finish(s, load, "interactive", batch)
 
 
 def test_fair_a_tenant_served_ahead_prefills_in_small_chunks_while_another_is_about():
@@ -318,10 +324,4 @@ def test_fair_a_tenant_served_ahead_prefills_in_small_chunks_while_another_is_ab
                    if p and q.tenant == "flood") <= 32
         s.update(out, [7] * len(out.sampling_seqs))
         clock.now += 1.0
-    late = load.arrive("polite", 1.0, 120, 2)
-    out = s.schedule()
-    assert dict(zip([q.request_id for q in out.seqs], out.num_new_tokens))[late.request_id] == 120
-    while s.has_unfinished():
-        s.update(out, [7] * len(out.sampling_seqs))
-        out = s.schedule()
-    assert all(q.status.finished and q.num_output_tokens == 4 for q in flood)
+    uncapped_then_all_finish(s, load, "polite", flood)
