@@ -40,8 +40,8 @@ def seed_list(spec: str) -> list[int]:
 
 
 def ttfts(run: dict, tenant: str) -> list[float]:
-    """The tenant's TTFTs (s) in one run; a request with no first token counts as the run's
-    time limit, so a failure can only make the pooled numbers worse."""
+    """The tenant's TTFTs (s) in one run; a request with no first token counts as infinite,
+    so a failure can only make the pooled numbers worse."""
     out = []
     for rec in run["requests"]:
         if rec["tenant"] == tenant:

@@ -59,7 +59,7 @@ class Policy:
 
     def prompt_cap(self, seq: Sequence, now: float) -> int | None:
         """Prompt tokens a step may compute for `seq`, shared with every other sequence this
-        returns a cap for (None: only the step's budget). Only under `priority`."""
+        returns a cap for (None: only the step's budget). Only under `priority` and `fair`."""
         return None
 
     # Hooks for stateful policies (fair, priority); no-ops elsewhere.
