@@ -154,7 +154,7 @@ def run_system(args) -> dict:
     elif args.device != "cpu":
         raise SystemExit(f"{args.system} runs on the CPU only; use --systems engine with --device {args.device}")
     else:
-        model = baselines.load_hf_model(model_dir)
+        model = baselines.load_hf_model(model_dir, args.dtype)
         rss_loaded = _rss_mib()
         if args.system == "hf-static":
             result = baselines.run_hf_static(model, requests, batch_size=8)
@@ -258,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="default", help="model name given to engine.models.resolve_model")
     p.add_argument("--model-dir", help="local HF model directory (skips resolve_model)")
     p.add_argument("--device", default="cpu", help="engine device (the HF baselines run on the CPU)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"], help="engine dtype")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                   help="every system's dtype (the HF baselines' too)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "kernel", "torch"],
                    help="engine attention backend (engine system only)")
     p.add_argument("--compile", action="store_true", help="engine with torch.compile (engine system only)")

@@ -1,43 +1,66 @@
-// The small operations of a Llama decoder layer, fused, fp32 on the CPU: RMSNorm (with the
-// residual add before it), rotary embedding applied in place, and SiLU(gate) * up.
+// The small operations of a Llama decoder layer, fused, on the CPU: RMSNorm (with the residual
+// add before it), rotary embedding applied in place, and SiLU(gate) * up.
 //
 // In eager PyTorch each of these is 3-7 operator calls, ~1200 per SmolLM2 step; with the linear
 // layers fast, their dispatch and Python were ~40 % of a one-row decode step (engine/fused_llama.py
 // uses these instead). The math follows transformers' Llama modules: the same formulas in fp32,
-// differing from them only in summation order and rounding (last bits).
+// differing from them only in summation order and rounding (last bits). For bf16/fp16 tensors
+// the math is fp32 too and results are rounded to the storage dtype where transformers' modules
+// round them (each eager op's output): the residual sum, the normalized row before the weight
+// and the weighted row; each rotary product and their sum; SiLU(gate) and its product with up.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 
 namespace {
 
 void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.dim() == 2 && t.stride(1) == 1,
-              name, ": must be a [N, C] fp32 CPU tensor, unit stride over C");
+  TORCH_CHECK(t.device().is_cpu() && t.is_floating_point() && t.dim() == 2 && t.stride(1) == 1,
+              name, ": must be a [N, C] floating-point CPU tensor, unit stride over C");
 }
 
 inline int64_t grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cols)); }
 
-// out = weight * x / sqrt(mean(x^2) + eps), row by row.
-inline void norm_row(const float* x, const float* w, float* out, int64_t C, double eps) {
+// x rounded to T and back: a no-op for fp32, the rounding of one eager bf16/fp16 op otherwise.
+template <typename T>
+inline float round_to(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return static_cast<float>(static_cast<T>(x));
+}
+
+// out = weight * T(x / sqrt(mean(x^2) + eps)), row by row.
+template <typename T>
+inline void norm_row(const T* x, const T* w, T* out, int64_t C, double eps) {
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t c = 0; c < C; ++c) sum += x[c] * x[c];
+  for (int64_t c = 0; c < C; ++c) sum += static_cast<float>(x[c]) * static_cast<float>(x[c]);
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(C) + static_cast<float>(eps));
 #pragma omp simd
-  for (int64_t c = 0; c < C; ++c) out[c] = w[c] * (x[c] * inv);
+  for (int64_t c = 0; c < C; ++c) out[c] = static_cast<T>(static_cast<float>(w[c]) * round_to<T>(static_cast<float>(x[c]) * inv));
+}
+
+// res += x (rounded to T), then out = norm_row(res).
+template <typename T>
+inline void add_norm_row(const T* x, T* res, const T* w, T* out, int64_t C, double eps) {
+#pragma omp simd
+  for (int64_t c = 0; c < C; ++c) res[c] = static_cast<T>(static_cast<float>(res[c]) + static_cast<float>(x[c]));
+  norm_row(res, w, out, C, eps);
 }
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   check_rows(x, "rms_norm: x");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "rms_norm: weight must be [C]");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be [C], x's dtype");
   const int64_t N = x.size(0), C = x.size(1);
   auto out = torch::empty({N, C}, x.options());
-  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, grain(C), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * x.stride(0), wp, op + r * C, C, eps);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t *xp = x.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, N, grain(C), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * x.stride(0), wp, op + r * C, C, eps);
+    });
   });
   return out;
 }
@@ -46,42 +69,40 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor residual, const torch::Tensor& weight, double eps) {
   check_rows(x, "add_rms_norm: x");
   check_rows(residual, "add_rms_norm: residual");
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous(), "add_rms_norm: residual must be x's shape, contiguous");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "add_rms_norm: weight must be [C]");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm: residual must be x's shape and dtype, contiguous");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm: weight must be [C], x's dtype");
   const int64_t N = x.size(0), C = x.size(1);
   auto out = torch::empty({N, C}, x.options());
-  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  float *rp = residual.data_ptr<float>(), *op = out.data_ptr<float>();
-  at::parallel_for(0, N, grain(C), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      float* res = rp + r * C;
-      const float* xr = xp + r * x.stride(0);
-#pragma omp simd
-      for (int64_t c = 0; c < C; ++c) res[c] = res[c] + xr[c];
-      norm_row(res, wp, op + r * C, C, eps);
-    }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t *xp = x.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
+    scalar_t *rp = residual.data_ptr<scalar_t>(), *op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, N, grain(C), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) add_norm_row(xp + r * x.stride(0), rp + r * C, wp, op + r * C, C, eps);
+    });
   });
   return out;
 }
 
 // x [N, H, D] in place: x = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1] (halves of D);
-// cos/sin [N, D] per row's position.
+// cos/sin [N, D] fp32 per row's position (for bf16/fp16 x: the values transformers casts to x's dtype).
+template <typename T>
 void rotate(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.stride(2) == 1, "rotary: x must be [N, H, D] fp32");
   const int64_t N = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float* xp = x.data_ptr<float>();
+  T* xp = x.data_ptr<T>();
   const int64_t rs = x.stride(0), hs = x.stride(1);
   at::parallel_for(0, N, grain(H * D), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float *c = cp + r * D, *s = sp + r * D;
       for (int64_t h = 0; h < H; ++h) {
-        float* v = xp + r * rs + h * hs;
+        T* v = xp + r * rs + h * hs;
 #pragma omp simd
         for (int64_t d = 0; d < half; ++d) {
-          const float a = v[d], b = v[d + half];
-          v[d] = a * c[d] + (-b) * s[d];
-          v[d + half] = b * c[d + half] + a * s[d + half];
+          const float a = static_cast<float>(v[d]), b = static_cast<float>(v[d + half]);
+          v[d] = static_cast<T>(round_to<T>(a * c[d]) + round_to<T>((-b) * s[d]));
+          v[d + half] = static_cast<T>(round_to<T>(b * c[d + half]) + round_to<T>(a * s[d + half]));
         }
       }
     }
@@ -92,9 +113,24 @@ void rotary(torch::Tensor q, torch::Tensor k, const torch::Tensor& cos, const to
   TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
               cos.dim() == 2 && cos.size(0) == q.size(0) && cos.size(1) == q.size(2) && q.size(2) % 2 == 0,
               "rotary: cos/sin must be [N, D] fp32, D even");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && q.is_floating_point() &&
+              k.scalar_type() == q.scalar_type(), "rotary: q, k must be [N, H, D] of one floating dtype");
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2), "rotary: q and k shapes");
-  rotate(q, cos, sin);
-  rotate(k, cos, sin);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary", [&] {
+    rotate<scalar_t>(q, cos, sin);
+    rotate<scalar_t>(k, cos, sin);
+  });
+}
+
+// o = silu(g) * u for one row, u = g + I (silu rounded to T first).
+template <typename T>
+inline void silu_mul_row(const T* g, T* o, int64_t I) {
+  const T* u = g + I;
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) {
+    const float gi = static_cast<float>(g[i]);
+    o[i] = static_cast<T>(round_to<T>(gi / (1.0f + std::exp(-gi))) * static_cast<float>(u[i]));
+  }
 }
 
 // gate_up [N, 2I] (gate then up) -> silu(gate) * up [N, I].
@@ -102,15 +138,12 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   check_rows(gate_up, "silu_and_mul: gate_up");
   const int64_t N = gate_up.size(0), I = gate_up.size(1) / 2;
   auto out = torch::empty({N, I}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, grain(I), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float *g = gp + r * gate_up.stride(0), *u = g + I;
-      float* o = op + r * I;
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-    }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, N, grain(I), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) silu_mul_row(gp + r * gate_up.stride(0), op + r * I, I);
+    });
   });
   return out;
 }

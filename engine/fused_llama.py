@@ -1,4 +1,4 @@
-"""A lean forward for Llama-architecture models (SmolLM2's), eager fp32 on CPU.
+"""A lean forward for Llama-architecture models (SmolLM2's), eager fp32 or bf16 on CPU.
 
 transformers' Llama forward runs ~50 operators and a dozen module calls per layer; once the
 linear layers were fast (csrc/linear.cpp), that dispatch and Python took ~40 % of a one-row
@@ -10,7 +10,10 @@ own (attention.py), as on the transformers path. Rotary cos/sin come from the mo
 rotary module (so every rope scaling transformers knows is honoured), once per step.
 
 Used where `supports()` holds: model_type "llama" with SiLU, no per-layer differences, the C++
-kernels built; anything else keeps transformers' forward. Greedy parity with HF `generate` is
+kernels built; anything else keeps transformers' forward. fp32 weights are packed for the C++
+linear kernel; bf16 ones for oneDNN's matmul (with avx512_bf16 or AMX its bf16 GEMM is 3-5x
+the fp32 one at 8+ rows and reads half the bytes at one row: docs/BENCHMARKS.md §8.16), and
+the C++ operators round bf16 results where transformers' bf16 modules do. Greedy parity with HF `generate` is
 tested as for the transformers path (tests/test_parity.py).
 """
 
@@ -37,23 +40,35 @@ def supports(model: nn.Module) -> bool:
 
 
 def maybe_fuse(model: nn.Module, config, device: torch.device, dtype: torch.dtype) -> FusedLlama | None:
-    """The fused forward for eager fp32 on CPU in one process, unless `config.fused_layers` or
-    `config.packed_linear` is False; None where it does not apply."""
+    """The fused forward for eager fp32 or bf16 on CPU in one process, unless `config.fused_layers`
+    or `config.packed_linear` is False; None where it does not apply."""
     if config.fused_layers is False or config.packed_linear is False or config.compile or config.tensor_parallel_size > 1:
         return None
-    if not (device.type == "cpu" and dtype == torch.float32 and available() == "streamgate" and supports(model)):
+    kind = linear_kind(dtype)
+    if not (device.type == "cpu" and kind and available() == "streamgate" and supports(model)):
         return None
-    return FusedLlama(model)
+    return FusedLlama(model, kind)
 
 
-def _fuse(*linears: nn.Linear) -> PackedLinear:
+def linear_kind(dtype: torch.dtype) -> str | None:
+    """How the fused forward packs weights of `dtype`: the C++ kernel (fp32), oneDNN (bf16,
+    where oneDNN has native bf16 instructions), or None (not fused)."""
+    if dtype == torch.float32:
+        return "streamgate"
+    if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "onednn"
+    return None
+
+
+def _fuse(kind: str, *linears: nn.Linear) -> PackedLinear:
     """One packed linear computing the concatenation of `linears`' outputs."""
-    fused = nn.Linear(linears[0].in_features, sum(m.out_features for m in linears), bias=linears[0].bias is not None)
+    w = linears[0].weight
+    fused = nn.Linear(w.shape[1], sum(m.out_features for m in linears), bias=linears[0].bias is not None, dtype=w.dtype)
     with torch.no_grad():
         fused.weight.copy_(torch.cat([m.weight for m in linears]))
         if fused.bias is not None:
             fused.bias.copy_(torch.cat([m.bias for m in linears]))
-    return PackedLinear(fused, "streamgate")
+    return PackedLinear(fused, kind)
 
 
 class _Layer:
@@ -61,13 +76,13 @@ class _Layer:
     copy in memory): the fused ones take their place as `qkv_proj` / `gate_up_proj`, o_proj and
     down_proj become packed, so transformers' own forward cannot run this model any more."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, kind: str):
         attn, mlp = layer.self_attn, layer.mlp
         self.attn = attn                                        # layer_idx, scaling for attention
-        self.qkv = attn.qkv_proj = _fuse(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.o = attn.o_proj = PackedLinear(attn.o_proj, "streamgate")
-        self.gate_up = mlp.gate_up_proj = _fuse(mlp.gate_proj, mlp.up_proj)
-        self.down = mlp.down_proj = PackedLinear(mlp.down_proj, "streamgate")
+        self.qkv = attn.qkv_proj = _fuse(kind, attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o = attn.o_proj = PackedLinear(attn.o_proj, kind)
+        self.gate_up = mlp.gate_up_proj = _fuse(kind, mlp.gate_proj, mlp.up_proj)
+        self.down = mlp.down_proj = PackedLinear(mlp.down_proj, kind)
         attn.q_proj = attn.k_proj = attn.v_proj = mlp.gate_proj = mlp.up_proj = None
         self.norm_in, self.eps_in = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
         self.norm_post = layer.post_attention_layernorm.weight.detach()
@@ -77,15 +92,15 @@ class _Layer:
 class FusedLlama:
     """Callable like the transformers model as the runner calls it; returns `.logits` [1, K, V]."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, kind: str = "streamgate"):
         cfg, body = model.config, model.model
         self.embed, self.rotary_emb = body.embed_tokens, body.rotary_emb
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.layers = [_Layer(layer) for layer in body.layers]
+        self.layers = [_Layer(layer, kind) for layer in body.layers]
         self.norm, self.eps = body.norm.weight.detach(), body.norm.variance_epsilon
-        self.lm_head = model.lm_head = PackedLinear(model.lm_head, "streamgate")   # a tied one: its own copy
-        log.info("fused Llama forward: %d layers, q/k/v and gate/up packed as one GEMM each", len(self.layers))
+        self.lm_head = model.lm_head = PackedLinear(model.lm_head, kind)   # a tied one: its own copy
+        log.info("fused Llama forward: %d layers, q/k/v and gate/up packed as one GEMM each (%s)", len(self.layers), kind)
 
     def __call__(self, input_ids, position_ids, cache, paged, logits_to_keep, **_):
         ops = torch.ops.streamgate

@@ -1,4 +1,4 @@
-"""Linear layers with weights packed once at load, for eager fp32 on CPU.
+"""Linear layers with weights packed once at load, for eager fp32 (and bf16) on CPU.
 
 A decode step's GEMMs have a few rows, so they are bound by reading the weights. torch's
 `F.linear` on CPU calls MKL's sgemm, which streams them at ~10 GB/s and leaves the second
@@ -9,7 +9,9 @@ core idle at a few rows. Two packed forms, best first:
 - "onednn": where the kernel did not build, oneDNN's matmul on its own blocked layout (what
   inductor's weight prepacking and vLLM's CPU linear use): 2.1x MKL at 8 rows (§8.12).
 Either differs from MKL in the last bits (another summation order), as between any two GEMM
-libraries.
+libraries. bf16 weights (the fused Llama forward in bf16) take the "onednn" form: with
+AVX512-BF16 or AMX, oneDNN's bf16 GEMM on its packed layout is faster than any fp32 form at
+every row count (docs/BENCHMARKS.md §8.16).
 """
 
 from __future__ import annotations

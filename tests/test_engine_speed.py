@@ -11,9 +11,12 @@ from engine.kernels import paged_attention_ops
 
 
 @pytest.mark.parametrize("flags, want", [({"avx2", "fma"}, torch.float32),
+                                         ({"avx2", "fma", "avx512f", "avx512bw"}, torch.float32),
+                                         ({"avx512f", "avx512_bf16"}, torch.bfloat16),
                                          ({"avx512f", "amx_tile", "amx_bf16"}, torch.bfloat16)])
-def test_auto_dtype_is_bf16_only_with_amx(monkeypatch, flags, want):
-    """On CPU "auto" picks bf16 only where the CPU has AMX-bf16; explicit dtypes are kept."""
+def test_auto_dtype_is_bf16_only_with_native_bf16(monkeypatch, flags, want):
+    """On CPU "auto" picks bf16 only where the CPU has bf16 dot products (AVX512-BF16 or
+    AMX-bf16); explicit dtypes are kept."""
     monkeypatch.setattr(model_runner, "_cpu_flags", lambda: flags)
     assert model_runner.resolve_dtype("auto", torch.device("cpu")) == want
     assert model_runner.resolve_dtype("float32", torch.device("cpu")) == torch.float32

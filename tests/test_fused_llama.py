@@ -108,3 +108,69 @@ def test_serve_flags_reach_the_engine_config():
     assert default.packed_linear is None and default.fused_layers is None
     off = engine_config_from_args(p.parse_args(["--no-packed-linear", "--no-fused-layers"]))
     assert off.packed_linear is False and off.fused_layers is False
+
+
+def assert_rounded_like(got: torch.Tensor, want: torch.Tensor):
+    """bf16 results of the C++ operators against transformers' bf16 modules: the same values,
+    except where the two fp32 computations fall on either side of a bf16 rounding boundary
+    (exp and the sums in another order): then one bf16 step apart, for at most 1 % of them."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    differ = got != want
+    assert differ.float().mean().item() <= 0.01, f"{differ.sum().item()} of {got.numel()} differ"
+    step = want.float().abs().clamp_min(1e-30) * 2.0 ** -7                # one bf16 step (8 significant bits)
+    assert bool(((got.float() - want.float()).abs() <= step * 1.01)[differ].all())
+
+
+def test_bf16_operators_round_where_transformers_does():
+    """On bf16 tensors each operator equals transformers' bf16 module, rounding included: the
+    residual sum, RMSNorm (normalized row, then times the weight), each rotary product and
+    their sum, SiLU then the product. A missed rounding step shows up in far more than 1 % of
+    the values."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    bf = torch.bfloat16
+    torch.manual_seed(3)
+    norm = LlamaRMSNorm(576, eps=1e-5).to(bf)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x, residual = (torch.randn(7, 1152) * 3).to(bf)[:, :576], (torch.randn(7, 576) * 3).to(bf)
+    with torch.inference_mode():
+        assert_rounded_like(ops.rms_norm(x, norm.weight, 1e-5), norm(x))
+        expected_residual = residual + x
+        out = ops.add_rms_norm(x, residual, norm.weight, 1e-5)
+        assert torch.equal(residual, expected_residual)
+        assert_rounded_like(out, norm(expected_residual))
+    n, h, hkv, d = 5, 9, 3, 64
+    qkv = torch.randn(n, (h + 2 * hkv) * d).to(bf)
+    q, k = qkv[:, :h * d].view(n, h, d), qkv[:, h * d:(h + hkv) * d].view(n, hkv, d)
+    angles = torch.rand(n, d // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(bf), torch.cat([angles.sin()] * 2, -1).to(bf)
+    ref_q, ref_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    ops.rotary(q, k, cos.float(), sin.float())
+    assert_rounded_like(q, ref_q[0].transpose(0, 1))
+    assert_rounded_like(k, ref_k[0].transpose(0, 1))
+    gate_up = (torch.randn(3, 2 * 1536) * 4).to(bf)
+    assert_rounded_like(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :1536]) * gate_up[:, 1536:])
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 GEMM on this CPU")
+def test_fused_bf16_logits_match_transformers_bf16(tiny_model):
+    """In bf16 the runner fuses too (weights packed for oneDNN), and its logits on a packed
+    batch equal transformers' bf16 forward's within 0.15: bf16 rounding of logits of magnitude
+    16-32 is 0.125 a step (the greedy-parity tolerance, tests/models.py)."""
+    from engine import LLMEngine, SamplingParams
+
+    logits = {}
+    for fused in (True, False):
+        eng = LLMEngine(EngineConfig(model=tiny_model("llama"), dtype="bfloat16", num_kv_blocks=64,
+                                     fused_layers=fused, max_num_batched_tokens=64))
+        assert isinstance(eng.runner.forward, FusedLlama) == fused
+        if fused:
+            assert eng.runner.forward.lm_head.kind == "onednn"
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        eng.add_request("a", list(range(100, 120)), params)
+        eng.step()
+        eng.add_request("b", list(range(300, 333)), params)
+        logits[fused] = eng.runner.run(eng.scheduler.schedule()).float()
+    assert logits[True].shape == logits[False].shape
+    torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=0.15)

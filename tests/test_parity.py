@@ -102,18 +102,19 @@ def test_prefix_cache_off_means_no_hits(tiny_model):
     assert engine.stats()["prefix_cache_hit_tokens"] == 0
 
 
-def has_amx() -> bool:
-    from engine.model_runner import _cpu_flags
+def has_native_bf16() -> bool:
+    from engine.model_runner import native_bf16_cpu
 
-    return "amx_bf16" in _cpu_flags()
+    return native_bf16_cpu()
 
 
-# bf16 on a CPU without AMX is emulated (tens of times slower than fp32 at one token): the
-# SmolLM2 bf16 run would take many minutes there, so it runs only on AMX machines.
+# bf16 on a CPU without bf16 instructions (AVX512-BF16 or AMX) is emulated (tens of times
+# slower than fp32 at one token): the SmolLM2 bf16 run would take many minutes there, so it
+# runs only where bf16 is native (and there it is what dtype "auto" picks).
 # transformers' forward on CPU fp32 is checked on the tiny models only (the fused forward is
 # SmolLM2's default and is checked on it).
 SMOLLM2_PATHS = [p if p.id != "cpu-bf16-kernel" else pytest.param(
-    *p.values, id=p.id, marks=pytest.mark.skipif(not has_amx(), reason="no AMX-bf16 on this CPU: bf16 is emulated"))
+    *p.values, id=p.id, marks=pytest.mark.skipif(not has_native_bf16(), reason="no AVX512-BF16 or AMX-bf16 on this CPU: bf16 is emulated"))
     for p in PATHS if p.id != "cpu-fp32-kernel-hf-forward"]
 
 
