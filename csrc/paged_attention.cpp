@@ -14,7 +14,8 @@
 // register-tiled outer products (scores_rows, values_rows: 1-4 query vectors per step, GCC/Clang
 // vector extensions, so AVX2 on x86 and NEON elsewhere), with an online softmax across spans
 // and the causal cut applied per query row. A decode row has too few query vectors to pay for
-// transposing the keys, so it takes dot products against keys stored row by row instead.
+// transposing the keys, so it takes dot products against keys stored row by row instead; with
+// AVX-512 it reads them, and the values, in place in any dtype (attention_decode.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -24,6 +25,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_decode.h"
 #include "attention_tiles.h"
 #include "simd.h"
 
@@ -36,7 +38,7 @@ constexpr int64_t kSpan = 64;        // keys per online-softmax step (whole bloc
 
 struct Item {
   int64_t seq, kv_head, row_begin, row_end;   // rows counted from the sequence's first row
-};
+};                                            // kv_head -1: a decode row, all heads (decode_sequence)
 
 template <typename scalar_t>
 void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
@@ -72,8 +74,17 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
     // krow/vrow: where key/value t of the span is read (in the pool, or converted in kT/vb).
     std::vector<const float*> krow(kpad), vrow(kpad);
     for (int64_t t = 0; t < kpad; ++t) krow[t] = kT.data() + t * D, vrow[t] = vb.data() + t * D;
+    std::vector<const scalar_t*> kin(kpad), vin(kpad);                   // in place, any dtype (AVX-512)
+    DecodeScratch<scalar_t> scratch(kDecode512 ? num_heads : 0, D, kpad);
     for (int64_t bin = first_bin; bin < last_bin; ++bin)
     for (const Item& w : bins[bin]) {
+      if (w.kv_head < 0) {
+        const int64_t row = starts[w.seq];
+        decode_sequence(qp + row * q_row, q_head, kp, vp, kv_slot, kv_head_stride, tables + w.seq * table_width,
+                        block_size, lens[w.seq], span, kpad, num_kv_heads, group, D, fscale, op + row * o_row, o_head,
+                        scratch);
+        continue;
+      }
       const int64_t q_len = starts[w.seq + 1] - starts[w.seq];
       const int64_t ctx = lens[w.seq];
       const int64_t nq = (w.row_end - w.row_begin) * group;
@@ -94,6 +105,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
       const int64_t last_pos = ctx - q_len + w.row_end - 1;            // the tile's last query
       const int64_t* table = tables + w.seq * table_width;
       const bool by_key = nq < kRows;                                  // a decode row: few query vectors
+      const bool in_place = by_key && kDecode512 && D % 16 == 0;       // attention_decode.h
       for (int64_t b0 = 0; b0 <= last_pos; b0 += span) {
         const int64_t n = std::min(span, last_pos + 1 - b0);           // keys used in this span
         // Keys and values of the span, block by block (one table lookup per block). A decode
@@ -104,6 +116,11 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
           const int64_t first = table[pos / block_size] * block_size + pos % block_size;
           for (int64_t e = 0; e < in_block; ++e, ++t) {
             const int64_t off = (first + e) * kv_slot + w.kv_head * kv_head_stride;
+            if (in_place) {
+              kin[t] = kp + off;
+              vin[t] = vp + off;
+              continue;
+            }
             if (by_key && std::is_same_v<scalar_t, float>) {
               krow[t] = reinterpret_cast<const float*>(kp + off);
               vrow[t] = reinterpret_cast<const float*>(vp + off);
@@ -120,7 +137,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
           }
         }
         for_row_groups(nq, [&]<int R>(int64_t i) {                     // keys >= n: never read
-          if (by_key) scores_rows_by_key<R>(qf.data() + i * D, krow.data(), s.data() + i * kpad, kpad, n, D);
+          if (in_place) scores_decode<R>(qf.data() + i * D, kin.data(), s.data() + i * kpad, kpad, n, D);
+          else if (by_key) scores_rows_by_key<R>(qf.data() + i * D, krow.data(), s.data() + i * kpad, kpad, n, D);
           else scores_rows<R>(qf.data() + i * D, kT.data(), s.data() + i * kpad, kpad, D);
         });
         // Online softmax per query row: s becomes the span's probabilities (0 past the row's
@@ -137,7 +155,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
           l[i] = l[i] * alpha[i] + sum;
         }
         for_row_groups(nq, [&]<int R>(int64_t i) {
-          if (by_key) values_rows_by_key<R>(s.data() + i * kpad, alpha.data() + i, vrow.data(), acc.data() + i * D, kpad, n, D);
+          if (in_place) values_decode<R>(s.data() + i * kpad, alpha.data() + i, vin.data(), acc.data() + i * D, kpad, n, D);
+          else if (by_key) values_rows_by_key<R>(s.data() + i * kpad, alpha.data() + i, vrow.data(), acc.data() + i * D, kpad, n, D);
           else values_rows<R>(s.data() + i * kpad, alpha.data() + i, vb.data(), acc.data() + i * D, kpad, n, D);
         });
       }
@@ -176,12 +195,18 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const 
   TORCH_CHECK(q_start.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs, "paged_attention: batch sizes");
   const int64_t* starts = q_start.data_ptr<int64_t>();
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
-  const int64_t num_kv_heads = k_pool.size(1);
+  const int64_t num_kv_heads = k_pool.size(1), group = q.size(1) / num_kv_heads;
+  // With AVX-512, a decode row of few query heads per KV head is one item for all its heads.
+  const bool whole_decode = kDecode512 && group < kRows && q.size(2) % 16 == 0 && q.scalar_type() != at::kDouble;
   std::vector<Item> items;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t q_len = starts[b + 1] - starts[b];
     TORCH_CHECK(q_len >= 0 && q_len <= lens[b] && starts[b + 1] <= q.size(0), "paged_attention: bad q_start/ctx_lens");
     TORCH_CHECK((lens[b] + block_size - 1) / block_size <= block_tables.size(1), "paged_attention: block table too short");
+    if (whole_decode && q_len == 1) {
+      items.push_back({b, -1, 0, 1});
+      continue;
+    }
     for (int64_t h = 0; h < num_kv_heads; ++h)
       for (int64_t r = 0; r < q_len; r += kQueryTile)
         items.push_back({b, h, r, std::min(q_len, r + kQueryTile)});
@@ -198,7 +223,7 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const 
   for (size_t i = 0; i < items.size(); ++i) {
     const Item& w = items[i];
     const int64_t q_len = starts[w.seq + 1] - starts[w.seq];
-    const int64_t c = (w.row_end - w.row_begin) * (lens[w.seq] - q_len + w.row_end);
+    const int64_t c = (w.row_end - w.row_begin) * (lens[w.seq] - q_len + w.row_end) * (w.kv_head < 0 ? num_kv_heads : 1);
     if (by_seq && !groups.empty() && items[groups.back().first].seq == w.seq) {
       groups.back().second = i + 1;
       cost.back() += c;

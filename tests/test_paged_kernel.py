@@ -65,13 +65,18 @@ CASES = {
     "many": ([1] * 8 + [24], [1, 15, 16, 17, 63, 64, 65, 300, 90], 9, 3, 64, 16),
     # the same with head_dim 20 and 4 KV heads of GQA 2:1, block size 8
     "many-odd": ([1] * 9, [3, 8, 9, 30, 70, 71, 129, 5, 200], 8, 4, 20, 8),
+    # decode rows with head_dim 128 (two 64-wide slices of values with AVX-512) and 48 (three
+    # registers), ragged contexts with 1-3 keys past the last group of four
+    "wide": ([1, 1, 1, 5], [70, 3, 131, 9], 6, 2, 128, 16),
+    "d48": ([1, 1, 1], [33, 102, 2], 3, 1, 48, 8),
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_matches_torch_reference(case, dtype):
-    """Every query row's output equals gather + SDPA within fp32 rounding (bf16: storage rounding)."""
+    """Every query row's output equals gather + SDPA within fp32 rounding (bf16, fp16: the
+    output's own rounding)."""
     q_lens, ctx_lens, heads, kv_heads, head_dim, block_size = CASES[case]
     q, k_pool, v_pool, tables = random_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype, seed=3)
     scale = head_dim ** -0.5

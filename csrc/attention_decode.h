@@ -1,0 +1,212 @@
+// The decode rows' inner loops of the paged attention kernel (paged_attention.cpp) on whole
+// AVX-512 registers: a decode row has one query vector per head of a GQA group (1-3 of them),
+// too few to pay for transposing keys, so scores are dot products against keys read in place
+// and values are accumulated from values read in place, in any storage dtype (bf16 and fp16
+// are widened to fp32 in registers, so nothing is copied into a buffer first).
+//
+// Against attention_tiles.h's eight-lane versions: half the instructions per key (a head_dim
+// of 64 is four registers), no conversion pass for bf16, and one pass over the span's values
+// for a whole 64-wide slice of head_dim instead of one per 16 lanes. Used where the compiler
+// targets AVX-512 (built with -march=native) and head_dim is a multiple of 16.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include "attention_tiles.h"
+
+namespace streamgate::cpu {
+
+#ifdef __AVX512F__
+constexpr bool kDecode512 = true;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const c10::BFloat16* p) {          // bf16 is fp32's upper half
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
+inline __m512 load16(const double* p) {                 // for completeness: fp64 pools are tests only
+  const __m256 lo = _mm512_cvtpd_ps(_mm512_loadu_pd(p)), hi = _mm512_cvtpd_ps(_mm512_loadu_pd(p + 8));
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// [sum(a[0]), ..., sum(a[3])]: four horizontal sums in one 128-bit vector.
+inline __m128 sum4_512(const __m512* a) {
+  __m256 h[4];
+  for (int i = 0; i < 4; ++i)
+    h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// s[j * kpad + t] = q_j . k_t for R query vectors (fp32, scaled) and keys t < n read in place
+// (krow[t]: key t's D values); D a multiple of 16. Four keys at a time, each loaded once per 16
+// of d for all R rows (up to 12 accumulators), their dot products reduced across lanes together.
+template <int R, typename T>
+inline void scores_decode(const float* q, const T* const* krow, float* s, int64_t kpad, int64_t n, int64_t D) {
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    __m512 a[R][4];
+    for (int j = 0; j < R; ++j)
+      for (int i = 0; i < 4; ++i) a[j][i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 qv[R];
+      for (int j = 0; j < R; ++j) qv[j] = _mm512_loadu_ps(q + j * D + d);
+      for (int i = 0; i < 4; ++i) {
+        const __m512 k = load16(krow[t + i] + d);
+        for (int j = 0; j < R; ++j) a[j][i] = _mm512_fmadd_ps(qv[j], k, a[j][i]);
+      }
+    }
+    for (int j = 0; j < R; ++j) _mm_storeu_ps(s + j * kpad + t, sum4_512(a[j]));
+  }
+  for (; t < n; ++t) {
+    __m512 a[R];
+    for (int j = 0; j < R; ++j) a[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 k = load16(krow[t] + d);
+      for (int j = 0; j < R; ++j) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * D + d), k, a[j]);
+    }
+    for (int j = 0; j < R; ++j) s[j * kpad + t] = _mm512_reduce_add_ps(a[j]);
+  }
+}
+
+// acc_j[d0, d0 + 16 C) = alpha_j * acc_j + sum_t p_j[t] v_t over that slice: R x C registers.
+template <int R, int C, typename T>
+inline void values_slice(const float* p, const float* alpha, const T* const* vrow, float* acc, int64_t kpad,
+                         int64_t n, int64_t D, int64_t d0) {
+  __m512 a[R][C];
+  for (int j = 0; j < R; ++j)
+    for (int c = 0; c < C; ++c) a[j][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * D + d0 + 16 * c), _mm512_set1_ps(alpha[j]));
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(vrow[t] + d0 + 16 * c);
+    for (int j = 0; j < R; ++j) {
+      const __m512 pj = _mm512_set1_ps(p[j * kpad + t]);
+      for (int c = 0; c < C; ++c) a[j][c] = _mm512_fmadd_ps(pj, v[c], a[j][c]);
+    }
+  }
+  for (int j = 0; j < R; ++j)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * D + d0 + 16 * c, a[j][c]);
+}
+
+// acc_j = alpha_j * acc_j + sum_t p_j[t] v_t for R query vectors over values read in place
+// (vrow[t]: value t's D values); D a multiple of 16, taken 64 at a time.
+template <int R, typename T>
+inline void values_decode(const float* p, const float* alpha, const T* const* vrow, float* acc, int64_t kpad,
+                          int64_t n, int64_t D) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) values_slice<R, 4>(p, alpha, vrow, acc, kpad, n, D, d0);
+  switch ((D - d0) / 16) {
+    case 3: values_slice<R, 3>(p, alpha, vrow, acc, kpad, n, D, d0); break;
+    case 2: values_slice<R, 2>(p, alpha, vrow, acc, kpad, n, D, d0); break;
+    case 1: values_slice<R, 1>(p, alpha, vrow, acc, kpad, n, D, d0); break;
+    default: break;
+  }
+}
+
+// Scratch of one thread for decode_sequence (sized for `heads` query heads of head_dim D).
+template <typename T>
+struct DecodeScratch {
+  std::vector<float> qf, acc, m, l, alpha, s;
+  std::vector<int64_t> base;
+  std::vector<const T*> kin, vin;
+  DecodeScratch(int64_t heads, int64_t D, int64_t kpad)
+      : qf(heads * D), acc(heads * D), m(heads), l(heads), alpha(heads), s(heads * kpad), base(kpad), kin(kpad), vin(kpad) {}
+};
+
+// Runs f.template operator()<R>() for R = r in 1..3.
+template <typename F>
+inline void with_rows(int64_t r, F&& f) {
+  if (r == 1) f.template operator()<1>();
+  else if (r == 2) f.template operator()<2>();
+  else f.template operator()<3>();
+}
+
+// One decode row (the sequence's last position, attending to all ctx keys) for all KV heads of
+// its sequence at once: span by span, each head in turn reads its keys and values, so every
+// slot's heads (adjacent in the pool) are read while the span is in cache, once, instead of
+// one pass over the whole context per head. group <= 3 query heads per KV head.
+// q/o: the row's [heads, D] (head strides q_hs, o_hs); pools [slots, kv_heads, D].
+template <typename T>
+void decode_sequence(const T* q, int64_t q_hs, const T* kp, const T* vp, int64_t kv_slot, int64_t kv_hs,
+                     const int64_t* table, int64_t block_size, int64_t ctx, int64_t span, int64_t kpad,
+                     int64_t kv_heads, int64_t group, int64_t D, float scale, T* o, int64_t o_hs,
+                     DecodeScratch<T>& w) {
+  const int64_t heads = kv_heads * group;
+  for (int64_t i = 0; i < heads; ++i) {
+    for (int64_t d = 0; d < D; ++d) w.qf[i * D + d] = static_cast<float>(q[i * q_hs + d]) * scale;
+    w.m[i] = -std::numeric_limits<float>::infinity();
+    w.l[i] = 0.0f;
+  }
+  std::fill(w.acc.begin(), w.acc.begin() + heads * D, 0.0f);
+  for (int64_t b0 = 0; b0 < ctx; b0 += span) {
+    const int64_t n = std::min(span, ctx - b0);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t pos = b0 + t;
+      w.base[t] = (table[pos / block_size] * block_size + pos % block_size) * kv_slot;
+    }
+    // The next span's blocks into cache while this one is computed: blocks are scattered over
+    // the pool, so the hardware prefetchers lose the stream at every block boundary.
+    for (int64_t pos = b0 + span; pos < std::min(ctx, b0 + 2 * span); pos += block_size) {
+      const int64_t first = table[pos / block_size] * block_size * kv_slot, bytes = block_size * kv_slot * sizeof(T);
+      const char *kb = reinterpret_cast<const char*>(kp + first), *vb = reinterpret_cast<const char*>(vp + first);
+      for (int64_t off = 0; off < bytes; off += 64) {
+        _mm_prefetch(kb + off, _MM_HINT_T0);
+        _mm_prefetch(vb + off, _MM_HINT_T0);
+      }
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t t = 0; t < n; ++t) {
+        w.kin[t] = kp + w.base[t] + h * kv_hs;
+        w.vin[t] = vp + w.base[t] + h * kv_hs;
+      }
+      const int64_t i0 = h * group;
+      with_rows(group, [&]<int R>() { scores_decode<R>(w.qf.data() + i0 * D, w.kin.data(), w.s.data() + i0 * kpad, kpad, n, D); });
+      for (int64_t i = i0; i < i0 + group; ++i) {
+        const float sum = softmax_span(w.s.data() + i * kpad, n, n, w.m[i], w.alpha[i]);
+        w.l[i] = w.l[i] * w.alpha[i] + sum;
+      }
+      with_rows(group, [&]<int R>() {
+        values_decode<R>(w.s.data() + i0 * kpad, w.alpha.data() + i0, w.vin.data(), w.acc.data() + i0 * D, kpad, n, D);
+      });
+    }
+  }
+  for (int64_t i = 0; i < heads; ++i) {
+    const float inv = 1.0f / w.l[i];
+    for (int64_t d = 0; d < D; ++d) o[i * o_hs + d] = static_cast<T>(w.acc[i * D + d] * inv);
+  }
+}
+#else
+constexpr bool kDecode512 = false;
+
+template <typename T>
+struct DecodeScratch {
+  DecodeScratch(int64_t, int64_t, int64_t) {}
+};
+
+template <typename T>
+void decode_sequence(const T*, int64_t, const T*, const T*, int64_t, int64_t, const int64_t*, int64_t, int64_t, int64_t,
+                     int64_t, int64_t, int64_t, int64_t, float, T*, int64_t, DecodeScratch<T>&) {}
+
+template <int R, typename T>
+inline void scores_decode(const float*, const T* const*, float*, int64_t, int64_t, int64_t) {}
+
+template <int R, typename T>
+inline void values_decode(const float*, const float*, const T* const*, float*, int64_t, int64_t, int64_t) {}
+#endif
+
+}  // namespace streamgate::cpu
