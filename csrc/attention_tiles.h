@@ -15,30 +15,6 @@ namespace streamgate::cpu {
 
 constexpr int64_t kRows = 4;         // query vectors per step of the score microkernel
 
-// exp(x) for x <= 0 (softmax arguments), eight lanes at once: Cephes' expf, 2^n * p(r) with
-// |r| <= ln2 / 2, relative error ~1e-7. Written on whole vectors (GCC/Clang vector extensions)
-// because the scalar form did not vectorize: GCC saw control flow in it, and the softmax then
-// cost more than the scores and the values together.
-inline vec8 exp8_nonpositive(vec8 x) {
-  const vec8 lo = vec8{} - 87.0f;                           // 2^-126 is the smallest normal float
-  x = x < lo ? lo : x;
-  const vec8 fx = x * 1.44269504f + 0.5f;
-  vec8 n = __builtin_convertvector(__builtin_convertvector(fx, vec8i), vec8);   // toward zero
-  n = n > fx ? n - 1.0f : n;                                // floor
-  const vec8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vec8 p = vec8{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vec8i bits = (__builtin_convertvector(n, vec8i) + 127) << 23;
-  vec8 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // One query row's span of scores si[0, n) (n <= kpad, si padded to kpad) under the online
 // softmax: keys past `visible` (the causal cut) get probability 0, the others
 // exp(s - new_m) with new_m = max(m, their max). Returns the probabilities' sum; `m` becomes

@@ -11,10 +11,21 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <bit>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <type_traits>
 
+#include "simd.h"
+
 namespace {
+
+using streamgate::cpu::exp8_nonpositive;
+using streamgate::cpu::kLanes;
+using streamgate::cpu::load8;
+using streamgate::cpu::store8;
+using streamgate::cpu::vec8;
 
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.is_floating_point() && t.dim() == 2 && t.stride(1) == 1,
@@ -23,11 +34,34 @@ void check_rows(const torch::Tensor& t, const char* name) {
 
 inline int64_t grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cols)); }
 
+// fp32 rounded to bf16 precision (to nearest even), kept as fp32: integer ops only, so loops of
+// it vectorize (c10's conversion has a NaN branch that keeps GCC from vectorizing them).
+inline float round_bf16(float x) {
+  const uint32_t b = std::bit_cast<uint32_t>(x);
+  return std::bit_cast<float>((b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u);
+}
+
 // x rounded to T and back: a no-op for fp32, the rounding of one eager bf16/fp16 op otherwise.
 template <typename T>
 inline float round_to(float x) {
   if constexpr (std::is_same_v<T, float>) return x;
+  else if constexpr (std::is_same_v<T, c10::BFloat16>) return round_bf16(x);
   else return static_cast<float>(static_cast<T>(x));
+}
+
+// p[i] as fp32, and v stored into p[i] rounded to T: bf16 by bit operations (vectorizable).
+template <typename T>
+inline float ld(const T* p, int64_t i) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    return std::bit_cast<float>(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16);
+  else return static_cast<float>(p[i]);
+}
+
+template <typename T>
+inline void st(T* p, int64_t i, float v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(round_bf16(v)) >> 16);
+  else p[i] = static_cast<T>(v);
 }
 
 // out = weight * T(x / sqrt(mean(x^2) + eps)), row by row.
@@ -35,17 +69,17 @@ template <typename T>
 inline void norm_row(const T* x, const T* w, T* out, int64_t C, double eps) {
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t c = 0; c < C; ++c) sum += static_cast<float>(x[c]) * static_cast<float>(x[c]);
+  for (int64_t c = 0; c < C; ++c) sum += ld(x, c) * ld(x, c);
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(C) + static_cast<float>(eps));
 #pragma omp simd
-  for (int64_t c = 0; c < C; ++c) out[c] = static_cast<T>(static_cast<float>(w[c]) * round_to<T>(static_cast<float>(x[c]) * inv));
+  for (int64_t c = 0; c < C; ++c) st(out, c, ld(w, c) * round_to<T>(ld(x, c) * inv));
 }
 
 // res += x (rounded to T), then out = norm_row(res).
 template <typename T>
 inline void add_norm_row(const T* x, T* res, const T* w, T* out, int64_t C, double eps) {
 #pragma omp simd
-  for (int64_t c = 0; c < C; ++c) res[c] = static_cast<T>(static_cast<float>(res[c]) + static_cast<float>(x[c]));
+  for (int64_t c = 0; c < C; ++c) st(res, c, ld(res, c) + ld(x, c));
   norm_row(res, w, out, C, eps);
 }
 
@@ -100,9 +134,9 @@ void rotate(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin)
         T* v = xp + r * rs + h * hs;
 #pragma omp simd
         for (int64_t d = 0; d < half; ++d) {
-          const float a = static_cast<float>(v[d]), b = static_cast<float>(v[d + half]);
-          v[d] = static_cast<T>(round_to<T>(a * c[d]) + round_to<T>((-b) * s[d]));
-          v[d + half] = static_cast<T>(round_to<T>(b * c[d + half]) + round_to<T>(a * s[d + half]));
+          const float a = ld(v, d), b = ld(v, d + half);
+          st(v, d, round_to<T>(a * c[d]) + round_to<T>((-b) * s[d]));
+          st(v, d + half, round_to<T>(b * c[d + half]) + round_to<T>(a * s[d + half]));
         }
       }
     }
@@ -122,14 +156,72 @@ void rotary(torch::Tensor q, torch::Tensor k, const torch::Tensor& cos, const to
   });
 }
 
-// o = silu(g) * u for one row, u = g + I (silu rounded to T first).
+// Eight lanes of T as fp32 (ld8), rounded to T's precision (round8), stored as T (st8): bf16
+// by whole-vector bit operations, so the loops below stay in registers.
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+template <typename T>
+inline vec8 ld8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return load8(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    u16x8 h;
+    std::memcpy(&h, p, sizeof h);
+    const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+    return std::bit_cast<vec8>(w);
+  } else {
+    float buf[kLanes];
+    for (int64_t l = 0; l < kLanes; ++l) buf[l] = static_cast<float>(p[l]);
+    return load8(buf);
+  }
+}
+
+template <typename T>
+inline vec8 round8(vec8 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const u32x8 b = std::bit_cast<u32x8>(x);
+    return std::bit_cast<vec8>((b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u);
+  } else {
+    float buf[kLanes];
+    store8(buf, x);
+    for (int64_t l = 0; l < kLanes; ++l) buf[l] = round_to<T>(buf[l]);
+    return load8(buf);
+  }
+}
+
+template <typename T>
+inline void st8(T* p, vec8 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    store8(p, x);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const u16x8 h = __builtin_convertvector(std::bit_cast<u32x8>(round8<T>(x)) >> 16, u16x8);
+    std::memcpy(p, &h, sizeof h);
+  } else {
+    float buf[kLanes];
+    store8(buf, x);
+    for (int64_t l = 0; l < kLanes; ++l) p[l] = static_cast<T>(buf[l]);
+  }
+}
+
+// o = silu(g) * u for one row, u = g + I (silu rounded to T first). silu(g) = g * sigmoid(g) with
+// e = exp(-|g|): sigmoid is 1 / (1 + e) for g >= 0 and e / (1 + e) below, eight lanes at a time
+// (std::exp in the loop did not vectorize).
 template <typename T>
 inline void silu_mul_row(const T* g, T* o, int64_t I) {
   const T* u = g + I;
-#pragma omp simd
-  for (int64_t i = 0; i < I; ++i) {
-    const float gi = static_cast<float>(g[i]);
-    o[i] = static_cast<T>(round_to<T>(gi / (1.0f + std::exp(-gi))) * static_cast<float>(u[i]));
+  const vec8 one = vec8{} + 1.0f;
+  int64_t i = 0;
+  for (; i + kLanes <= I; i += kLanes) {
+    const vec8 x = ld8(g + i);
+    const vec8 e = exp8_nonpositive(x < 0 ? x : -x);
+    st8(o + i, round8<T>(x * (x >= 0 ? one : e) / (one + e)) * ld8(u + i));
+  }
+  for (; i < I; ++i) {
+    const float gi = ld(g, i);
+    st(o, i, round_to<T>(gi / (1.0f + std::exp(-gi))) * ld(u, i));
   }
 }
 

@@ -55,11 +55,13 @@ def test_rotary_in_place_matches_transformers():
     assert torch.equal(qkv[:, (h + hkv) * d:], v_before)           # v untouched
 
 
-def test_silu_and_mul_matches_torch():
-    """silu_and_mul(gate ++ up) is silu(gate) * up."""
+@pytest.mark.parametrize("width", [24, 27])
+def test_silu_and_mul_matches_torch(width):
+    """silu_and_mul(gate ++ up) is silu(gate) * up (eight lanes at a time, then the rest)."""
     torch.manual_seed(2)
-    gate_up = torch.randn(3, 2 * 24) * 4
-    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :24]) * gate_up[:, 24:], rtol=1e-5, atol=1e-6)
+    gate_up = torch.randn(3, 2 * width) * 8
+    want = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), want, rtol=1e-5, atol=1e-6)
 
 
 def test_runner_fuses_llama_by_default_and_not_when_off(tiny_model):
