@@ -54,6 +54,25 @@ inline float softmax_span(float* si, int64_t n, int64_t visible, float& m, float
 template <int R>
 inline void scores_rows(const float* q, const float* kT, float* s, int64_t kpad, int64_t D) {
   int64_t t = 0;
+#ifdef __AVX512F__
+  // Thirty-two keys at a time on whole AVX-512 registers (2R accumulators), then the lanes below.
+  for (; t + 32 <= kpad; t += 32) {
+    __m512 a[R], b[R];
+    for (int j = 0; j < R; ++j) a[j] = b[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 k = _mm512_loadu_ps(kT + d * kpad + t), k2 = _mm512_loadu_ps(kT + d * kpad + t + 16);
+      for (int j = 0; j < R; ++j) {
+        const __m512 qj = _mm512_set1_ps(q[j * D + d]);
+        a[j] = _mm512_fmadd_ps(qj, k, a[j]);
+        b[j] = _mm512_fmadd_ps(qj, k2, b[j]);
+      }
+    }
+    for (int j = 0; j < R; ++j) {
+      _mm512_storeu_ps(s + j * kpad + t, a[j]);
+      _mm512_storeu_ps(s + j * kpad + t + 16, b[j]);
+    }
+  }
+#endif
   for (; t + 2 * kLanes <= kpad; t += 2 * kLanes) {
     vec8 a[R] = {}, b[R] = {};
     for (int64_t d = 0; d < D; ++d) {
@@ -162,6 +181,29 @@ template <int R>
 inline void values_rows(const float* p, const float* alpha, const float* vb, float* acc, int64_t kpad,
                         int64_t n, int64_t D) {
   int64_t d = 0;
+#ifdef __AVX512F__
+  // Thirty-two lanes of head_dim at a time on whole AVX-512 registers, then the lanes below.
+  for (; d + 32 <= D; d += 32) {
+    __m512 a[R], b[R];
+    for (int j = 0; j < R; ++j) {
+      const __m512 al = _mm512_set1_ps(alpha[j]);
+      a[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * D + d), al);
+      b[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * D + d + 16), al);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 v = _mm512_loadu_ps(vb + t * D + d), v2 = _mm512_loadu_ps(vb + t * D + d + 16);
+      for (int j = 0; j < R; ++j) {
+        const __m512 pj = _mm512_set1_ps(p[j * kpad + t]);
+        a[j] = _mm512_fmadd_ps(pj, v, a[j]);
+        b[j] = _mm512_fmadd_ps(pj, v2, b[j]);
+      }
+    }
+    for (int j = 0; j < R; ++j) {
+      _mm512_storeu_ps(acc + j * D + d, a[j]);
+      _mm512_storeu_ps(acc + j * D + d + 16, b[j]);
+    }
+  }
+#endif
   for (; d + kLanes <= D; d += kLanes) {
     vec8 a[R];
     for (int j = 0; j < R; ++j) a[j] = load8(acc + j * D + d) * alpha[j];
