@@ -23,3 +23,27 @@ def test_offline_benchmark_smoke(tiny_model, tmp_path):
     assert engine["agree_first16"] == 1.0
     assert 0.0 <= engine["overhead"] < 1.0 and 0.0 <= engine["kv_waste_at_peak"] < 1.0
     assert "engine" in proc.stdout and "hf-static" in proc.stdout
+
+
+def test_hf_baselines_take_the_engine_dtype(tiny_model):
+    """bench.offline's HF baselines load in the dtype given to every system, "auto" resolved as
+    the engine resolves it on this CPU, so the ratios compare like with like."""
+    import torch
+
+    from bench.baselines import load_hf_model
+    from engine.model_runner import resolve_dtype
+
+    assert load_hf_model(tiny_model("llama")).dtype == torch.float32
+    assert load_hf_model(tiny_model("llama"), "bfloat16").dtype == torch.bfloat16
+    assert load_hf_model(tiny_model("llama"), "auto").dtype == resolve_dtype("auto", torch.device("cpu"))
+
+
+def test_gemm_benchmark_prints_every_layer_and_form():
+    """`python -m bench.gemm` times each SmolLM2 layer shape in the four forms for each row count."""
+    cmd = [sys.executable, "-m", "bench.gemm", "--rows", "1,3", "--reps", "1", "--threads", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines()[2:]]
+    assert [(r[0], r[1]) for r in rows] == [(name, m) for name in ("q/k/v", "o", "gate/up", "down", "lm_head")
+                                           for m in ("1", "3")]
+    assert all(float(v) > 0 for r in rows for v in r[3:6])            # MKL fp32 and both bf16 forms ran
