@@ -21,7 +21,7 @@ from bench.workload import Request
 def load_hf_model(model_dir: str, dtype: str = "float32"):
     """The model on CPU in `dtype` ("auto": what the engine picks on this CPU), eval mode,
     default (SDPA) attention."""
-    from engine.model_runner import resolve_dtype
+    from engine.dtypes import resolve_dtype
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(dtype, torch.device("cpu")))
     return model.eval()

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
 
     from engine.kernels import load_kernels
-    from engine.model_runner import native_bf16_cpu
+    from engine.dtypes import native_bf16_cpu
 
     torch.set_num_threads(args.threads)
     kernel = load_kernels()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 POLICIES = ("fcfs", "priority", "cost", "fair")
 BATCHING = ("continuous", "static")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
-DTYPES = ("float32", "bfloat16", "float16", "auto")   # "auto": see model_runner.resolve_dtype
+DTYPES = ("float32", "bfloat16", "float16", "auto")   # "auto": see dtypes.resolve_dtype
 ATTENTION_BACKENDS = ("auto", "kernel", "torch")
 
 

@@ -31,7 +31,7 @@ def test_hf_baselines_take_the_engine_dtype(tiny_model):
     import torch
 
     from bench.baselines import load_hf_model
-    from engine.model_runner import resolve_dtype
+    from engine.dtypes import resolve_dtype
 
     assert load_hf_model(tiny_model("llama")).dtype == torch.float32
     assert load_hf_model(tiny_model("llama"), "bfloat16").dtype == torch.bfloat16

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine import model_runner
+from engine import dtypes
 from engine.kernels import paged_attention_ops
 
 
@@ -17,16 +17,16 @@ from engine.kernels import paged_attention_ops
 def test_auto_dtype_is_bf16_only_with_native_bf16(monkeypatch, flags, want):
     """On CPU "auto" picks bf16 only where the CPU has bf16 dot products (AVX512-BF16 or
     AMX-bf16); explicit dtypes are kept."""
-    monkeypatch.setattr(model_runner, "_cpu_flags", lambda: flags)
-    assert model_runner.resolve_dtype("auto", torch.device("cpu")) == want
-    assert model_runner.resolve_dtype("float32", torch.device("cpu")) == torch.float32
-    assert model_runner.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    monkeypatch.setattr(dtypes, "_cpu_flags", lambda: flags)
+    assert dtypes.resolve_dtype("auto", torch.device("cpu")) == want
+    assert dtypes.resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    assert dtypes.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
 
 
 def test_auto_dtype_engine_runs_in_the_resolved_dtype(tiny_model):
     """An engine with dtype "auto" holds its weights and KV pool in the resolved dtype."""
     engine = LLMEngine(EngineConfig(model=tiny_model("llama"), dtype="auto", num_kv_blocks=16))
-    want = model_runner.resolve_dtype("auto", torch.device("cpu"))
+    want = dtypes.resolve_dtype("auto", torch.device("cpu"))
     assert engine.runner.kv_cache.k.dtype == want
     assert next(engine.runner.model.parameters()).dtype == want
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))

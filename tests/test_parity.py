@@ -103,7 +103,7 @@ def test_prefix_cache_off_means_no_hits(tiny_model):
 
 
 def has_native_bf16() -> bool:
-    from engine.model_runner import native_bf16_cpu
+    from engine.dtypes import native_bf16_cpu
 
     return native_bf16_cpu()
 

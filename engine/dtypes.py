@@ -1,0 +1,34 @@
+"""The engine's dtype: names, and what "auto" resolves to on this device."""
+
+from __future__ import annotations
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" is bf16 where it pays: on CUDA (as before), and on CPUs with native bf16 dot
+    products (AVX512-BF16 or AMX-bf16), where oneDNN's bf16 GEMM is 3-5x its fp32 one and a
+    decode step is faster at every batch size (docs/BENCHMARKS.md §8.16). Without them (e.g.
+    AVX2-only CPUs) torch's bf16 matmuls are emulated and a one-token decode step runs tens of
+    times slower than in fp32 (§8.2)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda" or native_bf16_cpu():
+        return torch.bfloat16
+    return torch.float32
+
+
+def native_bf16_cpu() -> bool:
+    """Whether this CPU has bf16 dot-product instructions oneDNN uses (AVX512-BF16 or AMX)."""
+    flags = _cpu_flags()
+    return "avx512_bf16" in flags or flags >= {"amx_bf16", "amx_tile"}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:                                                  # not Linux: no bf16 guess
+        return set()
