@@ -45,6 +45,7 @@ class EngineConfig:
     fused_layers: bool | None = None      # fused Llama forward (fused_llama.py); None: on where packed linears are
     compile: bool = False                 # torch.compile the model (dynamic batch size; opt-in: see docs/BENCHMARKS.md §8.3)
     cuda_graphs: bool = True              # with compile on CUDA: decode steps replay CUDA graphs per batch bucket
+    adaptive_threads: bool = True         # CPU eager: steps of <= 4 tokens on 1 thread or all, whichever measures faster (threads.py)
     # -- scheduling: fair seats and the adaptive token budget (issues 11 and 14) -----------
     # With a target, steps may grow past max_num_batched_tokens while they stay this long
     # (measured) and, while streams decode, within 2x their decode-only step; up to

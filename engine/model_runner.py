@@ -15,6 +15,7 @@ from .dtypes import resolve_dtype
 from .fused_llama import maybe_fuse
 from .kernels import paged_attention_op
 from .kv_cache import PagedKVCache
+from .threads import ThreadTuner
 from .models import load_model
 from .packed_linear import maybe_pack
 from .scheduler import SchedulerOutput
@@ -50,6 +51,8 @@ class ModelRunner:
         self.forward = maybe_fuse(self.model, config, self.device, self.dtype) or self.model
         if self.forward is self.model:
             maybe_pack(self.model, config, self.device, self.dtype)
+        eager_cpu = self.device.type == "cpu" and not config.compile and tp == 1
+        self.threads = ThreadTuner(torch.get_num_threads()) if config.adaptive_threads and eager_cpu else None
         self.graphs: DecodeGraphs | None = None
         self.compile_time_s = 0.0
         if use_graphs:                                                # steps with prefill stay eager
@@ -171,12 +174,23 @@ class ModelRunner:
     def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """The forward pass on a prepared batch (every tensor-parallel rank runs it)."""
+        rows = input_ids.numel()
+        threads = self.threads.choose(rows) if self.threads else None
+        switch = threads is not None and threads != torch.get_num_threads()
+        if switch:                                      # a small step on one thread (threads.py)
+            torch.set_num_threads(threads)
         start = time.perf_counter()
-        logits = self.forward(input_ids=input_ids, position_ids=positions, cache=self.kv_cache,
-                            use_cache=False, paged=meta, logits_to_keep=sample_rows).logits
+        try:
+            logits = self.forward(input_ids=input_ids, position_ids=positions, cache=self.kv_cache,
+                                  use_cache=False, paged=meta, logits_to_keep=sample_rows).logits
+        finally:
+            if switch:
+                torch.set_num_threads(self.threads.full)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_forward_time = time.perf_counter() - start
+        if threads:
+            self.threads.record(rows, threads, self.last_forward_time)
         return logits[0].float()                                      # [K, V]
 
     def _prepare(self, batch: SchedulerOutput):

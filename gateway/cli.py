@@ -34,6 +34,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU fp32: torch's linear layers instead of the packed C++ kernel (and no fused forward)")
     p.add_argument("--no-fused-layers", action="store_true",
                    help="CPU fp32 Llama: transformers' forward instead of the fused one")
+    p.add_argument("--no-adaptive-threads", action="store_true",
+                   help="CPU: every step on all torch threads (default: small steps on one thread when measured faster)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N ranks (processes; one GPU each on CUDA, gloo on CPU)")
     p.add_argument("--tp-timeout", type=float, default=30.0,
@@ -118,6 +120,7 @@ def engine_config_from_args(args: argparse.Namespace):
                         cuda_graphs=not args.no_cuda_graphs, policy=args.policy,
                         packed_linear=False if args.no_packed_linear else None,
                         fused_layers=False if args.no_fused_layers else None,
+                        adaptive_threads=not args.no_adaptive_threads,
                         tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout,
                         preemption_mode=args.preemption_mode, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

@@ -1,0 +1,81 @@
+"""Adaptive threads for small steps (engine/threads.py): the tuner's choices on a fake clock,
+and on the real engine that the choice never changes an output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.threads import ThreadTuner
+
+
+def test_tuner_measures_both_then_runs_the_faster_and_keeps_probing():
+    """Small steps: all threads then one thread until each has `probe` samples, then the one
+    with the lower median, except `probe` steps of the other every `explore_every`; per row
+    count; larger steps always take all threads."""
+    tuner = ThreadTuner(full=2, max_rows=4, explore_every=10, probe=2, window=4)
+    cost = {2: 0.010, 1: 0.007}                                       # one thread is faster (a busy host)
+    picks = []
+    for _ in range(30):
+        t = tuner.choose(1)
+        tuner.record(1, t, cost[t])
+        picks.append(t)
+    assert picks[:4] == [2, 2, 1, 1]                                  # both measured first
+    later = picks[4:]
+    assert later.count(1) > later.count(2) > 0                        # mostly the faster, still probing
+    assert tuner.preferred(1) == 1
+    assert tuner.choose(5) == 2 and tuner.preferred(3) is None        # big step; 3 rows not measured
+    cost = {2: 0.004, 1: 0.007}                                       # the host went quiet
+    for _ in range(40):
+        t = tuner.choose(1)
+        tuner.record(1, t, cost[t])
+    assert tuner.preferred(1) == 2 and tuner.choose(1) in (1, 2)
+    assert [ThreadTuner(full=1).choose(1) for _ in range(3)] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_small_steps_are_bit_identical_on_one_or_all_threads(default_model_dir, dtype, all_threads):
+    """A decode step of 1-3 rows gives the same logits, bit for bit, on one thread and on all:
+    the kernels split work by output rows and sequences, never a sum, so the tuner's choice
+    (which depends on timing) cannot change what is generated."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one core: nothing to choose")
+    if dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no oneDNN bf16 on this CPU")
+    full = torch.get_num_threads()
+    for rows in (3, 1):
+        eng = LLMEngine(EngineConfig(model=default_model_dir, dtype=dtype, adaptive_threads=False))
+        for i, n in enumerate((40, 90, 200)[:rows]):
+            eng.add_request(f"r{i}", list(range(100 + i, 100 + i + n)), SamplingParams(max_tokens=8, temperature=0.0))
+        eng.step()                                                     # the prompts
+        batch = eng.scheduler.schedule()                               # one decode row each
+        assert batch.num_batched_tokens == rows
+        logits = {}
+        try:
+            for threads in (full, 1):
+                torch.set_num_threads(threads)
+                logits[threads] = eng.runner.run(batch).clone()
+        finally:
+            torch.set_num_threads(full)
+        assert full > 1 and torch.equal(logits[full], logits[1])
+
+
+def test_engine_with_adaptive_threads_measures_both_and_matches(tiny_model, all_threads):
+    """With adaptive threads (the default) small steps are measured on both choices and the
+    greedy outputs equal an engine's with the option off."""
+    outs = {}
+    for adaptive in (True, False):
+        eng = LLMEngine(EngineConfig(model=tiny_model("llama"), num_kv_blocks=64, adaptive_threads=adaptive))
+        eng.add_request("a", list(range(100, 130)), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        tokens = []
+        while eng.has_unfinished():
+            tokens += [t for o in eng.step() for t in o.new_token_ids]
+        outs[adaptive] = tokens
+        tuner = eng.runner.threads
+        if adaptive and torch.get_num_threads() > 1:
+            assert tuner is not None and tuner.preferred(1) in (1, torch.get_num_threads())
+            assert torch.get_num_threads() == tuner.full                # never left on one thread
+        if not adaptive:
+            assert tuner is None
+    assert outs[True] == outs[False] and len(outs[True]) == 24
