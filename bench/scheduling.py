@@ -59,7 +59,7 @@ def smoothness(args) -> dict:
             (f"chunked, fixed {args.budget}", True, args.budget, None),
             (f"chunked, target {args.itl_target_ms:g} ms", True, args.budget, args.itl_target_ms),
             ("prefill-first unchunked", False, args.long_tokens + 64, None)):
-        eng = _engine(chunked, budget, itl_target_ms=target)
+        eng = _engine(chunked, budget, itl_target_ms=target, dtype=args.dtype)
         p = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
         for i, s in enumerate(streams):
             eng.add_request(f"s{i}", s, p)
@@ -107,7 +107,7 @@ def burst(args) -> dict:
     results = {}
     for spec in args.targets.split(","):
         target = None if spec == "none" else float(spec)
-        eng = _engine(True, 512, itl_target_ms=target)
+        eng = _engine(True, 512, itl_target_ms=target, dtype=args.dtype)
         eng.add_request("warmup", prompts[0][:32], SamplingParams(max_tokens=2, temperature=0.0))
         while eng.has_unfinished():
             eng.step()
@@ -211,7 +211,7 @@ def preemption(args) -> dict:
     from engine import SamplingParams
     from engine.scheduler_output import SchedulerOutput
 
-    eng = _engine(True, 1024, num_swap_blocks=256)
+    eng = _engine(True, 1024, num_swap_blocks=256, dtype=args.dtype)
     rng = random.Random(args.seed)
     ctx = [rng.randrange(1000, 40000) for _ in range(1024)]
     recompute = []
@@ -254,6 +254,7 @@ def main(argv=None) -> int:
     ap.add_argument("--targets", default="none,1000,1500,2500", help="burst: 'none' (fixed 512) or ITL targets in ms")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", help="the engine's (auto: bf16 where the CPU has bf16 dot products)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
     res = {"smoothness": smoothness, "preemption": preemption, "burst": burst, "model": model}[args.which](args)
