@@ -6,8 +6,9 @@
 //
 // Against attention_tiles.h's eight-lane versions: half the instructions per key (a head_dim
 // of 64 is four registers), no conversion pass for bf16, and one pass over the span's values
-// for a whole 64-wide slice of head_dim instead of one per 16 lanes. Used where the compiler
-// targets AVX-512 (built with -march=native) and head_dim is a multiple of 16.
+// for a whole 64-wide slice of head_dim instead of one per 16 lanes. Used for decode rows
+// (decode_sequence: one work item per sequence, all its KV heads) where the compiler targets
+// AVX-512 (built with -march=native) and head_dim is a multiple of 16.
 #pragma once
 
 #include <algorithm>
@@ -201,12 +202,6 @@ struct DecodeScratch {
 template <typename T>
 void decode_sequence(const T*, int64_t, const T*, const T*, int64_t, int64_t, const int64_t*, int64_t, int64_t, int64_t,
                      int64_t, int64_t, int64_t, int64_t, float, T*, int64_t, DecodeScratch<T>&) {}
-
-template <int R, typename T>
-inline void scores_decode(const float*, const T* const*, float*, int64_t, int64_t, int64_t) {}
-
-template <int R, typename T>
-inline void values_decode(const float*, const float*, const T* const*, float*, int64_t, int64_t, int64_t) {}
 #endif
 
 }  // namespace streamgate::cpu

@@ -15,7 +15,8 @@
 // vector extensions, so AVX2 on x86 and NEON elsewhere), with an online softmax across spans
 // and the causal cut applied per query row. A decode row has too few query vectors to pay for
 // transposing the keys, so it takes dot products against keys stored row by row instead; with
-// AVX-512 it reads them, and the values, in place in any dtype (attention_decode.h).
+// AVX-512 a decode row is one work item for all its KV heads, reading keys and values in place
+// in any dtype (decode_sequence, attention_decode.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -74,7 +75,6 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
     // krow/vrow: where key/value t of the span is read (in the pool, or converted in kT/vb).
     std::vector<const float*> krow(kpad), vrow(kpad);
     for (int64_t t = 0; t < kpad; ++t) krow[t] = kT.data() + t * D, vrow[t] = vb.data() + t * D;
-    std::vector<const scalar_t*> kin(kpad), vin(kpad);                   // in place, any dtype (AVX-512)
     DecodeScratch<scalar_t> scratch(kDecode512 ? num_heads : 0, D, kpad);
     for (int64_t bin = first_bin; bin < last_bin; ++bin)
     for (const Item& w : bins[bin]) {
@@ -105,7 +105,6 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
       const int64_t last_pos = ctx - q_len + w.row_end - 1;            // the tile's last query
       const int64_t* table = tables + w.seq * table_width;
       const bool by_key = nq < kRows;                                  // a decode row: few query vectors
-      const bool in_place = by_key && kDecode512 && D % 16 == 0;       // attention_decode.h
       for (int64_t b0 = 0; b0 <= last_pos; b0 += span) {
         const int64_t n = std::min(span, last_pos + 1 - b0);           // keys used in this span
         // Keys and values of the span, block by block (one table lookup per block). A decode
@@ -116,11 +115,6 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
           const int64_t first = table[pos / block_size] * block_size + pos % block_size;
           for (int64_t e = 0; e < in_block; ++e, ++t) {
             const int64_t off = (first + e) * kv_slot + w.kv_head * kv_head_stride;
-            if (in_place) {
-              kin[t] = kp + off;
-              vin[t] = vp + off;
-              continue;
-            }
             if (by_key && std::is_same_v<scalar_t, float>) {
               krow[t] = reinterpret_cast<const float*>(kp + off);
               vrow[t] = reinterpret_cast<const float*>(vp + off);
@@ -137,8 +131,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
           }
         }
         for_row_groups(nq, [&]<int R>(int64_t i) {                     // keys >= n: never read
-          if (in_place) scores_decode<R>(qf.data() + i * D, kin.data(), s.data() + i * kpad, kpad, n, D);
-          else if (by_key) scores_rows_by_key<R>(qf.data() + i * D, krow.data(), s.data() + i * kpad, kpad, n, D);
+          if (by_key) scores_rows_by_key<R>(qf.data() + i * D, krow.data(), s.data() + i * kpad, kpad, n, D);
           else scores_rows<R>(qf.data() + i * D, kT.data(), s.data() + i * kpad, kpad, D);
         });
         // Online softmax per query row: s becomes the span's probabilities (0 past the row's
@@ -155,8 +148,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
           l[i] = l[i] * alpha[i] + sum;
         }
         for_row_groups(nq, [&]<int R>(int64_t i) {
-          if (in_place) values_decode<R>(s.data() + i * kpad, alpha.data() + i, vin.data(), acc.data() + i * D, kpad, n, D);
-          else if (by_key) values_rows_by_key<R>(s.data() + i * kpad, alpha.data() + i, vrow.data(), acc.data() + i * D, kpad, n, D);
+          if (by_key) values_rows_by_key<R>(s.data() + i * kpad, alpha.data() + i, vrow.data(), acc.data() + i * D, kpad, n, D);
           else values_rows<R>(s.data() + i * kpad, alpha.data() + i, vb.data(), acc.data() + i * D, kpad, n, D);
         });
       }

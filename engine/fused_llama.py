@@ -13,8 +13,8 @@ Used where `supports()` holds: model_type "llama" with SiLU, no per-layer differ
 kernels built; anything else keeps transformers' forward. fp32 weights are packed for the C++
 linear kernel; bf16 ones for oneDNN's matmul (with avx512_bf16 or AMX its bf16 GEMM is 3-5x
 the fp32 one at 8+ rows and reads half the bytes at one row: docs/BENCHMARKS.md §8.16), and
-the C++ operators round bf16 results where transformers' bf16 modules do. Greedy parity with HF `generate` is
-tested as for the transformers path (tests/test_parity.py).
+the C++ operators round bf16 results where transformers' bf16 modules do. Greedy parity with
+HF `generate` is tested as for the transformers path (tests/test_parity.py).
 """
 
 from __future__ import annotations

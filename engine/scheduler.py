@@ -161,7 +161,7 @@ class Scheduler(Preemption):
         for seq in [s for s in self.running if s.is_prefill]:
             if out.budget_left == 0:
                 break
-            n = self._chunk(seq, out, now)
+            n = self._chunk(seq, out, self._cap_left(seq, out, now))
             if n:                                            # 0: its class's cap is spent
                 self._add(out, seq, n)
 
@@ -173,12 +173,11 @@ class Scheduler(Preemption):
         cap = self.policy.prompt_cap(seq, now)
         return None if cap is None else max(0, cap - out.capped_prompt_tokens)
 
-    def _chunk(self, seq: Sequence, out: SchedulerOutput, now: float) -> int:
-        """Tokens of `seq` to compute this step, counted against its cap if it has one (a
-        victim taken back later in the step does not return them: the cap is only
-        under-used for that step)."""
+    def _chunk(self, seq: Sequence, out: SchedulerOutput, left: int | None) -> int:
+        """Tokens of `seq` to compute this step, counted against what its cap leaves (`left`,
+        from `_cap_left`; None: no cap). A victim taken back later in the step does not
+        return them: the cap is only under-used for that step."""
         n = self.admission.chunk(seq.num_uncomputed_tokens, out.budget_left)
-        left = self._cap_left(seq, out, now)
         if left is None:
             return n
         out.capped_prompt_tokens += min(n, left)
@@ -220,7 +219,8 @@ class Scheduler(Preemption):
                 continue
             if self.admission.chunk(seq.num_uncomputed_tokens if swapping else seq.num_tokens, out.budget_left) == 0:
                 break                                        # the budget is spent (unchunked: for this prompt)
-            if self._cap_left(seq, out, now) == 0:
+            left = self._cap_left(seq, out, now)             # making room below leaves it unchanged
+            if left == 0:
                 held.add(group(seq))                         # its class's prompt cap is spent: next step
                 continue
             if seq in out.preempted or not self._make_room(seq, swapping, out, now, claim=bool(blocked)):
@@ -243,7 +243,7 @@ class Scheduler(Preemption):
             seq.status = SequenceStatus.RUNNING
             seq.admitted_step = self.num_steps
             self.running.append(seq)
-            self._add(out, seq, self._chunk(seq, out, now))
+            self._add(out, seq, self._chunk(seq, out, left))
 
     def _add(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         """Schedule `n` tokens of `seq`. Prompt work is charged to the policy now (as VTC

@@ -39,7 +39,7 @@ class ThreadTuner:
         for threads in (self.full, 1):                           # until both have been measured
             if len(self._times(rows, threads)) < self.probe:
                 return threads
-        best = min((self.full, 1), key=lambda t: median(self._times(rows, t)))
+        best = self.preferred(rows)
         other = 1 if best == self.full else self.full
         return other if self.small_steps % self.explore_every < self.probe else best
 
