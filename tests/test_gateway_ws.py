@@ -134,10 +134,11 @@ async def test_stats_stream_is_aggregate_only(live):
     """stats.subscribe pushes queue, KV and token-split numbers, and no request text."""
     async with await connect(live) as ws:
         await ws.send(json.dumps({"type": "stats.subscribe", "interval_ms": 100}))
-        # Long enough to span several 100 ms stats ticks on a fast engine (30 tokens took 97 ms).
-        await ws.send(json.dumps({"type": "chat.request", "id": "s", "messages": HELLO, "max_tokens": 400}))
+        # Long enough to span several 100 ms stats ticks on a fast engine: 400 tokens of the tiny
+        # model once took under one tick on the Zen 5 host (~1 ms a token), and the test failed.
+        await ws.send(json.dumps({"type": "chat.request", "id": "s", "messages": HELLO, "max_tokens": 1500}))
         seen_running, text = False, ""
-        for _ in range(2000):
+        for _ in range(4000):
             msg = await recv(ws)
             if msg["type"] == "stats":
                 eng = msg["engine"]
