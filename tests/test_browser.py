@@ -78,9 +78,26 @@ class Tab:
         self.page.fill("#prompt", text)
         self.page.press("#prompt", "Enter")
 
+    def watch_streaming_text(self, click_stop: bool = False) -> None:
+        """Record, from inside the page, the moment an answer still streaming first shows text
+        (and click Stop then, if asked). Polling from the test is too slow: on a fast host the
+        tiny model writes 120 tokens in ~150 ms and the answer has ended before a poll sees it."""
+        self.page.evaluate("""(clickStop) => {
+            window.sawStreamingText = false;
+            const stop = document.querySelector('#stop');
+            const obs = new MutationObserver(() => {
+                const text = document.querySelector('.msg.assistant.streaming .content');
+                if (!text || text.textContent.length === 0) return;
+                if (clickStop && stop.disabled) return;
+                obs.disconnect();
+                window.sawStreamingText = true;
+                if (clickStop) stop.click();
+            });
+            obs.observe(document.body, {subtree: true, childList: true, characterData: true, attributes: true});
+        }""", click_stop)
+
     def wait_streaming_text(self) -> None:
-        self.page.wait_for_function(
-            "document.querySelector('.msg.assistant.streaming .content')?.textContent.length > 0")
+        self.page.wait_for_function("window.sawStreamingText === true")
 
     def close(self) -> None:
         self.context.close()
@@ -114,6 +131,7 @@ def test_chat_streams_multi_turn_and_stats_update(tab):
     assert page.input_value("#prompt") == "first line\nsecond line"
     assert page.locator(".msg").count() == 0, "Shift+Enter must not send"
 
+    tab.watch_streaming_text()
     tab.ask("Hello there, how are you?", max_tokens=120)
     tab.wait_streaming_text()
     answer = page.get_by_test_id("answer").last
@@ -138,15 +156,9 @@ def test_stop_aborts_the_answer_and_frees_the_engine(tab, live):
     # Near the tiny model's 2048 positions, and Stop clicked from inside the page the moment
     # the first answer text arrives: on a fast host the tiny model writes all 1900 tokens in
     # under 2 s, sooner than polling from the test saw it streaming (the answer had ended).
-    page.evaluate("""() => {
-        const stop = document.querySelector('#stop');
-        const obs = new MutationObserver(() => {
-            const text = document.querySelector('.msg.assistant.streaming .content');
-            if (text && text.textContent.length > 0 && !stop.disabled) { obs.disconnect(); stop.click(); }
-        });
-        obs.observe(document.body, {subtree: true, childList: true, characterData: true, attributes: true});
-    }""")
+    tab.watch_streaming_text(click_stop=True)
     tab.ask("Tell me a long story.", max_tokens=1900)
+    tab.wait_streaming_text()
     answer = page.get_by_test_id("answer").last
     expect(answer.get_by_test_id("finish-reason")).to_have_text("abort")
     assert 0 < int(answer.get_by_test_id("tokens").text_content()) < 1900
