@@ -2,7 +2,7 @@
 engine in-process, and Hugging Face's continuous batching offline (a baseline).
 
 A driver has `open(reqs)`, `send(req, record, t0)`, `sample_stats(samples, t0)` and
-`close()`. `send` fills the record (see `loadgen.new_record`) and never raises for what
+`close()`. `send` fills the record (see `replay.new_record`) and never raises for what
 the server answers: a 429/503/504 or a failure mid-stream is recorded as `error` (the
 error code) and `status`. Every delta is timestamped when its frame or line arrives.
 A delta counts `num_tokens` tokens if the server says so (a streamgate extension, see

@@ -3,7 +3,7 @@ synthetic prompts of P tokens and outputs of exactly N tokens (`ignore_eos`):
 
 - `guidellm`: GuideLLM's CLI from its own venv (`guidellm run`, concurrent profile),
   run as a bounded subprocess; its JSON report is parsed by `peers_report`.
-- `loadgen`: this repository's own client (`bench.loadgen.replay` over SSE through
+- `loadgen`: this repository's own client (`bench.replay.replay` over SSE through
   `bench.drivers.SseDriver`), for when GuideLLM is not installed or cannot run.
 
 Both report one row per concurrency (see `peers_report`), with the same
@@ -27,7 +27,8 @@ from pathlib import Path
 
 from . import peers_report, servestats
 from .drivers import SseDriver
-from .loadgen import Req, Workload, replay
+from .loadgen import Req, Workload
+from .replay import replay
 from .workload import _text
 
 

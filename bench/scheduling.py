@@ -41,9 +41,9 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def _engine(chunked: bool, budget: int, **kw):
+def _engine(args, chunked: bool, budget: int, **kw):
     from engine import EngineConfig, LLMEngine
-    return LLMEngine(EngineConfig(model="default", max_num_batched_tokens=budget, chunked_prefill=chunked,
+    return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_batched_tokens=budget, chunked_prefill=chunked,
                                   max_num_seqs=32, enable_prefix_caching=False, **kw))
 
 
@@ -59,7 +59,7 @@ def smoothness(args) -> dict:
             (f"chunked, fixed {args.budget}", True, args.budget, None),
             (f"chunked, target {args.itl_target_ms:g} ms", True, args.budget, args.itl_target_ms),
             ("prefill-first unchunked", False, args.long_tokens + 64, None)):
-        eng = _engine(chunked, budget, itl_target_ms=target, dtype=args.dtype)
+        eng = _engine(args, chunked, budget, itl_target_ms=target)
         p = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
         for i, s in enumerate(streams):
             eng.add_request(f"s{i}", s, p)
@@ -88,7 +88,7 @@ def smoothness(args) -> dict:
             "itl_target_ms": target,
             "itl_p50_ms": 1000 * percentile(gaps, 50), "itl_p99_ms": 1000 * percentile(gaps, 99),
             "itl_max_ms": 1000 * max(gaps), "itl_samples": len(gaps), "budget": budget,
-            "long_prompt_ttft_s_median": statistics.median(long_first.values()),
+            "long_prompt_ttft_s_median": statistics.median(long_first.values()), "long_prompts_served": len(long_first),
         }
         r = results[name]
         print(f"{name:26s} ITL p50 {r['itl_p50_ms']:7.1f} ms  p99 {r['itl_p99_ms']:7.1f} ms  "
@@ -107,7 +107,7 @@ def burst(args) -> dict:
     results = {}
     for spec in args.targets.split(","):
         target = None if spec == "none" else float(spec)
-        eng = _engine(True, 512, itl_target_ms=target, dtype=args.dtype)
+        eng = _engine(args, True, 512, itl_target_ms=target)
         eng.add_request("warmup", prompts[0][:32], SamplingParams(max_tokens=2, temperature=0.0))
         while eng.has_unfinished():
             eng.step()
@@ -139,7 +139,8 @@ def burst(args) -> dict:
         elapsed = time.perf_counter() - start
         ttft = list(first.values())
         r = results[spec] = {
-            "itl_target_ms": target, "requests": n, "output_tok_s": tokens / elapsed, "elapsed_s": elapsed,
+            "itl_target_ms": target, "requests": n, "first_tokens": len(first), "output_tokens": tokens,
+            "output_tok_s": tokens / elapsed, "elapsed_s": elapsed,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "itl_p50_ms": 1000 * percentile(gaps, 50), "itl_p99_ms": 1000 * percentile(gaps, 99),
             "budget_median": percentile(budgets, 50), "budget_max": max(budgets), "budget_min": min(budgets)}
@@ -211,7 +212,7 @@ def preemption(args) -> dict:
     from engine import SamplingParams
     from engine.scheduler_output import SchedulerOutput
 
-    eng = _engine(True, 1024, num_swap_blocks=256, dtype=args.dtype)
+    eng = _engine(args, True, 1024, num_swap_blocks=256)
     rng = random.Random(args.seed)
     ctx = [rng.randrange(1000, 40000) for _ in range(1024)]
     recompute = []
@@ -254,6 +255,7 @@ def main(argv=None) -> int:
     ap.add_argument("--targets", default="none,1000,1500,2500", help="burst: 'none' (fixed 512) or ITL targets in ms")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="default", help="the engine's model: 'default' (SmolLM2) or a directory")
     ap.add_argument("--dtype", default="float32", help="the engine's (auto: bf16 where the CPU has bf16 dot products)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)

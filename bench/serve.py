@@ -46,7 +46,8 @@ from pathlib import Path
 
 from . import server, servestats, weighted
 from .drivers import InprocDriver, SseDriver, WsDriver, run_hf_offline
-from .loadgen import Req, WorkloadError, load_workload, make_requests, new_record, replay
+from .loadgen import Req, WorkloadError, load_workload, make_requests
+from .replay import new_record, replay
 
 PRESETS = {
     "static": ["--batching", "static"],

@@ -1,5 +1,5 @@
 """Statistics for the serving benchmark: pure functions of request records and stats
-samples (no I/O, no clocks). Records are `loadgen.new_record` dicts with times in seconds
+samples (no I/O, no clocks). Records are `replay.new_record` dicts with times in seconds
 from the run's start; latencies in summaries are milliseconds.
 
     TTFT  = first delta - send                 e2e  = end - send

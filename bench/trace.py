@@ -109,7 +109,7 @@ def replay_model(reqs, prompts: dict[str, list[int]], config, costs, wl) -> tupl
     records shaped like loadgen's, a step log shaped like the traced run's, and the run's
     totals. Open loop: each request arrives at its time. Closed loop (`r.at` is None): a
     user's next request arrives when its previous one ends plus its think time, while the
-    clock is within the workload's duration, as `loadgen.replay` sends them."""
+    clock is within the workload's duration, as `replay.replay` sends them."""
     from engine.block_manager import BlockManager
     from engine.config import SamplingParams
     from engine.scheduler import Scheduler

@@ -8,7 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from bench.loadgen import Req, Workload, WorkloadError, load_workload, make_requests, replay
+from bench.loadgen import Req, Workload, WorkloadError, load_workload, make_requests
+from bench.replay import replay
 
 SHIPPED = ("mixed", "two_tenants", "priority", "closed_loop", "two_tenants_weighted_closed")
 
