@@ -28,7 +28,9 @@ import time
 from collections import Counter
 
 # aten operator -> the kind of work it is, for the --offline summary.
-KINDS = {"aten::mm": "linear layers", "aten::addmm": "linear layers",
+KINDS = {"aten::mm": "linear layers", "aten::addmm": "linear layers", "mkldnn::_linear_pointwise": "linear layers",
+         "streamgate::linear": "linear layers",
+         **{f"streamgate::{op}": "fused layer ops" for op in ("silu_and_mul", "add_rms_norm", "rms_norm", "rotary")},
          "aten::_scaled_dot_product_flash_attention_for_cpu": "attention: SDPA",
          "aten::_scaled_dot_product_efficient_attention": "attention: SDPA",
          "streamgate::paged_attention": "attention: C++ kernel",

@@ -26,7 +26,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_bf16.h"
 #include "attention_decode.h"
+#include "attention_decode_bf16.h"
 #include "attention_tiles.h"
 #include "simd.h"
 
@@ -64,6 +66,11 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
   const int64_t span = std::max<int64_t>(1, kSpan / block_size) * block_size;
   const int64_t kpad = (span + kLanes - 1) / kLanes * kLanes;             // keys per span, padded
   const int64_t max_q = kQueryTile * group;                               // query vectors per item
+  // bf16 pools with bf16 dot products: query tiles take the VDPBF16PS tiles (attention_bf16.h).
+  constexpr bool bf16_tiles = kTileBf16 && std::is_same_v<scalar_t, c10::BFloat16>;
+  const bool tile16 = bf16_tiles && D % 16 == 0;
+  const int64_t kpad16 = (kpad + 15) / 16 * 16;
+  const bool decode16 = kDecodeBf16 && std::is_same_v<scalar_t, c10::BFloat16> && D % 32 == 0;
 
   at::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t first_bin, int64_t last_bin) {
     // qf [max_q, D] scaled queries; kT [D, kpad] one span of K transposed; vb [kpad, D] its V;
@@ -75,11 +82,25 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
     // krow/vrow: where key/value t of the span is read (in the pool, or converted in kT/vb).
     std::vector<const float*> krow(kpad), vrow(kpad);
     for (int64_t t = 0; t < kpad; ++t) krow[t] = kT.data() + t * D, vrow[t] = vb.data() + t * D;
-    DecodeScratch<scalar_t> scratch(kDecode512 ? num_heads : 0, D, kpad);
+    DecodeScratch<scalar_t> scratch(kDecode512 && !decode16 ? num_heads : 0, D, kpad);
+    DecodeScratchBf16 scratch16(decode16 ? num_heads : 0, D, kpad);
+    // The bf16 tiles' buffers: qb the tile's queries, kP/vP the span's keys/values packed in
+    // pairs, pb the probabilities in bf16, vsrc where value t of the span is read.
+    std::vector<c10::BFloat16> qb(tile16 ? max_q * D : 0), pb(tile16 ? max_q * kpad16 : 0);
+    std::vector<uint32_t> kP(tile16 ? D / 2 * kpad16 : 0, 0u), vP(tile16 ? kpad16 / 2 * D : 0);
+    std::vector<const scalar_t*> vsrc(kpad);
     for (int64_t bin = first_bin; bin < last_bin; ++bin)
     for (const Item& w : bins[bin]) {
       if (w.kv_head < 0) {
         const int64_t row = starts[w.seq];
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          if (decode16) {
+            decode_sequence_bf16(qp + row * q_row, q_head, kp, vp, kv_slot, kv_head_stride, tables + w.seq * table_width,
+                                 block_size, lens[w.seq], span, kpad, num_kv_heads, group, D, fscale, op + row * o_row,
+                                 o_head, scratch16);
+            continue;
+          }
+        }
         decode_sequence(qp + row * q_row, q_head, kp, vp, kv_slot, kv_head_stride, tables + w.seq * table_width,
                         block_size, lens[w.seq], span, kpad, num_kv_heads, group, D, fscale, op + row * o_row, o_head,
                         scratch);
@@ -88,15 +109,20 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
       const int64_t q_len = starts[w.seq + 1] - starts[w.seq];
       const int64_t ctx = lens[w.seq];
       const int64_t nq = (w.row_end - w.row_begin) * group;
+      const bool packed = tile16 && nq >= kRows;                       // a query tile on bf16 dot products
       // Query vectors of the tile, scaled, fp32: index i = row * group + g.
       for (int64_t r = w.row_begin; r < w.row_end; ++r) {
         for (int64_t g = 0; g < group; ++g) {
           const int64_t i = (r - w.row_begin) * group + g;
           const scalar_t* src = qp + (starts[w.seq] + r) * q_row + (w.kv_head * group + g) * q_head;
+          qpos[i] = ctx - q_len + r;
+          if (packed) {
+            std::memcpy(qb.data() + i * D, src, D * sizeof(scalar_t));
+            continue;
+          }
           float* dst = qf.data() + i * D;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * fscale;
-          qpos[i] = ctx - q_len + r;
         }
       }
       std::fill(acc.begin(), acc.begin() + nq * D, 0.0f);
@@ -115,6 +141,13 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
           const int64_t first = table[pos / block_size] * block_size + pos % block_size;
           for (int64_t e = 0; e < in_block; ++e, ++t) {
             const int64_t off = (first + e) * kv_slot + w.kv_head * kv_head_stride;
+            if constexpr (bf16_tiles) {
+              if (packed) {
+                pack_key_bf16(kp + off, kP.data(), t, kpad16, D);
+                vsrc[t] = vp + off;
+                continue;
+              }
+            }
             if (by_key && std::is_same_v<scalar_t, float>) {
               krow[t] = reinterpret_cast<const float*>(kp + off);
               vrow[t] = reinterpret_cast<const float*>(vp + off);
@@ -130,7 +163,15 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
             for (int64_t d = 0; d < D; ++d) vb[t * D + d] = static_cast<float>(vp[off + d]);
           }
         }
+        if constexpr (bf16_tiles) {
+          if (packed)
+            for (int64_t t = 0; t < n; t += 2)
+              pack_values_bf16(vsrc[t], t + 1 < n ? vsrc[t + 1] : nullptr, vP.data() + t / 2 * D, D);
+        }
         for_row_groups(nq, [&]<int R>(int64_t i) {                     // keys >= n: never read
+          if constexpr (bf16_tiles) {
+            if (packed) return scores_rows_bf16<R>(qb.data() + i * D, kP.data(), s.data() + i * kpad, kpad, kpad16, D, fscale);
+          }
           if (by_key) scores_rows_by_key<R>(qf.data() + i * D, krow.data(), s.data() + i * kpad, kpad, n, D);
           else scores_rows<R>(qf.data() + i * D, kT.data(), s.data() + i * kpad, kpad, D);
         });
@@ -147,7 +188,14 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
           const float sum = softmax_span(si, n, visible, m[i], alpha[i]);
           l[i] = l[i] * alpha[i] + sum;
         }
+        if constexpr (bf16_tiles) {
+          if (packed)
+            for (int64_t i = 0; i < nq; ++i) round_probs_bf16(s.data() + i * kpad, pb.data() + i * kpad16, n);
+        }
         for_row_groups(nq, [&]<int R>(int64_t i) {
+          if constexpr (bf16_tiles) {
+            if (packed) return values_rows_bf16<R>(pb.data() + i * kpad16, alpha.data() + i, vP.data(), acc.data() + i * D, kpad16, n, D);
+          }
           if (by_key) values_rows_by_key<R>(s.data() + i * kpad, alpha.data() + i, vrow.data(), acc.data() + i * D, kpad, n, D);
           else values_rows<R>(s.data() + i * kpad, alpha.data() + i, vb.data(), acc.data() + i * D, kpad, n, D);
         });

@@ -69,6 +69,11 @@ CASES = {
     # registers), ragged contexts with 1-3 keys past the last group of four
     "wide": ([1, 1, 1, 5], [70, 3, 131, 9], 6, 2, 128, 16),
     "d48": ([1, 1, 1], [33, 102, 2], 3, 1, 48, 8),
+    # chunks whose spans are not a whole number of 32 keys (block size 40: spans of 40, the
+    # last 8 keys masked; block size 24: spans of 48) and head_dim 48 and 80 (32 + 16 lanes),
+    # odd key counts in the last span: the tails of the bf16 tiles (attention_bf16.h)
+    "tails-d48": ([9, 20, 1], [50, 95, 33], 6, 2, 48, 40),
+    "tails-d80": ([12, 7], [40, 131], 4, 1, 80, 24),
 }
 
 
