@@ -121,45 +121,25 @@ inline void decode_sequence_bf16(const c10::BFloat16* q, int64_t q_hs, const c10
     w.l[i] = 0.0f;
   }
   std::fill(w.acc.begin(), w.acc.begin() + heads * D, 0.0f);
-  for (int64_t b0 = 0; b0 < ctx; b0 += span) {
-    const int64_t n = std::min(span, ctx - b0);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t pos = b0 + t;
-      w.base[t] = (table[pos / block_size] * block_size + pos % block_size) * kv_slot;
+  for_decode_spans(kp, vp, kv_slot, kv_hs, table, block_size, ctx, span, kv_heads, w.base.data(), w.kin.data(),
+                   w.vin.data(), [&](int64_t h, int64_t n) {
+    const int64_t i0 = h * group;
+    with_rows(group, [&]<int R>() {
+      scores_decode_bf16<R>(w.qb.data() + i0 * D, w.kin.data(), w.s.data() + i0 * kpad, kpad, n, D, scale);
+    });
+    for (int64_t i = i0; i < i0 + group; ++i) {
+      const float sum = softmax_span(w.s.data() + i * kpad, n, n, w.m[i], w.alpha[i]);
+      w.l[i] = w.l[i] * w.alpha[i] + sum;
+      round_probs_bf16(w.s.data() + i * kpad, w.pb.data() + i * w.pstride, n);
     }
-    for (int64_t pos = b0 + span; pos < std::min(ctx, b0 + 2 * span); pos += block_size) {   // the next span
-      const int64_t first = table[pos / block_size] * block_size * kv_slot, bytes = block_size * kv_slot * 2;
-      const char *kb = reinterpret_cast<const char*>(kp + first), *vb = reinterpret_cast<const char*>(vp + first);
-      for (int64_t off = 0; off < bytes; off += 64) {
-        _mm_prefetch(kb + off, _MM_HINT_T0);
-        _mm_prefetch(vb + off, _MM_HINT_T0);
-      }
-    }
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      for (int64_t t = 0; t < n; ++t) {
-        w.kin[t] = kp + w.base[t] + h * kv_hs;
-        w.vin[t] = vp + w.base[t] + h * kv_hs;
-      }
-      const int64_t i0 = h * group;
-      with_rows(group, [&]<int R>() {
-        scores_decode_bf16<R>(w.qb.data() + i0 * D, w.kin.data(), w.s.data() + i0 * kpad, kpad, n, D, scale);
-      });
-      for (int64_t i = i0; i < i0 + group; ++i) {
-        const float sum = softmax_span(w.s.data() + i * kpad, n, n, w.m[i], w.alpha[i]);
-        w.l[i] = w.l[i] * w.alpha[i] + sum;
-        round_probs_bf16(w.s.data() + i * kpad, w.pb.data() + i * w.pstride, n);
-      }
-      with_rows(group, [&]<int R>() {
-        int64_t d0 = 0;
-        for (; d0 + 64 <= D; d0 += 64)
-          values_slice_bf16<R, 2>(w.pb.data() + i0 * w.pstride, w.pstride, w.alpha.data() + i0, w.vin.data(),
-                                  w.acc.data() + i0 * D, n, D, d0);
-        if (d0 < D)
-          values_slice_bf16<R, 1>(w.pb.data() + i0 * w.pstride, w.pstride, w.alpha.data() + i0, w.vin.data(),
-                                  w.acc.data() + i0 * D, n, D, d0);
-      });
-    }
-  }
+    with_rows(group, [&]<int R>() {
+      const c10::BFloat16* pb = w.pb.data() + i0 * w.pstride;
+      int64_t d0 = 0;
+      for (; d0 + 64 <= D; d0 += 64)
+        values_slice_bf16<R, 2>(pb, w.pstride, w.alpha.data() + i0, w.vin.data(), w.acc.data() + i0 * D, n, D, d0);
+      if (d0 < D) values_slice_bf16<R, 1>(pb, w.pstride, w.alpha.data() + i0, w.vin.data(), w.acc.data() + i0 * D, n, D, d0);
+    });
+  });
   for (int64_t i = 0; i < heads; ++i) {
     const float inv = 1.0f / w.l[i];
     for (int64_t d = 0; d < D; ++d)
