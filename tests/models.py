@@ -11,6 +11,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.2,
             tie_word_embeddings=False)
+# "llama-slow": a real Llama wide and deep enough that a token costs milliseconds, for tests
+# whose long stream must outlast a wait (another request arriving, a drain grace). The 2-layer
+# tiny model writes 1,900 tokens in under 2 s on a fast host, and such tests then raced it.
+SLOW = dict(TINY, hidden_size=256, intermediate_size=1024, num_hidden_layers=12)
 
 
 def build_tiny_model(family: str, out: Path, tokenizer_dir: str) -> str:
@@ -23,13 +27,15 @@ def build_tiny_model(family: str, out: Path, tokenizer_dir: str) -> str:
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "llama-slow": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
     }[family]
     extra = {"head_dim": 16} if family == "qwen3" else {}
     if family == "gpt2":
         config = config_cls(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4)
     else:
-        config = config_cls(vocab_size=len(tokenizer), **{**TINY, "tie_word_embeddings": family.endswith("-tied")},
+        base = SLOW if family == "llama-slow" else TINY
+        config = config_cls(vocab_size=len(tokenizer), **{**base, "tie_word_embeddings": family.endswith("-tied")},
                             **extra)
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_id = tokenizer.eos_token_id

@@ -23,7 +23,7 @@ LIMITS = {  # tenant -> limits; each test uses its own tenant, so they share two
     "free": {},
 }
 TTL = 4.0  # lease TTL: a killed replica's slots are free again within it
-LONG = {"max_tokens": 1500, "ignore_eos": True, "stream": True}  # seconds on a tiny model
+LONG = {"max_tokens": 1500, "ignore_eos": True, "stream": True}  # seconds on the "llama-slow" model
 
 
 def key(tenant: str) -> str:
@@ -75,6 +75,6 @@ def redis_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def replicas(tiny_model, redis_server, tmp_path_factory):
-    pair = Replicas(tiny_model("llama"), redis_server.url, tmp_path_factory.mktemp("replicas"))
+    pair = Replicas(tiny_model("llama-slow"), redis_server.url, tmp_path_factory.mktemp("replicas"))
     yield pair
     pair.stop()

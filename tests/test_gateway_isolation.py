@@ -236,7 +236,7 @@ def test_sigterm_during_the_model_load_exits_without_waiting_for_it(tiny_model, 
 def test_a_second_sigterm_ends_queued_requests_with_a_json_503(tiny_model, tmp_path):
     """On the second signal a request still waiting for its first token gets a JSON 503
     server_draining (not a plain-text 500), a running one its final error event, and the server exits."""
-    with serve(tiny_model("llama"), tmp_path, drain_grace_s=60, engine_kw={"max_num_seqs": 1}) as live:
+    with serve(tiny_model("llama-slow"), tmp_path, drain_grace_s=60, engine_kw={"max_num_seqs": 1}) as live:
         async def scenario():
             async with websockets.connect(live.ws_url, additional_headers=AUTH) as ws:
                 await recv(ws)

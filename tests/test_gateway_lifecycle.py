@@ -40,7 +40,7 @@ def sse_lines(live, body: dict, limit: int | None = None) -> list[str]:
 
 def test_disconnect_mid_stream_aborts_frees_and_bills_what_was_produced(tiny_model, tmp_path):
     """Closing the HTTP stream aborts the engine request within a step; blocks, slot and lease return."""
-    with serve(tiny_model("llama"), tmp_path) as live:
+    with serve(tiny_model("llama-slow"), tmp_path) as live:
         lines = sse_lines(live, {"messages": HELLO, "max_tokens": 1500}, limit=5)
         assert len(lines) == 5
         assert wait_until(lambda: idle(live)), live.engine_stats()
@@ -54,7 +54,7 @@ def test_disconnect_mid_stream_aborts_frees_and_bills_what_was_produced(tiny_mod
 
 def test_deadline_before_first_token_is_a_504_and_bills_nothing(tiny_model, tmp_path):
     """With the only slot busy, a request whose deadline passes in the queue gets 504 deadline_exceeded."""
-    with serve(tiny_model("llama"), tmp_path, engine_kw={"max_num_seqs": 1}) as live:
+    with serve(tiny_model("llama-slow"), tmp_path, engine_kw={"max_num_seqs": 1}) as live:
         async def scenario():
             async with websockets.connect(live.ws_url, additional_headers=AUTH) as ws:
                 await ws.recv()
@@ -63,6 +63,11 @@ def test_deadline_before_first_token_is_a_504_and_bills_nothing(tiny_model, tmp_
                 r = await asyncio.to_thread(httpx.post, f"{live.url}/v1/chat/completions", headers=AUTH,
                                             json={"messages": HELLO, "stream": True, "deadline_ms": 300}, timeout=30)
                 await ws.send(json.dumps({"type": "chat.cancel", "id": 1}))
+                # Read to the end: with unread frames queued past its max_queue, the websockets
+                # client's close waits out close_timeout (10 s; python-websockets issue 1555).
+                while (msg := json.loads(await ws.recv()))["type"] == "chat.delta":
+                    pass
+                assert msg["type"] == "chat.done" and msg["finish_reason"] == "abort"
                 return r
         r = asyncio.run(scenario())
         assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
@@ -72,7 +77,7 @@ def test_deadline_before_first_token_is_a_504_and_bills_nothing(tiny_model, tmp_
 
 def test_deadline_after_first_token_is_an_in_stream_error(tiny_model, tmp_path):
     """A deadline that passes mid-answer ends the stream with a deadline_exceeded error event (no [DONE])."""
-    with serve(tiny_model("llama"), tmp_path) as live:
+    with serve(tiny_model("llama-slow"), tmp_path) as live:
         lines = sse_lines(live, {"messages": HELLO, "max_tokens": 1900, "deadline_ms": 400})
         assert lines[-1] != "[DONE]"
         assert json.loads(lines[-1])["error"]["code"] == "deadline_exceeded"
@@ -114,7 +119,7 @@ def test_health_is_503_while_the_model_loads(tiny_model, tmp_path):
 
 def test_sigterm_drains_then_aborts_with_a_final_event(tiny_model, tmp_path):
     """On SIGTERM: new work gets 503/1012, a short stream finishes, long ones end with server_draining."""
-    with serve(tiny_model("llama"), tmp_path, drain_grace_s=1.0) as live:
+    with serve(tiny_model("llama-slow"), tmp_path, drain_grace_s=1.0) as live:
         async def scenario():
             async with websockets.connect(live.ws_url, additional_headers=AUTH) as ws:
                 await ws.recv()

@@ -66,7 +66,7 @@ def test_tokens_per_minute_reserves_prompt_plus_max_tokens_and_refunds(tiny_mode
 def test_concurrent_streams_cap_and_lease_return(tiny_model, tmp_path):
     """max_concurrent=1: a second request while one streams gets 429 max_concurrent; afterwards it passes."""
     reg = tenants(acme={"max_concurrent": 1})
-    with serve(tiny_model("llama"), tmp_path, registry=reg, engine_kw={"max_num_seqs": 2}) as live:
+    with serve(tiny_model("llama-slow"), tmp_path, registry=reg, engine_kw={"max_num_seqs": 2}) as live:
         async def scenario():
             async with websockets.connect(live.ws_url) as ws:
                 await ws.send(json.dumps({"type": "auth", "api_key": KEYS["acme"]}))
@@ -75,6 +75,9 @@ def test_concurrent_streams_cap_and_lease_return(tiny_model, tmp_path):
                 assert json.loads(await ws.recv())["type"] == "chat.delta"
                 refused = await asyncio.to_thread(chat, live)
                 await ws.send(json.dumps({"type": "chat.cancel", "id": 1}))
+                while (msg := json.loads(await ws.recv()))["type"] == "chat.delta":     # read to the end
+                    pass
+                assert msg["type"] == "chat.done" and msg["finish_reason"] == "abort"
                 return refused
         refused = asyncio.run(scenario())
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "max_concurrent"

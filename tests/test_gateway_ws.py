@@ -16,7 +16,9 @@ HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
 
 @pytest.fixture(scope="module")
 def live(tiny_model, tmp_path_factory):
-    with serve(tiny_model("llama"), tmp_path_factory.mktemp("ws"), registry=tenants(),
+    """The slow tiny model (milliseconds a token): a stream that is cancelled must still be
+    running when the cancel arrives."""
+    with serve(tiny_model("llama-slow"), tmp_path_factory.mktemp("ws"), registry=tenants(),
                max_frame_bytes=64 * 1024) as server:
         yield server
 
@@ -134,9 +136,9 @@ async def test_stats_stream_is_aggregate_only(live):
     """stats.subscribe pushes queue, KV and token-split numbers, and no request text."""
     async with await connect(live) as ws:
         await ws.send(json.dumps({"type": "stats.subscribe", "interval_ms": 100}))
-        # Long enough to span several 100 ms stats ticks on a fast engine: 400 tokens of the tiny
-        # model once took under one tick on the Zen 5 host (~1 ms a token), and the test failed.
-        await ws.send(json.dumps({"type": "chat.request", "id": "s", "messages": HELLO, "max_tokens": 1500}))
+        # Long enough to span several 100 ms stats ticks: ~1 s on the "llama-slow" model (the
+        # 2-layer one wrote 400 tokens within one tick on a fast host, and the test failed).
+        await ws.send(json.dumps({"type": "chat.request", "id": "s", "messages": HELLO, "max_tokens": 400}))
         seen_running, text = False, ""
         for _ in range(4000):
             msg = await recv(ws)
