@@ -16,8 +16,9 @@ MESSAGES = [{"role": "user", "content": "Tell me about paged attention."}]
 
 @pytest.fixture(scope="module")
 def live(tiny_model, tmp_path_factory):
+    """The slow tiny model: the 400-token stream must outlast several 50 ms keep-alives."""
     reg = tenants(other={"max_tokens": 16, "max_prompt_tokens": 200})
-    with serve(tiny_model("llama"), tmp_path_factory.mktemp("http"), registry=reg, keepalive_s=0.05) as server:
+    with serve(tiny_model("llama-slow"), tmp_path_factory.mktemp("http"), registry=reg, keepalive_s=0.05) as server:
         yield server
 
 
