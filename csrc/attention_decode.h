@@ -151,17 +151,20 @@ inline void for_decode_spans(const T* kp, const T* vp, int64_t kv_slot, int64_t 
       const int64_t pos = b0 + t;
       base[t] = (table[pos / block_size] * block_size + pos % block_size) * kv_slot;
     }
-    // The next span's blocks into cache while this one is computed: blocks are scattered over
-    // the pool, so the hardware prefetchers lose the stream at every block boundary.
-    for (int64_t pos = b0 + span; pos < std::min(ctx, b0 + 2 * span); pos += block_size) {
-      const int64_t first = table[pos / block_size] * block_size * kv_slot, bytes = block_size * kv_slot * sizeof(T);
-      const char *kb = reinterpret_cast<const char*>(kp + first), *vb = reinterpret_cast<const char*>(vp + first);
-      for (int64_t off = 0; off < bytes; off += 64) {
-        _mm_prefetch(kb + off, _MM_HINT_T0);
-        _mm_prefetch(vb + off, _MM_HINT_T0);
-      }
-    }
+    const int64_t block_bytes = block_size * kv_slot * sizeof(T);
     for (int64_t h = 0; h < kv_heads; ++h) {
+      // The next span's blocks into cache while this one is computed (blocks are scattered over
+      // the pool, so the hardware prefetchers lose the stream at every block boundary), a
+      // 1/kv_heads share before each head: one burst of the whole span stalled on its misses.
+      const int64_t from = block_bytes * h / kv_heads, to = block_bytes * (h + 1) / kv_heads;
+      for (int64_t pos = b0 + span; pos < std::min(ctx, b0 + 2 * span); pos += block_size) {
+        const int64_t first = table[pos / block_size] * block_size * kv_slot;
+        const char *kb = reinterpret_cast<const char*>(kp + first), *vb = reinterpret_cast<const char*>(vp + first);
+        for (int64_t off = from / 64 * 64; off < to; off += 64) {
+          _mm_prefetch(kb + off, _MM_HINT_T0);
+          _mm_prefetch(vb + off, _MM_HINT_T0);
+        }
+      }
       for (int64_t t = 0; t < n; ++t) {
         kin[t] = kp + base[t] + h * kv_hs;
         vin[t] = vp + base[t] + h * kv_hs;
