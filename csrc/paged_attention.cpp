@@ -109,7 +109,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
       const int64_t q_len = starts[w.seq + 1] - starts[w.seq];
       const int64_t ctx = lens[w.seq];
       const int64_t nq = (w.row_end - w.row_begin) * group;
-      const bool packed = tile16 && nq >= kRows;                       // a query tile on bf16 dot products
+      const bool by_key = nq < kRows;                                  // a decode row: few query vectors
+      const bool packed = tile16 && !by_key;                           // a query tile on bf16 dot products
       // Query vectors of the tile, scaled, fp32: index i = row * group + g.
       for (int64_t r = w.row_begin; r < w.row_end; ++r) {
         for (int64_t g = 0; g < group; ++g) {
@@ -130,7 +131,6 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
       std::fill(l.begin(), l.begin() + nq, 0.0f);
       const int64_t last_pos = ctx - q_len + w.row_end - 1;            // the tile's last query
       const int64_t* table = tables + w.seq * table_width;
-      const bool by_key = nq < kRows;                                  // a decode row: few query vectors
       for (int64_t b0 = 0; b0 <= last_pos; b0 += span) {
         const int64_t n = std::min(span, last_pos + 1 - b0);           // keys used in this span
         // Keys and values of the span, block by block (one table lookup per block). A decode

@@ -132,9 +132,8 @@ def test_bf16_head_dim_64_under_pressure_with_prefix_hits(tiny_model, mode):
     rng = random.Random(5)
     shared = [rng.randrange(100, 40_000) for _ in range(48)]
     arrivals = mixed_workload(8, [40, 70, 20, 90], max_new=40, seed=2)
-    for i, reqs in enumerate(arrivals.values()):
-        arrivals[next(k for k, v in arrivals.items() if v is reqs)] = [
-            (rid, shared + prompt if i % 2 else prompt, params) for rid, prompt, params in reqs]
+    for i, (step, reqs) in enumerate(list(arrivals.items())):       # every other step's prompts share a prefix
+        arrivals[step] = [(rid, shared + prompt if i % 2 else prompt, params) for rid, prompt, params in reqs]
     engine = LLMEngine(EngineConfig(model=tiny_model("llama-slow"), dtype="bfloat16", attention_backend="kernel",
                                     num_kv_blocks=40, block_size=8, max_num_batched_tokens=64, max_num_seqs=8,
                                     watermark=0.0, preemption_mode=mode, num_swap_blocks=64, swap_min_tokens=60))
