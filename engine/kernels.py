@@ -22,8 +22,7 @@ log = logging.getLogger("streamgate.engine")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "linear.cpp", CSRC / "layers.cpp"]
-HEADERS = [CSRC / "simd.h", CSRC / "attention_tiles.h", CSRC / "attention_decode.h", CSRC / "attention_bf16.h",
-           CSRC / "attention_decode_bf16.h"]
+HEADERS = sorted(CSRC.glob("*.h"))
 NAME = "streamgate_kernels"
 
 
