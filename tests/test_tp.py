@@ -164,6 +164,20 @@ def test_bad_tensor_parallel_settings_name_the_field():
         EngineConfig(tensor_parallel_size=2, compile=True)
 
 
+def test_script_without_main_guard_fails_at_once_naming_the_guard(tiny_model, tmp_path):
+    """A plain script that builds a TP engine at import time: the spawned rank re-imports it,
+    fails in multiprocessing's bootstrapping, and dies. The parent raises naming the rank and
+    the `__main__` guard instead of waiting out the group's 600 s start-up timeout."""
+    script = tmp_path / "no_guard.py"
+    script.write_text("from engine import EngineConfig, LLMEngine\n"
+                      f"LLMEngine(EngineConfig(model={tiny_model('llama')!r}, tensor_parallel_size=2))\n"
+                      "print('engine started')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode != 0 and "engine started" not in proc.stdout
+    assert "rank 1" in proc.stderr and 'if __name__ == "__main__":' in proc.stderr, proc.stderr[-3000:]
+
+
 def _rank_processes(server: psutil.Process) -> list[psutil.Process]:
     return [p for p in server.children() if any("spawn_main" in part for part in p.cmdline())]
 
