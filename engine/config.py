@@ -9,6 +9,7 @@ BATCHING = ("continuous", "static")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 DTYPES = ("float32", "bfloat16", "float16", "auto")   # "auto": see dtypes.resolve_dtype
 ATTENTION_BACKENDS = ("auto", "kernel", "torch")
+QUANTIZATIONS = (None, "int8")                        # weight-only, engine/quantization.py
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ class EngineConfig:
     # -- tensor parallelism (issue 13): N ranks, one per device; see docs/ENGINE.md ------------
     tensor_parallel_size: int = 1         # 1: one process, no torch.distributed
     tp_timeout_s: float = 30.0            # a collective (or a silent rank) failing past this fails the engine
+    # -- int8 weight-only linears (issue 29, engine/quantization.py): None or "int8"; CPU, eager, one process
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, msg: str) -> None:
@@ -125,6 +128,9 @@ class EngineConfig:
         need(self.tensor_parallel_size == 1 or self.device in ("cpu", "cuda"), "device",
              "must be 'cpu' or 'cuda' with tensor_parallel_size > 1 (rank r uses cuda:r)")
         need(isinstance(self.tp_timeout_s, (int, float)) and self.tp_timeout_s > 0, "tp_timeout_s", "must be > 0")
+        need(self.quantization in QUANTIZATIONS, "quantization", f"must be one of {QUANTIZATIONS}")
+        need(self.quantization is None or (self.device == "cpu" and not self.compile and self.tensor_parallel_size == 1),
+             "quantization", "int8 runs on CPU, eager (compile off), with tensor_parallel_size 1")
         if not self.chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
                  "must be >= max_model_len when chunked_prefill is off (a whole prompt runs in one step)")

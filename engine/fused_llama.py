@@ -44,7 +44,7 @@ def maybe_fuse(model: nn.Module, config, device: torch.device, dtype: torch.dtyp
     or `config.packed_linear` is False; None where it does not apply."""
     if config.fused_layers is False or config.packed_linear is False or config.compile or config.tensor_parallel_size > 1:
         return None
-    kind = linear_kind(dtype)
+    kind = "int8" if getattr(config, "quantization", None) == "int8" else linear_kind(dtype)
     if not (device.type == "cpu" and kind and available() == "streamgate" and supports(model)):
         return None
     return FusedLlama(model, kind)

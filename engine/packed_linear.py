@@ -11,7 +11,8 @@ core idle at a few rows. Two packed forms, best first:
 Either differs from MKL in the last bits (another summation order), as between any two GEMM
 libraries. bf16 weights (the fused Llama forward in bf16) take the "onednn" form: with
 AVX512-BF16 or AMX, oneDNN's bf16 GEMM on its packed layout is faster than any fp32 form at
-every row count (docs/BENCHMARKS.md §8.16).
+every row count (docs/BENCHMARKS.md §8.16). A third kind, "int8", holds an int8 weight-only
+copy (quantization.py) where `EngineConfig.quantization` is "int8".
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from .kernels import load_kernels
+from .quantization import Int8Weight, quantize_linears
 
 log = logging.getLogger("streamgate.engine")
 
@@ -34,13 +36,17 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features, self.kind = linear.in_features, linear.out_features, kind
         weight = linear.weight.detach()
         with torch.no_grad():
-            if kind == "streamgate":
+            if kind == "int8":
+                self.packed = Int8Weight(weight)
+            elif kind == "streamgate":
                 self.packed = torch.ops.streamgate.pack_linear(weight)
             else:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:     # [..., in] -> [..., out]
+        if self.kind == "int8":
+            return self.packed.linear(x, self.bias)
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         y = torch.ops.streamgate.linear(x.reshape(-1, self.in_features), self.packed, self.bias, self.out_features)
@@ -70,7 +76,10 @@ def pack_linears(model: nn.Module, kind: str) -> int:
 
 def maybe_pack(model: nn.Module, config, device: torch.device, dtype: torch.dtype) -> bool:
     """Pack for eager fp32 on CPU in one process, unless `config.packed_linear` is False
-    (a compiled model is left to inductor; tensor-parallel shards are DTensors)."""
+    (a compiled model is left to inductor; tensor-parallel shards are DTensors). With
+    `config.quantization` "int8" every linear becomes int8 weight-only, whatever the dtype."""
+    if getattr(config, "quantization", None) == "int8":
+        return quantize_linears(model) > 0
     if config.packed_linear is False or config.compile or config.tensor_parallel_size > 1:
         return False
     if not (device.type == "cpu" and dtype == torch.float32 and (kind := available())):

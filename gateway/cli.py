@@ -40,6 +40,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="shard the model over N ranks (processes; one GPU each on CUDA, gloo on CPU)")
     p.add_argument("--tp-timeout", type=float, default=30.0,
                    help="seconds a tensor-parallel collective may wait before the engine fails")
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="int8 weight-only linear layers (CPU; see engine/quantization.py)")
 
 
 def chat(args: argparse.Namespace) -> int:
@@ -50,7 +52,8 @@ def chat(args: argparse.Namespace) -> int:
                                     cuda_graphs=not args.no_cuda_graphs,
                                     packed_linear=False if args.no_packed_linear else None,
                                     fused_layers=False if args.no_fused_layers else None,
-                                    tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout))
+                                    tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout,
+                                    quantization=args.quantization))
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})
     prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -122,7 +125,7 @@ def engine_config_from_args(args: argparse.Namespace):
                         fused_layers=False if args.no_fused_layers else None,
                         adaptive_threads=not args.no_adaptive_threads,
                         tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout,
-                        preemption_mode=args.preemption_mode, max_num_seqs=args.max_num_seqs,
+                        quantization=args.quantization, preemption_mode=args.preemption_mode, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         num_kv_blocks=args.num_kv_blocks, num_swap_blocks=args.num_swap_blocks,
                         chunked_prefill=not args.no_chunked_prefill, batching=args.batching,

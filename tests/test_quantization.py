@@ -1,0 +1,151 @@
+"""int8 weight-only linears (engine/quantization.py): the layer against the fp32 layer within the
+quantization error bound, the engine generating with them (fused and transformers' forward), and
+the config field's validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.quantization import INT8MM_MAX_ROWS, Int8Linear, Int8Weight, available, quantize_int8
+
+pytestmark = pytest.mark.skipif(not available(), reason="this torch has no aten._weight_int8pack_mm")
+
+
+def _linear(n: int = 37, k: int = 70, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=True)
+    with torch.no_grad():
+        lin.weight.mul_(torch.logspace(-2, 1, n)[:, None])          # channels of very different ranges
+    return lin
+
+
+def _bound(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """|y - y_q| <= s_n / 2 * sum_k |x_k| per row and output (|W - q s| <= s / 2 elementwise)."""
+    _, scales = quantize_int8(lin.weight)
+    return scales[None, :].double() / 2 * x.double().abs().sum(-1, keepdim=True)       # [M, N]
+
+
+@pytest.mark.parametrize("rows", [1, INT8MM_MAX_ROWS + 4])      # the int8 GEMV and the dequantized GEMM
+def test_int8_linear_within_the_quantization_bound_of_the_fp32_linear(rows):
+    """Int8Linear(x) is within s/2 * sum|x| (+ fp32 rounding) of the fp32 linear, per output,
+    and equals x @ (q s)^T + b to fp32 rounding."""
+    lin = _linear()
+    x = torch.randn(rows, 70)
+    q = Int8Linear(lin)
+    with torch.inference_mode():
+        y = q(x)
+    ref = x.double() @ lin.weight.double().T + lin.bias.double()
+    mag = x.double().abs() @ lin.weight.double().abs().T + lin.bias.double().abs()      # [M, N]
+    fp32_slack = 4 * torch.finfo(torch.float32).eps * 70 * mag
+    err = (y.double() - ref).abs()
+    assert (err <= _bound(lin, x) + fp32_slack).all(), (err / _bound(lin, x)).max()
+    assert err.max() > fp32_slack.max()                            # it did quantize
+    codes, scales = quantize_int8(lin.weight)
+    exact = x.double() @ (codes.double() * scales.double()[:, None]).T + lin.bias.double()
+    assert ((y.double() - exact).abs() <= fp32_slack).all()
+
+
+def test_int8_linear_bf16_activations_within_the_bound_plus_bf16_rounding():
+    """With bf16 activations (a bf16 model) both paths are within the bound plus bf16's own
+    rounding of the weight copy and of the output (2^-8 relative)."""
+    for k, rows in ((64, 1), (64, INT8MM_MAX_ROWS + 7), (70, 1)):    # K=70: the guard around torch's K % 16 bug
+        lin = _linear(k=k, seed=1).bfloat16()
+        q = Int8Linear(lin)
+        x = torch.randn(rows, k).bfloat16()
+        with torch.inference_mode():
+            y = q(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, 37)
+        w, b = lin.weight.double(), lin.bias.double()
+        ref = x.double() @ w.T + b
+        mag = x.double().abs() @ w.abs().T + b.abs()
+        err = (y.double() - ref).abs()
+        assert (err <= _bound(lin, x) + 2 ** -7 * mag).all(), (k, rows)
+
+
+def test_quantize_int8_codes_and_scales():
+    """Each row's largest weight maps to +-127; a zero row gets codes 0 (no division by zero)."""
+    w = torch.randn(6, 9)
+    w[3] = 0
+    codes, scales = quantize_int8(w)
+    assert codes.dtype == torch.int8 and scales.shape == (6,)
+    assert codes.abs().amax(1).tolist() == [127, 127, 127, 0, 127, 127]
+    assert (codes.float() * scales[:, None] - w).abs().le(scales[:, None] / 2 + 1e-7).all()
+    x = torch.randn(1, 9)
+    torch.testing.assert_close(Int8Weight(w).linear(x)[0, 3], torch.tensor(0.0))
+
+
+def _dequantized_reference(model_dir: str):
+    """transformers' model with every linear weight replaced by its int8 round trip q * s (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for mod in model.modules():
+            if type(mod) is nn.Linear:
+                codes, scales = quantize_int8(mod.weight)
+                mod.weight.copy_(codes.float() * scales[:, None])
+    return model
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_engine_with_int8_generates_the_dequantized_models_greedy_tokens(tiny_model, fused):
+    """An engine with quantization="int8" (fused Llama forward, or transformers' with Int8Linear
+    modules) generates, for two prompts batched together (multi-row prefill and decode steps,
+    then one-row steps once the shorter finishes), the greedy tokens of HF `generate` on the
+    same model with its linear weights replaced by their int8 round trip."""
+    from engine import LLMEngine, SamplingParams
+    from engine.fused_llama import FusedLlama
+
+    model_dir = tiny_model("llama")
+    eng = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64, quantization="int8", fused_layers=fused,
+                                 max_num_batched_tokens=16, max_num_seqs=4))
+    if fused:
+        assert isinstance(eng.runner.forward, FusedLlama) and eng.runner.forward.lm_head.kind == "int8"
+    else:
+        assert isinstance(eng.runner.model.lm_head, Int8Linear)
+        assert not any(type(m) is nn.Linear for m in eng.runner.model.modules())
+    prompts = {"a": list(range(100, 123)), "b": list(range(300, 309))}
+    lengths = {"a": 12, "b": 5}
+    for rid, ids in prompts.items():
+        eng.add_request(rid, ids, SamplingParams(max_tokens=lengths[rid], temperature=0.0, ignore_eos=True))
+    got: dict[str, list[int]] = {rid: [] for rid in prompts}
+    while eng.has_unfinished():
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    ref = _dequantized_reference(model_dir)
+    for rid, ids in prompts.items():
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([ids]), max_new_tokens=lengths[rid], do_sample=False,
+                               min_new_tokens=lengths[rid])
+        assert got[rid] == out[0, len(ids):].tolist(), rid
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(quantization="int4"), "EngineConfig.quantization: must be one of"),
+    (dict(quantization="INT8"), "EngineConfig.quantization"),
+    (dict(quantization="int8", compile=True), "EngineConfig.quantization: int8 runs on CPU"),
+    (dict(quantization="int8", tensor_parallel_size=2), "EngineConfig.quantization: int8 runs on CPU"),
+    (dict(quantization="int8", device="cuda"), "EngineConfig.quantization: int8 runs on CPU"),
+])
+def test_quantization_field_is_validated(bad, match):
+    """Unknown values and unsupported combinations raise ValueError naming the field."""
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**bad)
+
+
+def test_quantization_flag_reaches_the_engine_config():
+    """`--quantization int8` on serve/chat sets EngineConfig.quantization; absent, it is None."""
+    import argparse
+
+    from gateway.cli import _engine_args, _scheduling_args, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    _engine_args(p)
+    _scheduling_args(p)
+    assert engine_config_from_args(p.parse_args([])).quantization is None
+    assert engine_config_from_args(p.parse_args(["--quantization", "int8"])).quantization == "int8"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--quantization", "int4"])
