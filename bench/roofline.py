@@ -3,8 +3,8 @@
     python -m bench.roofline [--model default] [--dtype bfloat16|float32|int8] [--threads N]
                              [--reps 20] [--measured 1=29.8,8=138.1,32=234.8]
 
-Measures bf16 and fp32 matmul throughput (`F.linear` through oneDNN/MKL at the model's own
-linear shapes, at 1, 8, 32 and 512 rows; best of --reps: the host may be shared) and memory read
+Measures bf16 and fp32 matmul throughput (`F.linear` through oneDNN/MKL, and in bf16 oneDNN on
+a prepacked weight, at the model's own linear shapes, at 1, 8, 32 and 512 rows; best of --reps: the host may be shared) and memory read
 bandwidth (a large tensor's sum, best of --reps), prints the CPU model, its ISA flags and
 whether oneDNN may use AMX (and, unless --no-isa-probe, the ISA oneDNN reports with
 ONEDNN_VERBOSE=1), then computes from the model's HF config:
@@ -137,15 +137,22 @@ def best_s(fn, reps: int) -> float:
 
 
 def matmul_flops(s: Shapes, dtype, rows: int, reps: int) -> float:
-    """FLOP/s of `F.linear` over the model's linear shapes at `rows` rows, each best of `reps`."""
+    """FLOP/s of `F.linear` over the model's linear shapes at `rows` rows, each best of `reps`; in
+    bf16 also oneDNN's matmul on a prepacked weight (what the engine's bf16 forward runs), the
+    faster of the two per shape."""
     import torch
     import torch.nn.functional as F
 
+    packs = dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     flops = seconds = 0.0
     with torch.inference_mode():
         for _, n, k in s.linears():
             w, x = torch.randn(n, k, dtype=dtype), torch.randn(rows, k, dtype=dtype)
-            seconds += best_s(lambda: F.linear(x, w), reps)
+            t = best_s(lambda: F.linear(x, w), reps)
+            if packs:
+                pw = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+                t = min(t, best_s(lambda: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], ""), reps))
+            seconds += t
             flops += 2.0 * rows * n * k
     return flops / seconds
 

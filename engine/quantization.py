@@ -8,10 +8,12 @@ widened in registers, fp32 accumulation). The error against the unquantized laye
 per output by |W - q s| <= s_n / 2 elementwise: |y_n - y_q,n| <= s_n / 2 * sum_k |x_k| (plus the
 activation dtype's rounding); tests/test_quantization.py checks exactly that.
 
-`_weight_int8pack_mm` is a GEMV-style kernel: on the Zen 4 development host (one thread, SmolLM2's
-shapes) it is 1.0-1.9x oneDNN's packed bf16 GEMM at one row (1.9x on the 57 MB lm_head, the
-one weight that does not stay in cache between calls) but already 0.9x at 2 rows, 0.3-0.5x at
-8 and 0.2x at 512, and dequantizing the codes per call costs 10-100x the GEMM. So each layer
+`_weight_int8pack_mm` is a GEMV-style kernel, and on the Zen 4 development host it is compute-
+bound, not bandwidth-bound: all of SmolLM2's linears at one row on one thread (weights out of
+cache) took 33.6 ms in int8 against 35.9 ms for oneDNN's packed bf16 (best of 15, 2026-12-01,
+shared host): 1.07x, about 4 G int8 MACs/s, far from halving the step. Per layer, cache-resident,
+it is 1.0-1.9x at one row but already 0.9x at 2 rows, 0.3-0.5x at 8 and 0.2x at 512, and
+dequantizing the codes per call costs 10-100x the GEMM. So each layer
 also keeps its dequantized weight q * s in the model's dtype (oneDNN-packed in bf16, as
 packed_linear.py does) for steps of more than `INT8MM_MAX_ROWS` rows: a one-row decode step
 reads int8 weights, a batched step or a prefill chunk runs at the dtype's speed, and both
@@ -19,7 +21,8 @@ compute the same quantized model (to the dtype's rounding), so a sequence's toke
 depend on whether it decoded alone. Memory: int8 + the dtype's copy.
 torch 2.13's kernel reads out of bounds (NaN, segfaults) for bf16 activations when K % 16 != 0,
 so such layers always take the dtype's copy.
-A C++ int8 kernel in csrc/linear.cpp's block layout would drop the second copy (not built).
+A C++ int8 kernel in csrc/linear.cpp's block layout (codes widened in registers, or VNNI) is what
+would make int8 pay, and drop the second copy (not built).
 """
 
 from __future__ import annotations
