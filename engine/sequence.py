@@ -93,6 +93,11 @@ class Sequence:
         """More than one token to compute: a prompt (or a recomputed sequence) catching up."""
         return self.num_uncomputed_tokens > 1
 
+    @property
+    def can_sample(self) -> bool:
+        """False while the request's grammar is still compiling: its last token waits."""
+        return self.grammar_state is None or self.grammar_state.ready
+
     def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
         end = self.num_tokens if end is None else end
         p = len(self.prompt_token_ids)
