@@ -219,12 +219,8 @@ class ToolCallParser:
                     return
                 self.call, text = None, rest
                 continue
-            if self.in_calls:
-                text = self._separators(self.pending + text, out)
-                self.pending = ""
-                continue
-            text = self._content(self.pending + text, out)
-            self.pending = ""
+            text, self.pending = self.pending + text, ""
+            text = self._separators(text, out) if self.in_calls else self._content(text, out)
 
     def _content(self, text: str, out: list) -> str:
         if self.kind == "llama3_json" and not self.seen_text:
