@@ -127,9 +127,6 @@ class ChatRequest(SamplingFields):
             raise _Unsupported("tool_choice", "tool_choice names a tool or requires one, but no tools are given")
         if hasattr(choice, "function") and choice.function.name not in names:
             raise _Unsupported("tool_choice", f"tool_choice names {choice.function.name!r}, which is not in tools")
-        if self.forced_tool is not None and self.response_format and self.response_format.type != "text":
-            raise _Unsupported("response_format", "response_format cannot be combined with a required or named "
-                                                  "tool_choice (the tool's schema already constrains the output)")
         return self
 
     @property

@@ -60,7 +60,28 @@ def _plain(m: dict) -> dict:
 
 
 def call_schema(fn) -> dict:
-    return fn.parameters or {"type": "object", "properties": {}}
+    return closed(fn.parameters or {"type": "object", "properties": {}})
+
+
+def closed(schema):
+    """`schema` with every object that lists its properties and says nothing of others closed
+    (`additionalProperties: false`), as OpenAI's strict mode requires them written: without
+    it the grammar lets a model add keys of its own, and a weak one never stops adding."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k in _SUBSCHEMAS else v for k, v in schema.items()}
+    for k in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(out.get(k), dict):
+            out[k] = {name: closed(sub) for name, sub in out[k].items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = ("items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else",
+               "additionalProperties", "contains")
 
 
 def output_grammar(req) -> tuple[Grammar | None, str | None]:
@@ -86,7 +107,7 @@ def format_grammar(fmt) -> Grammar | None:
         return None
     if fmt.type == "json_object":
         return Grammar("json_object", "")
-    return Grammar("json_schema", json.dumps(fmt.json_schema.schema_))
+    return Grammar("json_schema", json.dumps(closed(fmt.json_schema.schema_)))
 
 
 def sampling_params(req, max_tokens: int, grammar: Grammar | None, logprobs: int | None) -> SamplingParams:

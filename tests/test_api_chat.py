@@ -124,7 +124,6 @@ def test_tool_call_history_is_accepted(live):
 @pytest.mark.parametrize("extra, param", [
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": "required", "tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format"),
     ({"top_logprobs": 2}, "top_logprobs"),
