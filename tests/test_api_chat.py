@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.live import KEYS, serve
+from tests.live import KEYS, serve, wait_until
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {"type": "function", "function": {
@@ -140,3 +140,30 @@ def test_contradictions_and_bad_values_are_400s_naming_the_field(live, extra, pa
                    json={"messages": MESSAGES, "max_tokens": 4, **extra}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_n_is_billed_once_for_the_prompt_and_for_every_choice(live):
+    """The ledger grows by usage.total_tokens: prompt once + the tokens of all n choices."""
+    ledger = live.gateway.quotas.ledger
+    before = ledger.used_today("acme")
+    r = client(live).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, n=4,
+                                             extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 24
+    assert wait_until(lambda: live.gateway.quotas.in_flight("acme") == 0)
+    assert ledger.used_today("acme") - before == r.usage.prompt_tokens + 24 == r.usage.total_tokens
+
+
+def test_leaving_an_n_stream_aborts_every_choice_and_settles(live):
+    """A client that hangs up after the first chunks: all n engine requests end and the lease is settled."""
+    ledger = live.gateway.quotas.ledger
+    before = ledger.used_today("acme")
+    body = {"messages": MESSAGES, "max_tokens": 1500, "n": 3, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEYS['acme']}"}) as r:
+        lines = r.iter_lines()
+        seen = [next(lines) for _ in range(8)]
+    assert any('"index": 2' in line for line in seen)
+    assert wait_until(lambda: live.gateway.quotas.in_flight("acme") == 0, timeout=30)
+    assert wait_until(lambda: live.engine_stats()["running"] == 0, timeout=30)
+    billed = ledger.used_today("acme") - before
+    assert 0 < billed < 3 * 1500
