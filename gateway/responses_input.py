@@ -13,7 +13,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .schemas import MAX_N, parse_body  # noqa: F401
 
 
 class _Lenient(BaseModel):

@@ -22,7 +22,7 @@ from engine import EngineOverloaded
 from tenants import QuotaManager, Tenant
 
 from .admission import Admission, Admitter
-from .fanout import billed_tokens, choices
+from .fanout import choices
 from .errors import (BadRequest, DeadlineExceeded, Draining, GatewayError, InternalError, Overloaded,
                      RateLimited, Unavailable)
 from .live import ItlWindow

@@ -6,7 +6,6 @@ the tool choice is forced where a call is expected."""
 
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 import openai
