@@ -52,6 +52,7 @@ class ResponsesRequest(_Lenient):
     priority: int | None = None
     deadline_ms: int | None = None
     separate_reasoning: bool = True
+    ignore_eos: bool = False
 
 
 class Refused(ValueError):
@@ -149,7 +150,7 @@ def chat_body(req: ResponsesRequest) -> dict:
     if req.conversation is not None:
         raise Refused("conversation", "this server keeps no conversations (stateless)")
     body: dict = {"messages": _messages(req), "stream": req.stream, "parallel_tool_calls": req.parallel_tool_calls,
-                  "separate_reasoning": req.separate_reasoning}
+                  "separate_reasoning": req.separate_reasoning, "ignore_eos": req.ignore_eos}
     optional = {"model": req.model, "tools": _tools(req), "tool_choice": _tool_choice(req.tool_choice),
                 "response_format": _format(req), "max_completion_tokens": req.max_output_tokens,
                 "temperature": req.temperature, "top_p": req.top_p, "priority": req.priority,

@@ -194,10 +194,6 @@ class ToolCallParser:
         self.count = 0 if self.call is None else 1
         self.seen_text = False      # content other than whitespace was emitted (llama3: calls only lead)
 
-    @property
-    def called(self) -> bool:
-        return self.count > 0
-
     def feed(self, text: str) -> list:
         """A list of content strings and ToolCallDeltas."""
         out: list = []
@@ -285,8 +281,8 @@ class ToolCallParser:
             self.call.args_end = len(self.call.buf)
             self.call._send_args(out)
         self.call = None
-        if self.pending and not self.in_calls:
-            out.append(self.pending)
+        if self.pending and (not self.in_calls or self.kind in PARSERS):
+            self._say(self.pending, out)
         self.pending = ""
         return out
 

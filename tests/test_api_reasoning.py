@@ -44,3 +44,20 @@ def test_reasoning_content_whole_streamed_and_inline(live):
             reasoning += getattr(choice.delta, "reasoning_content", None) or ""
             content += choice.delta.content or ""
     assert reasoning == inline.content and content == ""
+
+
+def test_responses_put_the_block_in_a_reasoning_item(live):
+    """/v1/responses: a reasoning item with the block's text, whole and from the stream's events."""
+    c = openai.OpenAI(base_url=f"{live.url}/v1", api_key=KEYS["acme"], max_retries=0, timeout=120)
+    inline = ask(live, extra_body={"ignore_eos": True, "separate_reasoning": False}).choices[0].message.content
+    kw = dict(model="tiny", input=MESSAGES[0]["content"], max_output_tokens=8, temperature=0,
+              extra_body={"ignore_eos": True})
+    r = c.responses.create(**kw)
+    assert r.output[0].type == "reasoning" and r.output[0].content[0].text == inline
+    with c.responses.stream(**kw) as stream:
+        events = list(stream)
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert events[-1].type == "response.incomplete"         # max_output_tokens cut the block
+    final = events[-1].response
+    assert deltas == inline and final.output[0].content[0].text == inline
+    assert final.incomplete_details.reason == "max_output_tokens"

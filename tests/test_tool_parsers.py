@@ -62,6 +62,12 @@ def test_hermes_plain_text_passes_through_and_a_partial_marker_is_held_then_rele
     assert p.finish() == ["<tool"]
 
 
+def test_text_held_after_the_calls_comes_back_at_the_end():
+    """A '<' after a call (maybe another marker) that never becomes one is content when the answer ends."""
+    content, calls = run("hermes", ['<tool_call>{"name": "f", "arguments": {}}</tool_call> <'])
+    assert [c["name"] for c in calls] == ["f"] and content == "<"
+
+
 def test_hermes_object_with_other_key_order_and_non_call_json():
     """Arguments before the name are parsed when the object closes; an object that is no call is content."""
     _, calls = run("hermes", ['<tool_call>{"arguments": {"x": [1, 2]}, "name": "f"}</tool_call>'])
