@@ -5,6 +5,7 @@ refused before anything streams."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -283,3 +284,22 @@ def test_grammar_rows_under_preemption_equal_an_unpreempted_run(tiny_model, mode
             if params.grammar is not None and params.grammar.kind == "json_schema":
                 jsonschema.validate(json.loads(tok.decode(got[rid][:-1])), PRE_SCHEMA)
     assert stats["kv_blocks_used"] == 0
+
+
+def test_grammar_rows_under_tensor_parallelism_equal_one_process(tiny_model):
+    """Two CPU ranks (rank 0 samples, so masks and matchers live there only) give the
+    one-process engine's tokens for grammar and plain rows, under recompute preemption.
+    Greedy: the ranks sum their halves in another order, and a seeded draw may flip where
+    the cumulative distribution moves by that rounding (plain sampled rows do too)."""
+    arrivals = {step: [(rid, p, dataclasses.replace(params, temperature=0.0)) for rid, p, params in reqs]
+                for step, reqs in preemption_workload().items()}
+    cfg = dict(model=tiny_model("llama"), num_kv_blocks=40, block_size=8, watermark=0.0, max_num_batched_tokens=64,
+               max_num_seqs=16, preemption_mode="recompute")
+    want = run_to_completion(LLMEngine(EngineConfig(**cfg)), arrivals)
+    tp = LLMEngine(EngineConfig(**cfg, tensor_parallel_size=2, tp_timeout_s=30.0))
+    try:
+        got = run_to_completion(tp, arrivals)
+        assert tp.stats()["num_preemptions"] > 0
+    finally:
+        tp.close()
+    assert got == want
