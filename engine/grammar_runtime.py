@@ -136,10 +136,8 @@ class GrammarRuntime:
         return MaskJob(self._masker.submit(self._fill, matchers), {i: g for g, i in enumerate(rows)}, self.vocab_size)
 
     def _fill(self, matchers: list) -> torch.Tensor:
-        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
-
-        bitmask = allocate_token_bitmask(len(matchers), self.vocab_size)
-        fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+        bitmask = torch.full((len(matchers), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), bitmask.shape[1] * 4, len(matchers))
         for m, g in matchers:        # a matcher with nothing left to allow may still end (never a -inf row)
             if not bool(bitmask[g].any()):
                 for eos in self.eos_token_ids:
