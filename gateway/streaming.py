@@ -220,6 +220,9 @@ class ChatService:
                                      retry_after=error.retry_after))
         if finish == "invalid":
             return failed(BadRequest(str(error)))
+        if finish == "error" and str(error).startswith("grammar:") and usage.completion_tokens == 0:
+            field = "tools" if getattr(adm.request, "forced_tool", None) else "response_format"
+            return failed(BadRequest(f"{field}: {error}", param=field))     # the compile failed or ran too long
         if finish == "error":
             return failed(InternalError(f"the engine failed this request: {error}"))
         return Done(finish, usage, timings)
