@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.live import KEYS, serve
+from tests.live import KEYS, serve, tenants
 
 TOOL = {"type": "function", "name": "get_weather", "description": "weather for a city", "strict": True,
         "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
@@ -19,7 +19,8 @@ TOOL = {"type": "function", "name": "get_weather", "description": "weather for a
 
 @pytest.fixture(scope="module")
 def live(tiny_model, tmp_path_factory):
-    with serve(tiny_model("llama"), tmp_path_factory.mktemp("api-endpoints")) as server:
+    reg = tenants(other={"max_tokens": 16}, batch={"requests_per_minute": 1})
+    with serve(tiny_model("llama"), tmp_path_factory.mktemp("api-endpoints"), registry=reg) as server:
         yield server
 
 
@@ -120,3 +121,18 @@ def test_responses_refusals(live):
                         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type")]:
         r = httpx.post(f"{live.url}/v1/responses", json=body, headers=h, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_both_endpoints_answer_to_the_tenant_limits(live):
+    """The tenant's max_tokens cap and requests_per_minute apply to completions and responses as to chat."""
+    h = {"Authorization": f"Bearer {KEYS['other']}"}
+    r = httpx.post(f"{live.url}/v1/completions", json={"prompt": "x", "max_tokens": 100}, headers=h, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(f"{live.url}/v1/responses", json={"input": "x", "max_output_tokens": 100}, headers=h, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    h = {"Authorization": f"Bearer {KEYS['batch']}"}
+    assert httpx.post(f"{live.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=h,
+                      timeout=60).status_code == 200
+    r = httpx.post(f"{live.url}/v1/responses", json={"input": "x", "max_output_tokens": 2}, headers=h, timeout=60)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "requests_per_minute"
+    assert httpx.post(f"{live.url}/v1/responses", json={"input": "x"}).status_code == 401
