@@ -29,7 +29,12 @@ BYTE_DECODER = _byte_decoder()
 
 class TokenText:
     """Token id -> (text, bytes) for logprobs, cached. Byte-level vocabularies give each
-    token's exact bytes (a token may hold part of a UTF-8 character)."""
+    token's exact bytes (a token may hold part of a UTF-8 character).
+
+    It reads the engine's tokenizer from the event loop: id -> token lookups and decoding
+    only take the Rust tokenizer shared, as the engine thread's detokenizer does (what is
+    unsafe across threads is encoding, which changes its padding and truncation state);
+    a private copy would cost ~0.4 s of the loop for SmolLM2's."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer

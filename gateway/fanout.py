@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 
 
@@ -43,6 +44,14 @@ class _Bill:
             self.settle(self.prompt + self.completion)
 
 
+def choice_params(params, i: int):
+    """Choice i's params: with a seed, seed + i (wrapped to 64 bits), so that the choices
+    differ and a request with the same seed reproduces every one of them."""
+    if params.seed is None or i == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + i + 2**63) % 2**64 - 2**63)
+
+
 async def choices(engine, adm, settle: Callable[[int], None]) -> AsyncIterator[tuple[int, object]]:
     n = adm.request.n
     if n == 1:          # the common case, without a task per choice
@@ -59,7 +68,8 @@ async def choices(engine, adm, settle: Callable[[int], None]) -> AsyncIterator[t
 
     async def pump(i: int) -> None:
         started[i] = True
-        stream = engine.generate(f"{adm.request_id}-{i}", adm.prompt_ids, adm.params, priority=adm.priority,
+        stream = engine.generate(f"{adm.request_id}-{i}", adm.prompt_ids, choice_params(adm.params, i),
+                                 priority=adm.priority,
                                  tenant=adm.tenant.name, deadline=adm.deadline, weight=adm.tenant.weight,
                                  validated=i == 0, on_final=bill.final)
         try:

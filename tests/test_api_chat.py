@@ -58,6 +58,11 @@ def test_n_choices_each_with_its_index_and_billed_as_n_completions(live):
                                              extra_body={"ignore_eos": True})
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert r.usage.completion_tokens == 15 and all(c.finish_reason == "length" for c in r.choices)
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) > 1, "each choice draws its own tokens (seed + index)"
+    again = client(live).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, n=3, seed=7,
+                                                 extra_body={"ignore_eos": True})
+    assert [c.message.content for c in again.choices] == texts, "the same seed reproduces every choice"
     stream = client(live).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, n=2, stream=True,
                                                   extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
     finishes, text = {}, {0: "", 1: ""}
