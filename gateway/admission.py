@@ -261,6 +261,7 @@ class Admitter:
             max_tokens = asked
         else:
             max_tokens = min(room, cap if cap is not None else self.default_max_tokens)
+            max_tokens = min(max_tokens, getattr(req, "default_max_tokens", max_tokens))    # completions: 16
             if limits.tokens_per_minute is not None:       # a default that the tpm bucket can hold
                 max_tokens = max(1, min(max_tokens, limits.tokens_per_minute - n_prompt))
         grammar, self._grammar_field = output_grammar(req) if isinstance(req, ChatRequest) else (None, None)

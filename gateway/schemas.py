@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+from typing import ClassVar
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import BadRequest
@@ -156,7 +158,7 @@ class CompletionRequest(SamplingFields):
     either is accepted, as lm-eval sends it)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, gt=0, lt=2**31)      # OpenAI's default here
+    default_max_tokens: ClassVar[int] = 16          # OpenAI's default here, clamped to the tenant's cap
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None

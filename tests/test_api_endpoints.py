@@ -19,7 +19,7 @@ TOOL = {"type": "function", "name": "get_weather", "description": "weather for a
 
 @pytest.fixture(scope="module")
 def live(tiny_model, tmp_path_factory):
-    reg = tenants(other={"max_tokens": 16}, batch={"requests_per_minute": 1})
+    reg = tenants(other={"max_tokens": 8}, batch={"requests_per_minute": 1})
     with serve(tiny_model("llama"), tmp_path_factory.mktemp("api-endpoints"), registry=reg) as server:
         yield server
 
@@ -136,3 +136,14 @@ def test_both_endpoints_answer_to_the_tenant_limits(live):
     r = httpx.post(f"{live.url}/v1/responses", json={"input": "x", "max_output_tokens": 2}, headers=h, timeout=60)
     assert r.status_code == 429 and r.json()["error"]["code"] == "requests_per_minute"
     assert httpx.post(f"{live.url}/v1/responses", json={"input": "x"}).status_code == 401
+
+
+def test_completions_default_to_16_tokens_within_the_tenant_cap(live):
+    """Without max_tokens a completion stops at 16 tokens (OpenAI's default), or at the tenant's smaller cap."""
+    body = {"prompt": "Once", "ignore_eos": True}
+    r = httpx.post(f"{live.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEYS['acme']}"},
+                   timeout=60)
+    assert r.json()["usage"]["completion_tokens"] == 16
+    r = httpx.post(f"{live.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEYS['other']}"},
+                   timeout=60)      # "other" may ask for at most 8
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
