@@ -86,6 +86,14 @@ _SUBSCHEMAS = ("items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "
 
 def output_grammar(req) -> tuple[Grammar | None, str | None]:
     """(grammar, the body field it comes from) for a ChatRequest."""
+    try:
+        return _output_grammar(req)
+    except RecursionError:          # a schema nested deeper than Python recurses (the body allowed it)
+        field = "tools" if req.forced_tool else "response_format"
+        raise BadRequest(f"{field}: the JSON schema is nested too deeply", param=field) from None
+
+
+def _output_grammar(req) -> tuple[Grammar | None, str | None]:
     forced = req.forced_tool
     if forced == "required":
         calls = [{"type": "object", "properties": {"name": {"const": t.function.name},

@@ -9,6 +9,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
+from gateway.errors import BadRequest
 from gateway.schemas import parse_chat_request
 from gateway.tools import closed, output_grammar, template_inputs
 
@@ -74,3 +75,15 @@ def test_closed_leaves_free_form_objects_and_explicit_choices_alone():
     assert out["properties"]["b"]["items"]["additionalProperties"] is False
     assert out["$defs"]["D"]["additionalProperties"] is False
     assert closed({"properties": {}, "additionalProperties": True})["additionalProperties"] is True
+
+
+def test_a_schema_nested_too_deep_is_a_400_naming_the_field():
+    """A schema nested deeper than Python recurses is refused naming response_format, not a 500."""
+    schema: dict = {"type": "object", "properties": {}}
+    for _ in range(900):
+        schema = {"type": "object", "properties": {"a": schema}}
+    body = {"messages": HISTORY[:1], "response_format": {"type": "json_schema",
+                                                         "json_schema": {"name": "deep", "schema": schema}}}
+    with pytest.raises(BadRequest) as exc:
+        output_grammar(parse_chat_request(body))
+    assert exc.value.param == "response_format"
