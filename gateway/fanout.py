@@ -44,6 +44,12 @@ class _Bill:
             self.settle(self.prompt + self.completion)
 
 
+def engine_ids(adm) -> list[str]:
+    """The engine's ids for a request's choices (what to abort)."""
+    n = adm.request.n
+    return [adm.request_id] if n == 1 else [f"{adm.request_id}-{i}" for i in range(n)]
+
+
 def choice_params(params, i: int):
     """Choice i's params: with a seed, seed + i (wrapped to 64 bits), so that the choices
     differ and a request with the same seed reproduces every one of them."""
@@ -68,7 +74,7 @@ async def choices(engine, adm, settle: Callable[[int], None]) -> AsyncIterator[t
 
     async def pump(i: int) -> None:
         started[i] = True
-        stream = engine.generate(f"{adm.request_id}-{i}", adm.prompt_ids, choice_params(adm.params, i),
+        stream = engine.generate(engine_ids(adm)[i], adm.prompt_ids, choice_params(adm.params, i),
                                  priority=adm.priority,
                                  tenant=adm.tenant.name, deadline=adm.deadline, weight=adm.tenant.weight,
                                  validated=i == 0, on_final=bill.final)

@@ -22,7 +22,7 @@ from engine import EngineOverloaded
 from tenants import QuotaManager, Tenant
 
 from .admission import Admission, Admitter
-from .fanout import choices
+from .fanout import choices, engine_ids
 from .errors import (BadRequest, DeadlineExceeded, Draining, GatewayError, InternalError, Overloaded,
                      RateLimited, Unavailable)
 from .live import ItlWindow
@@ -239,7 +239,8 @@ class ChatService:
     async def cancel(self, adm: Admission) -> None:
         """Stop a request on the client's behalf; its stream ends with finish_reason 'abort'."""
         adm.cancelled = True
-        await self.engine.abort(adm.request_id)
+        for rid in engine_ids(adm):
+            await self.engine.abort(rid)
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new requests, let running ones finish for up to `grace_s`, then stop the
@@ -250,9 +251,10 @@ class ChatService:
             await asyncio.sleep(0.05)
         if self.active:
             log.warning("drain.aborting", requests=len(self.active))
-            for rid in list(self.active):
+            for rid, adm in list(self.active.items()):
                 self._shutdown_ids.add(rid)
-                await self.engine.abort(rid)
+                for engine_id in engine_ids(adm):
+                    await self.engine.abort(engine_id)
             end = self.clock() + 5.0
             while self.active and self.clock() < end:
                 await asyncio.sleep(0.05)

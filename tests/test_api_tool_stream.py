@@ -65,3 +65,35 @@ def test_auto_tool_call_in_responses_and_tool_choice_none(live):
     plain = client(live).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                                  tools=[TOOL], tool_choice="none").choices[0]
     assert plain.message.content == "".join(ANSWER) and plain.finish_reason == "stop"
+
+
+@pytest.fixture
+def stalling(tmp_path):
+    engine = FakeEngine([(1, "a"), "stall"])
+    engine.max_model_len = 4096
+    with serve("fake", tmp_path, engine=engine) as server:
+        yield server, engine
+
+
+async def test_cancelling_an_n_request_aborts_every_choice(stalling):
+    """chat.cancel of an n=2 request aborts both engine requests; it ends with one chat.done abort."""
+    import asyncio
+
+    import websockets
+
+    live, engine = stalling
+    async with websockets.connect(live.ws_url) as ws:
+        await ws.send(json.dumps({"type": "auth", "api_key": KEYS["acme"]}))
+        await ws.recv()
+        await ws.send(json.dumps({"type": "chat.request", "id": "r", "n": 2, "max_tokens": 100,
+                                  "messages": [{"role": "user", "content": "hi"}]}))
+        first = json.loads(await asyncio.wait_for(ws.recv(), 30))
+        assert first["type"] == "chat.delta" and first["index"] in (0, 1)
+        await ws.send(json.dumps({"type": "chat.cancel", "id": "r"}))
+        frames = []
+        while not frames or frames[-1]["type"] != "chat.done":
+            frames.append(json.loads(await asyncio.wait_for(ws.recv(), 30)))
+    assert frames[-1]["finish_reason"] == "abort"
+    rid = engine.finals[0].request_id.rsplit("-", 1)[0]
+    assert sorted(engine.aborted) == [f"{rid}-0", f"{rid}-1"]
+    assert sorted(f.request_id for f in engine.finals) == [f"{rid}-0", f"{rid}-1"]
