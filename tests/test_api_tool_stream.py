@@ -97,3 +97,24 @@ async def test_cancelling_an_n_request_aborts_every_choice(stalling):
     rid = engine.finals[0].request_id.rsplit("-", 1)[0]
     assert sorted(engine.aborted) == [f"{rid}-0", f"{rid}-1"]
     assert sorted(f.request_id for f in engine.finals) == [f"{rid}-0", f"{rid}-1"]
+
+
+async def test_auto_tool_call_over_the_socket(live):
+    """The same call over the WebSocket: text, tool_calls deltas, one chat.tool_call, done with tool_calls."""
+    import asyncio
+
+    import websockets
+
+    async with websockets.connect(live.ws_url) as ws:
+        await ws.send(json.dumps({"type": "auth", "api_key": KEYS["acme"]}))
+        await ws.recv()
+        await ws.send(json.dumps({"type": "chat.request", "id": 1, "tools": [TOOL],
+                                  "messages": [{"role": "user", "content": "weather?"}]}))
+        frames = []
+        while not frames or frames[-1]["type"] != "chat.done":
+            frames.append(json.loads(await asyncio.wait_for(ws.recv(), 30)))
+    text = "".join(f["text"] for f in frames if f["type"] == "chat.delta")
+    fragments = "".join(d["function"]["arguments"] for f in frames for d in f.get("tool_calls", ()))
+    (call,) = [f["tool_call"] for f in frames if f["type"] == "chat.tool_call"]
+    assert text == "Sure. " and fragments == call["function"]["arguments"] and json.loads(fragments) == ARGS
+    assert frames[-1]["finish_reason"] == "tool_calls" and frames[-1]["usage"]["completion_tokens"] == len(ANSWER)
