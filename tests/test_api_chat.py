@@ -86,6 +86,8 @@ def test_parse_with_a_pydantic_model_returns_a_valid_instance(live):
     """json_schema strict (the client's `parse`): a random model's output validates against the model."""
     r = client(live).chat.completions.parse(model="tiny", messages=MESSAGES, response_format=Trip, max_tokens=60)
     assert isinstance(r.choices[0].message.parsed, Trip)
+    r = client(live).beta.chat.completions.parse(model="tiny", messages=MESSAGES, response_format=Trip, max_tokens=60)
+    assert isinstance(r.choices[0].message.parsed, Trip) and r.choices[0].finish_reason == "stop"
     # json_object is any object: a random model fills one until max_tokens, so what the test can
     # check is that the output is always a JSON object prefix (here cut short) and that, when a
     # bias makes "{}" likely, the grammar ends the answer right after it.
