@@ -7,8 +7,8 @@ thread, and each step's token masks for the rows that have one.
   on a compile. A compile that fails, or is not done within `compile_timeout_s`, ends the
   request with an error naming the grammar (`failures()`).
 - `masks(seqs)` (before the forward) starts computing the masks of the step's constrained
-  rows on another thread (llguidance releases the GIL), and `MaskJob.result()` (after the
-  forward) returns them as bool rows for the sampler. A step without constrained rows does
+  rows on another thread (llguidance releases the GIL; numpy unpacks the bits), and
+  `MaskJob.result()` (after the forward) returns each row's banned tokens for the sampler. A step without constrained rows does
   nothing here.
 - `advance(seqs, tokens)` feeds each constrained row its sampled token.
 
@@ -24,6 +24,7 @@ import concurrent.futures
 import threading
 import time
 
+import numpy as np
 import torch
 
 from .grammar import llguidance_grammar, limits
@@ -51,15 +52,13 @@ class GrammarState:
 
 
 class MaskJob:
-    def __init__(self, future: concurrent.futures.Future, rows: dict[int, int], vocab: int):
-        self.future, self.rows, self.vocab = future, rows, vocab
+    def __init__(self, future: concurrent.futures.Future, rows: dict[int, int]):
+        self.future, self.rows = future, rows
 
-    def result(self) -> dict[int, torch.Tensor]:
-        """row -> bool [V]: the tokens the row's grammar allows."""
-        bitmask = self.future.result()                                # int32 [G, ceil(V / 32)]
-        shifts = torch.arange(32, dtype=torch.int32)
-        bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)[:, :self.vocab]
-        return {row: bits[g] for row, g in self.rows.items()}
+    def result(self, device: torch.device | str = "cpu") -> dict[int, torch.Tensor]:
+        """row -> bool [V] on `device`: the tokens the row's grammar bans."""
+        banned = self.future.result().to(device)                      # bool [G, V]
+        return {row: banned[g] for row, g in self.rows.items()}
 
 
 class GrammarRuntime:
@@ -133,16 +132,20 @@ class GrammarRuntime:
         for g, seq in enumerate(rows.values()):
             self._catch_up(seq)
             matchers.append((seq.grammar_state.matcher, g))
-        return MaskJob(self._masker.submit(self._fill, matchers), {i: g for g, i in enumerate(rows)}, self.vocab_size)
+        return MaskJob(self._masker.submit(self._fill, matchers), {i: g for g, i in enumerate(rows)})
 
     def _fill(self, matchers: list) -> torch.Tensor:
-        bitmask = torch.full((len(matchers), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
-        self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), bitmask.shape[1] * 4, len(matchers))
-        for m, g in matchers:        # a matcher with nothing left to allow may still end (never a -inf row)
-            if not bool(bitmask[g].any()):
+        """The banned tokens of each matcher's next step, bool [G, V] (mask thread)."""
+        words = (self.vocab_size + 31) // 32
+        bitmask = np.full((len(matchers), words), -1, dtype=np.int32)
+        self._executor.unsafe_compute_mask_ptr(matchers, bitmask.ctypes.data, words * 4, len(matchers))
+        for _, g in matchers:        # a matcher with nothing left to allow may still end (never a -inf row)
+            if not bitmask[g].any():
                 for eos in self.eos_token_ids:
-                    bitmask[g, eos // 32] |= _bit(eos % 32)
-        return bitmask
+                    bitmask[g, eos // 32] |= np.int32(1 << (eos % 32)) if eos % 32 < 31 else np.int32(-2**31)
+        # bit t of word t // 32 (little-endian) is token t: ~bits, unpacked, are the banned tokens
+        banned = np.unpackbits((~bitmask).view(np.uint8), axis=-1, bitorder="little")[:, :self.vocab_size]
+        return torch.from_numpy(np.ascontiguousarray(banned)).view(torch.bool)
 
     def advance(self, seqs: list[Sequence], tokens: list[int]) -> None:
         """Each constrained row consumes its sampled token (before update() appends it)."""
@@ -163,7 +166,3 @@ class GrammarRuntime:
     def close(self) -> None:
         self._compiler.shutdown(wait=False, cancel_futures=True)
         self._masker.shutdown(wait=False, cancel_futures=True)
-
-
-def _bit(i: int) -> int:
-    return (1 << i) - (1 << 32) if i == 31 else 1 << i       # int32 two's complement

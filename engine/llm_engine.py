@@ -146,7 +146,7 @@ class LLMEngine:
             if not batch.is_empty:
                 masks = self.grammars.masks(batch.sampling_seqs)      # computed during the forward
                 logits = self.runner.run(batch)
-                tokens, logprobs = sample_step(logits, batch.sampling_seqs, masks and masks.result())
+                tokens, logprobs = sample_step(logits, batch.sampling_seqs, masks and masks.result(logits.device))
                 self.grammars.advance(batch.sampling_seqs, tokens)
                 now = self.clock()
                 for j, seq in enumerate(self.scheduler.update(batch, tokens)):

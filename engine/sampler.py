@@ -25,33 +25,33 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 def sample_step(logits: torch.Tensor, seqs: list[Sequence],
                 masks: dict[int, torch.Tensor] | None = None) -> tuple[list[int], list[TokenLogprob | None] | None]:
     """Tokens for each row and, where a row asked for them, its log-probabilities (None
-    when no row did). `masks`: row -> bool [V] of the tokens its grammar allows."""
+    when no row did). `masks`: row -> bool [V] of the tokens its grammar bans."""
     special = [i for i, s in enumerate(seqs) if needs_processing(s.params) or (masks and i in masks)]
     if not special:
         return _plain(logits, seqs), None
-    tokens = [0] * len(seqs)
-    plain = [i for i in range(len(seqs)) if i not in set(special)]
-    if plain:
-        for i, t in zip(plain, _plain(logits[plain], [seqs[i] for i in plain])):
-            tokens[i] = t
+    tokens = _plain(logits, seqs, skip=set(special))                 # special rows' entries replaced below
     rows = [seqs[i] for i in special]
     x = logits[special]                                               # a copy: [R, V]
     apply_penalties(x, rows)
     for j, i in enumerate(special):
         if masks and i in masks:
-            x[j].masked_fill_(~masks[i], float("-inf"))
+            x[j].masked_fill_(masks[i], float("-inf"))
     picked, logprobs = _processed(x, rows)
     out: list[TokenLogprob | None] = [None] * len(seqs)
     for j, i in enumerate(special):
         tokens[i] = picked[j]
-    for j, lp in enumerate(token_logprobs(logprobs, picked, [s.params.logprobs for s in rows])):
-        out[special[j]] = lp
+    if logprobs is not None:
+        for j, lp in enumerate(token_logprobs(logprobs, picked, [s.params.logprobs for s in rows])):
+            out[special[j]] = lp
     return tokens, out if any(lp is not None for lp in out) else None
 
 
-def _plain(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+def _plain(logits: torch.Tensor, seqs: list[Sequence], skip: set[int] = frozenset()) -> list[int]:
+    """The plain path for every row but those in `skip` (whose generators it leaves alone)."""
+    if len(skip) == len(seqs):
+        return [0] * len(seqs)
     tokens = logits.argmax(dim=-1)                                   # [K] greedy for all
-    rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    rows = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in skip]
     if rows:
         idx = torch.tensor(rows, device=logits.device)
         params = [seqs[i].params for i in rows]
@@ -63,21 +63,25 @@ def _plain(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     return tokens.tolist()
 
 
-def _processed(x: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor]:
+def _processed(x: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor | None]:
     """Sample the processed rows `x` [R, V]; returns the tokens and the log-probabilities of
-    the distribution each was drawn from (greedy rows: log-softmax of `x`)."""
-    logprobs = x.log_softmax(dim=-1)
-    tokens = x.argmax(dim=-1)
+    the distribution each was drawn from (greedy rows: log-softmax of `x`), None if no row
+    asked for them."""
+    want = any(s.params.logprobs is not None for s in seqs)
+    logprobs = x.log_softmax(dim=-1) if want else None
     rows = [j for j, s in enumerate(seqs) if not s.params.greedy]
+    tokens = x.argmax(dim=-1) if len(rows) < len(seqs) else torch.zeros(len(seqs), dtype=torch.long)
     if rows:
         params = [seqs[j].params for j in rows]
         dev = x.device
         temps = torch.tensor([p.temperature for p in params], device=dev, dtype=x.dtype)
-        tempered = apply_min_p(x[rows] / temps[:, None], torch.tensor([p.min_p for p in params], device=dev))
+        random_rows = x if len(rows) == len(seqs) else x[rows]
+        tempered = apply_min_p(random_rows / temps[:, None], torch.tensor([p.min_p for p in params], device=dev))
         filtered = _filtered_logits(tempered, torch.tensor([p.top_k for p in params], device=dev),
                                     torch.tensor([p.top_p for p in params], device=dev))
         _draw(filtered.softmax(dim=-1), [seqs[j] for j in rows], tokens, rows)
-        logprobs[rows] = filtered.log_softmax(dim=-1)
+        if want:
+            logprobs[rows] = filtered.log_softmax(dim=-1)
     return tokens.tolist(), logprobs
 
 
