@@ -35,18 +35,37 @@ def template_knows_tools(template: str | None) -> bool:
 def template_inputs(req, template: str | None) -> tuple[list[dict], dict]:
     """(messages, extra keyword arguments for apply_chat_template) for a ChatRequest."""
     messages = [m.for_template() for m in req.messages]
+    knows = template_knows_tools(template)
+    if not knows:
+        messages = _plain_history(messages)
     if not req.tools_on:
-        return [_plain(m) if m.get("tool_calls") else m for m in messages], {}
+        return messages, {}
     tools = [t.function.as_tool() for t in req.tools]
-    if template_knows_tools(template):
+    if knows:
         return messages, {"tools": tools}
     preamble = HERMES_PREAMBLE.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
-    messages = [_plain(m) for m in messages]
     if messages and messages[0]["role"] == "system":
         messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + preamble}
     else:
         messages.insert(0, {"role": "system", "content": preamble})
     return messages, {}
+
+
+def _plain_history(messages: list[dict]) -> list[dict]:
+    """For a template without tools: calls as Hermes `<tool_call>` text, tool results as a
+    user turn of `<tool_response>` blocks (consecutive ones joined), as Qwen2.5's template
+    writes them, so templates that know only system/user/assistant accept the history."""
+    out: list[dict] = []
+    for m in messages:
+        if m["role"] != "tool":
+            out.append(_plain(m))
+            continue
+        block = f"<tool_response>\n{m['content']}\n</tool_response>"
+        if out and out[-1].get("tool_results"):
+            out[-1]["content"] += "\n" + block
+        else:
+            out.append({"role": "user", "content": block, "tool_results": True})
+    return [{k: v for k, v in m.items() if k != "tool_results"} for m in out]
 
 
 def _plain(m: dict) -> dict:

@@ -47,6 +47,7 @@ def test_a_template_without_tools_gets_a_hermes_system_message(tokenizer):
     text = render(tokenizer, {"messages": HISTORY, "tools": [TOOL]}, tokenizer.chat_template)
     assert "<tools>" in text and '"name": "lookup"' in text
     assert '<tool_call>\n{"name": "lookup", "arguments": {"q": "cat"}}\n</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\na small feline\n</tool_response>" in text
     plain = render(tokenizer, {"messages": HISTORY, "tools": [TOOL], "tool_choice": "none"}, tokenizer.chat_template)
     assert "<tools>" not in plain and "<tool_call>" in plain
 
