@@ -19,9 +19,10 @@ import time
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
 from .detokenizer import IncrementalDetokenizer
+from .grammar_runtime import GrammarRuntime
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner
-from .sampler import sample
+from .sampler import sample_step
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestOutput, Sequence, SequenceStatus
 
@@ -55,6 +56,7 @@ class LLMEngine:
         self.metrics = EngineMetrics(self.stats)
         self._swapped_bytes = 0
         self.eos_token_ids = _eos_ids(self.tokenizer, self.runner.model)
+        self.grammars = GrammarRuntime(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []       # outputs of requests ended outside a step
@@ -104,6 +106,8 @@ class LLMEngine:
                        weight=weight)
         self.seqs[request_id] = seq
         self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
+        if params.grammar is not None:
+            self.grammars.start(seq, self.clock())     # compiles while the prompt prefills
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
@@ -121,6 +125,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop what the engine runs besides this thread (tensor-parallel ranks)."""
         self.runner.close()
+        self.grammars.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
@@ -129,17 +134,26 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         outputs, self._pending = self._pending, []
+        for seq, error in self.grammars.failures(self.clock()):
+            self.scheduler.finish(seq, "error")
+            outputs.append(self._retire(seq))
+            outputs[-1].error = error
         batch = self.scheduler.schedule()
         outputs += [self._retire(seq) for seq in batch.finished]      # deadlines
         self.runner.last_forward_time = 0.0
         try:
             self._swapped_bytes += self.runner.swap(batch)
             if not batch.is_empty:
+                masks = self.grammars.masks(batch.sampling_seqs)      # computed during the forward
                 logits = self.runner.run(batch)
-                tokens = sample(logits, batch.sampling_seqs)
+                tokens, logprobs = sample_step(logits, batch.sampling_seqs, masks and masks.result(logits.device))
+                self.grammars.advance(batch.sampling_seqs, tokens)
                 now = self.clock()
-                for seq in self.scheduler.update(batch, tokens):
+                for j, seq in enumerate(self.scheduler.update(batch, tokens)):
                     outputs.append(self._emit(seq, now))
+                    outputs[-1].logprobs = None if logprobs is None or logprobs[j] is None else [logprobs[j]]
+            elif self.grammars.pending:
+                self.grammars.wait(0.01)        # nothing to run but compiles: do not spin
         except Exception as exc:                        # fail this batch, keep serving the rest
             log.exception("step failed; failing %d requests", len(batch.seqs))
             outputs += self._fail(batch, exc)

@@ -153,7 +153,7 @@ class Scheduler(Preemption):
     def _schedule_decodes(self, out: SchedulerOutput, now: float) -> None:
         """Every running sequence with one token to compute, most urgent first."""
         for seq in [s for s in self.running if not s.is_prefill]:
-            if seq.status is SequenceStatus.RUNNING and self._reserve_decode_slot(seq, out, now):
+            if seq.status is SequenceStatus.RUNNING and seq.can_sample and self._reserve_decode_slot(seq, out, now):
                 self._add(out, seq, 1)                       # (a prompt's last token is charged)
 
     def _schedule_prefills(self, out: SchedulerOutput, now: float) -> None:
@@ -250,6 +250,10 @@ class Scheduler(Preemption):
         does at admission), so the next pick in this same step already sees it, but only
         for positions never billed before: a recompute after a preemption is free. Output
         tokens are charged when they are sampled."""
+        if n and seq.num_computed_tokens + n == seq.num_tokens and not seq.can_sample:
+            n -= 1                                           # its grammar is compiling: the sampled token waits
+            if n == 0:
+                return
         charged = 0
         if seq.computes_prompt:
             end = seq.num_computed_tokens + n
