@@ -1,0 +1,117 @@
+"""Every served family (engine/families.py) against Hugging Face: the description read from
+the config, the refusal of families the engine cannot serve (naming the config field), and
+greedy parity with HF `generate` (eager attention: the reference for soft-capping and sinks)
+under staggered arrivals, chunked prefill, prefix caching and recompute / swap preemption,
+with prompts crossing the 24-token sliding windows several times."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import transformers
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.families import UnsupportedModel, describe
+from tests.families import WINDOW, build_family_model, load_eager_reference
+from tests.models import assert_greedy_parity, run_to_completion
+
+TOL = 1e-4                     # fp32: exact up to near-ties, as tests/test_parity.py
+
+
+@pytest.fixture(scope="session")
+def family_model(tmp_path_factory, tokenizer_dir):
+    made: dict[str, str] = {}
+
+    def make(family: str) -> str:
+        if family not in made:
+            made[family] = build_family_model(family, tmp_path_factory.mktemp(f"fam-{family}"), tokenizer_dir)
+        return made[family]
+
+    return make
+
+
+# -- the description --------------------------------------------------------------------------
+def test_description_reads_windows_softcaps_and_sinks_per_layer():
+    g2 = describe(transformers.Gemma2Config(num_hidden_layers=4, sliding_window=32, attn_logit_softcapping=50.0,
+                                            final_logit_softcapping=30.0))
+    assert [layer.window for layer in g2.layers] == [32, None, 32, None]
+    assert {layer.softcap for layer in g2.layers} == {50.0} and g2.final_softcap == 30.0 and not g2.fused
+    oss = describe(transformers.GptOssConfig(num_hidden_layers=2, sliding_window=16))
+    assert [(layer.window, layer.sinks) for layer in oss.layers] == [(16, True), (None, True)] and oss.moe
+    mistral = describe(transformers.MistralConfig(num_hidden_layers=3, sliding_window=40))
+    assert [layer.window for layer in mistral.layers] == [40] * 3 and mistral.fused
+    qwen2 = describe(transformers.Qwen2Config(num_hidden_layers=2, sliding_window=40, use_sliding_window=False))
+    assert all(layer.plain for layer in qwen2.layers) and qwen2.fused
+    assert not describe(transformers.Qwen3MoeConfig(num_hidden_layers=2)).fused     # MoE: transformers' blocks
+
+
+@pytest.mark.parametrize("config, field", [
+    (lambda: transformers.Qwen3NextConfig(num_hidden_layers=4), "config.layer_types[0] = 'linear_attention'"),
+    (lambda: transformers.Lfm2Config(num_hidden_layers=4, full_attn_idxs=[1]), "config.layer_types[0] = 'conv'"),
+    (lambda: transformers.FalconH1Config(num_hidden_layers=2), "config.layer_types[0] = 'hybrid'"),
+    (lambda: transformers.GraniteMoeHybridConfig(num_hidden_layers=2), "config.layer_types[0]"),
+    (lambda: transformers.GPT2Config(n_layer=2), "'gpt2' (config.model_type)"),
+])
+def test_unservable_families_are_refused_at_load_naming_the_field(tmp_path, config, field):
+    config().save_pretrained(tmp_path)                # the refusal comes before any weights load
+    with pytest.raises(UnsupportedModel) as err:
+        LLMEngine(EngineConfig(model=str(tmp_path)))
+    assert field in str(err.value)
+
+
+# -- greedy parity ----------------------------------------------------------------------------
+def workload(seed: int = 0, max_new: int = 16) -> dict[int, list[tuple]]:
+    """Prompts of 3..100 tokens arriving over several steps; later ones share a 56-token
+    prefix with the first (prefix hits: 7 blocks of 8, past two windows)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(100, 40_000) for _ in range(56)]
+    arrivals: dict[int, list[tuple]] = {}
+    for i, n in enumerate([100, 3, 37, 60, 17]):
+        prompt = [rng.randrange(100, 40_000) for _ in range(n)]
+        if i in (0, 3):
+            prompt = shared + prompt[:30]
+        params = SamplingParams(max_tokens=max_new - (i % 3) * 3, temperature=0.0, ignore_eos=True)
+        arrivals.setdefault(i * 3, []).append((f"r{i}", prompt, params))
+    arrivals[40] = [("again", shared + [7, 8, 9], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))]
+    return arrivals
+
+
+def check_parity(model_dir: str, arrivals, **cfg) -> LLMEngine:
+    engine = LLMEngine(EngineConfig(model=model_dir, block_size=8, max_num_batched_tokens=32, max_num_seqs=8, **cfg))
+    outputs = run_to_completion(engine, arrivals)
+    ref = load_eager_reference(model_dir)
+    for reqs in arrivals.values():
+        for rid, prompt, params in reqs:
+            assert len(outputs[rid]) == params.max_tokens
+            assert_greedy_parity(ref, prompt, outputs[rid], TOL)
+    stats = engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["running"] == stats["waiting"] == 0
+    return engine
+
+
+FAMILIES = ["mistral", "gemma2", "gemma3_text", "phi3", "smollm3", "olmo2", "granite", "qwen3_moe", "gpt_oss",
+            "mixtral", "qwen3-sliding"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_greedy_parity_chunked_with_prefix_hits(family_model, family):
+    """The default path (the C++ kernel on CPU, the fused forward where it applies): every
+    output equals HF greedy, and the prompts that share a prefix hit the cache."""
+    engine = check_parity(family_model(family), workload())
+    assert engine.stats()["prefix_cache_hit_tokens"] >= 2 * 56 - 8
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
+def test_family_greedy_parity_on_the_torch_backend(family_model, family):
+    """The torch reference path: windows in the masks, soft-capping and sinks written out."""
+    check_parity(family_model(family), workload(seed=1), attention_backend="torch")
+
+
+@pytest.mark.parametrize("family, mode", [("gpt_oss", "recompute"), ("gemma3_text", "swap"), ("mistral", "swap")])
+def test_family_greedy_parity_under_preemption(family_model, family, mode):
+    """A pool too small for every request: sequences are preempted (recomputed, or swapped
+    to the host pool and back) mid-generation, and still equal HF."""
+    engine = check_parity(family_model(family), workload(seed=2, max_new=24), num_kv_blocks=24, watermark=0.0,
+                          preemption_mode=mode, num_swap_blocks=64, swap_min_tokens=1)
+    assert engine.stats()["num_preemptions"] > 0
