@@ -113,4 +113,39 @@ def load_model(name: str, dtype, device, tp_size: int = 1):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
         model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
+    adapt_chat_template(tokenizer)
     return model, tokenizer, family
+
+
+# Prepended to a chat template that refuses the system role (Gemma 2's raises "System role
+# not supported"): a leading system message becomes the start of the first user turn, as
+# Gemma 3's own template does it. String contents only; anything else is left to the template.
+_MERGE_SYSTEM = (
+    "{%- if messages and messages[0]['role'] == 'system' and messages[0]['content'] is string -%}"
+    "{%- if messages | length > 1 and messages[1]['role'] == 'user' and messages[1]['content'] is string -%}"
+    "{%- set messages = [{'role': 'user', 'content': messages[0]['content'] ~ '\n\n' ~ messages[1]['content']}]"
+    " + messages[2:] -%}"
+    "{%- else -%}{%- set messages = [{'role': 'user', 'content': messages[0]['content']}] + messages[1:] -%}"
+    "{%- endif -%}{%- endif -%}")
+
+
+def adapt_chat_template(tokenizer) -> bool:
+    """Give a template that rejects system messages the merge above; returns whether it did.
+    The template text itself changes, so every copy of the tokenizer (the gateway's) has it."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return False
+    probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    try:
+        tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        return False
+    except Exception:           # jinja2's TemplateError from the template's raise_exception
+        pass
+    tokenizer.chat_template = _MERGE_SYSTEM + template
+    try:
+        tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+    except Exception:
+        tokenizer.chat_template = template                      # refuses for another reason: as shipped
+        return False
+    log.info("chat template: system messages merged into the first user turn (the template rejects them)")
+    return True

@@ -115,3 +115,37 @@ def test_family_greedy_parity_under_preemption(family_model, family, mode):
     engine = check_parity(family_model(family), workload(seed=2, max_new=24), num_kv_blocks=24, watermark=0.0,
                           preemption_mode=mode, num_swap_blocks=64, swap_min_tokens=1)
     assert engine.stats()["num_preemptions"] > 0
+
+
+# -- chat templates and generation config ---------------------------------------------------------
+# Gemma 2's template, as shipped: it raises on a system message.
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\\n' + "
+    "message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}")
+
+
+def test_system_role_is_merged_where_the_template_rejects_it(family_model, tmp_path):
+    """A Gemma-2-style template that raises on the system role renders a system message as
+    the start of the first user turn; the engine also reads every EOS id of the model's
+    generation_config.json; a template that accepts system messages is left as shipped."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    model_dir = tmp_path / "gemma2"
+    shutil.copytree(family_model("gemma2"), model_dir)
+    (model_dir / "chat_template.jinja").write_text(GEMMA2_TEMPLATE)
+    GenerationConfig(eos_token_id=[2, 107]).save_pretrained(model_dir)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=32))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
+                         "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"), text
+    assert {2, 107} <= engine.eos_token_ids
+    plain = LLMEngine(EngineConfig(model=family_model("mistral"), num_kv_blocks=32))
+    assert "Be brief." in plain.tokenizer.apply_chat_template(messages, tokenize=False)
+    assert "raise_exception" not in plain.tokenizer.chat_template and "set messages" not in plain.tokenizer.chat_template

@@ -127,6 +127,9 @@ def reference_ext(q, k_pool, v_pool, tables, q_lens, ctx_lens, block_size, scale
     return out
 
 
+# The family tests' shapes: head_dim 16 (bf16 query tiles, decode rows on all heads), GQA 4:2,
+# block size 8, chunks of several query tiles.
+CASES["families"] = ([40, 1, 9, 70], [90, 30, 9, 70], 4, 2, 16, 8)
 FEATURES = {"window": (24, 0.0, False), "softcap": (0, 3.0, False), "sinks": (0, 0.0, True),
             "all": (24, 3.0, True), "window-1": (1, 0.0, False)}
 
@@ -134,7 +137,7 @@ FEATURES = {"window": (24, 0.0, False), "softcap": (0, 3.0, False), "sinks": (0,
 @pytest.mark.skipif(ops is None or not hasattr(ops, "paged_attention_ext"), reason="no paged_attention_ext")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("feature", FEATURES)
-@pytest.mark.parametrize("case", ["decode", "mixed", "long", "odd", "many", "wide", "tails-d48"])
+@pytest.mark.parametrize("case", ["decode", "mixed", "long", "odd", "many", "wide", "tails-d48", "families"])
 def test_kernel_features_match_eager_reference(case, feature, dtype):
     """Every path of the kernel (decode rows on all heads, query tiles, bf16 tiles) with a
     window not a multiple of the block size, soft-capping and sinks equals the eager math;
