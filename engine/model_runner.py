@@ -61,6 +61,10 @@ class ModelRunner:
                  "kernel" if not self.use_torch else "torch" if not self.use_kernel else
                  f"kernel on {sum(self.on_kernel)} of {len(self.on_kernel)} layers, torch on the rest")
         self.forward = maybe_fuse(self.model, config, self.device, self.dtype, self.family) or self.model
+        # Every layer sliding over one window, attended by the kernel (which reads only the
+        # window): the block manager returns blocks that fell out of it (block_manager.py).
+        windows = {layer.window for layer in self.family.layers}
+        self.kv_free_window = windows.pop() if len(windows) == 1 and None not in windows and all(self.on_kernel) else None
         if self.forward is self.model:
             maybe_pack(self.model, config, self.device, self.dtype)
         eager_cpu = self.device.type == "cpu" and not config.compile and tp == 1

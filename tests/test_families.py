@@ -108,11 +108,14 @@ def test_family_greedy_parity_on_the_torch_backend(family_model, family):
     check_parity(family_model(family), workload(seed=1), attention_backend="torch")
 
 
-@pytest.mark.parametrize("family, mode", [("gpt_oss", "recompute"), ("gemma3_text", "swap"), ("mistral", "swap")])
-def test_family_greedy_parity_under_preemption(family_model, family, mode):
+@pytest.mark.parametrize("family, mode, blocks", [("gpt_oss", "recompute", 24), ("gemma3_text", "swap", 24),
+                                                  ("mistral", "swap", 15), ("qwen3-sliding", "recompute", 15)])
+def test_family_greedy_parity_under_preemption(family_model, family, mode, blocks):
     """A pool too small for every request: sequences are preempted (recomputed, or swapped
-    to the host pool and back) mid-generation, and still equal HF."""
-    engine = check_parity(family_model(family), workload(seed=2, max_new=24), num_kv_blocks=24, watermark=0.0,
+    to the host pool and back) mid-generation, and still equal HF. Mistral and the sliding
+    Qwen3 return blocks that left the window (fewer blocks make them preempt), and are
+    swapped or recomputed with those entries returned."""
+    engine = check_parity(family_model(family), workload(seed=2, max_new=24), num_kv_blocks=blocks, watermark=0.0,
                           preemption_mode=mode, num_swap_blocks=64, swap_min_tokens=1)
     assert engine.stats()["num_preemptions"] > 0
 
@@ -149,3 +152,48 @@ def test_system_role_is_merged_where_the_template_rejects_it(family_model, tmp_p
     plain = LLMEngine(EngineConfig(model=family_model("mistral"), num_kv_blocks=32))
     assert "Be brief." in plain.tokenizer.apply_chat_template(messages, tokenize=False)
     assert "raise_exception" not in plain.tokenizer.chat_template and "set messages" not in plain.tokenizer.chat_template
+
+
+# -- sliding-window block freeing ---------------------------------------------------------------
+@pytest.mark.parametrize("family", ["qwen3-sliding", "mistral"])
+def test_sliding_window_blocks_return_to_the_pool(family_model, family):
+    """Every layer slides over 24 tokens: during a 150-token generation the sequence holds at
+    most the blocks its window spans (KV flat once the window fills), never reads a returned
+    block (outputs equal HF), and later requests sharing the first prompt's prefix, whose
+    blocks were returned and partly reused meanwhile, still equal HF."""
+    rng = random.Random(11)
+    prompt = [rng.randrange(100, 40_000) for _ in range(40)]
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    arrivals = {0: [("long", prompt, SamplingParams(max_tokens=150, **greedy))],
+                60: [("hit", prompt + [5, 6, 7], SamplingParams(max_tokens=30, **greedy))],
+                64: [("hit2", prompt[:33] + [9] * 20, SamplingParams(max_tokens=30, **greedy))]}
+    engine = LLMEngine(EngineConfig(model=family_model(family), block_size=8, num_kv_blocks=24,
+                                    max_num_batched_tokens=32, max_num_seqs=8, watermark=0.0))
+    bm = engine.block_manager
+    assert bm.sliding_window == WINDOW
+    held: list[int] = []
+    outputs: dict[str, list[int]] = {}
+    for step in range(400):
+        for rid, p, params in arrivals.get(step, []):
+            engine.add_request(rid, p, params)
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        bm.check_invariants(list(engine.scheduler.running))
+        if step < 60:
+            held.append(bm.num_used_blocks)
+        if not engine.has_unfinished() and step > 64:
+            break
+    # The window spans at most ceil((24 - 1) / 8) + 1 = 4 blocks, plus the next token's.
+    assert max(held) <= 5 and held[-1] <= 5, held
+    ref = load_eager_reference(family_model(family))
+    for reqs in arrivals.values():
+        for rid, p, params in reqs:
+            assert len(outputs[rid]) == params.max_tokens
+            assert_greedy_parity(ref, p, outputs[rid], TOL)
+    assert bm.num_used_blocks == 0
+
+
+def test_hybrid_models_keep_their_blocks(family_model):
+    """Gemma 2 has full-attention layers beside its sliding ones: nothing is returned."""
+    engine = LLMEngine(EngineConfig(model=family_model("gemma2"), num_kv_blocks=32))
+    assert engine.block_manager.sliding_window is None
