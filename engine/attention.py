@@ -61,7 +61,8 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
     meta: AttentionMetadata = kwargs["paged"]
     layer = module.layer_idx
     spec = meta.layers[layer] if meta.layers is not None else _PLAIN
-    if (sliding_window or None) != spec.window or (softcap or None) != spec.softcap or (s_aux is not None) != spec.sinks:
+    if ((sliding_window or None) != spec.window or (softcap or None) != spec.softcap
+            or (s_aux is not None) != spec.sinks):
         raise RuntimeError(f"layer {layer}: the model passes sliding_window={sliding_window}, softcap={softcap}, "
                            f"sinks={s_aux is not None}; the family description (engine/families.py) says {spec}")
     q = query[0].transpose(0, 1)                                  # [N, H, D]

@@ -175,7 +175,8 @@ class BlockManager:
                 self.hash_to_block[h] = block.block_id
         if self.sliding_window:
             table = seq.block_table
-            for i in range(min(len(table), max(0, seq.num_computed_tokens - self.sliding_window + 1) // bs) - 1, -1, -1):
+            unseen = max(0, seq.num_computed_tokens - self.sliding_window + 1) // bs   # blocks wholly before
+            for i in range(min(len(table), unseen) - 1, -1, -1):
                 if table[i] == FREED:
                     break
                 self._release([table[i]])

@@ -48,7 +48,8 @@ def supports(model: nn.Module, family=None) -> bool:
             and all(type(m).__name__ == f"{prefix}DecoderLayer" for m in model.model.layers))
 
 
-def maybe_fuse(model: nn.Module, config, device: torch.device, dtype: torch.dtype, family=None) -> FusedLlama | None:
+def maybe_fuse(model: nn.Module, config, device: torch.device, dtype: torch.dtype,
+               family=None) -> FusedLlama | None:
     """The fused forward for eager fp32 or bf16 on CPU in one process, unless `config.fused_layers`
     or `config.packed_linear` is False; None where it does not apply."""
     if config.fused_layers is False or config.packed_linear is False or config.compile or config.tensor_parallel_size > 1:
@@ -112,7 +113,8 @@ class FusedLlama:
         self.layers = [_Layer(layer, kind, w) for layer, w in zip(body.layers, windows)]
         self.norm, self.eps = body.norm.weight.detach(), body.norm.variance_epsilon
         self.lm_head = model.lm_head = PackedLinear(model.lm_head, kind)   # a tied one: its own copy
-        log.info("fused Llama-shaped forward (%s): %d layers, q/k/v and gate/up packed as one GEMM each (%s)", cfg.model_type, len(self.layers), kind)
+        log.info("fused Llama-shaped forward (%s): %d layers, q/k/v and gate/up packed as one GEMM each (%s)",
+                 cfg.model_type, len(self.layers), kind)
 
     def __call__(self, input_ids, position_ids, cache, paged, logits_to_keep, **_):
         ops = torch.ops.streamgate

@@ -64,7 +64,8 @@ class ModelRunner:
         # Every layer sliding over one window, attended by the kernel (which reads only the
         # window): the block manager returns blocks that fell out of it (block_manager.py).
         windows = {layer.window for layer in self.family.layers}
-        self.kv_free_window = windows.pop() if len(windows) == 1 and None not in windows and all(self.on_kernel) else None
+        one = len(windows) == 1 and None not in windows and all(self.on_kernel)
+        self.kv_free_window = windows.pop() if one else None
         if self.forward is self.model:
             maybe_pack(self.model, config, self.device, self.dtype)
         eager_cpu = self.device.type == "cpu" and not config.compile and tp == 1
