@@ -10,8 +10,8 @@ cannot serve is refused here, with the config field that blocks it.
 
 Sliding windows follow transformers' masks: a query at position p attends to keys in
 (p - window, p]. A config with `layer_types` slides the layers marked "sliding_attention";
-one without (Mistral, Mixtral, Phi-3, Qwen3-MoE) slides every layer when `sliding_window`
-is set. The attention function checks, per call, that the window the module passes is the
+one without slides every layer when `sliding_window` is set if its modeling code does so
+(Mistral, Mixtral, Phi-3, Qwen2/3-MoE, Starcoder2: `_GLOBAL_WINDOW`), else none. The attention function checks, per call, that the window the module passes is the
 one decided here (attention.py), so a family whose modeling code disagrees fails loudly.
 """
 
@@ -25,7 +25,12 @@ SERVED: dict[str, bool] = {
     "llama": True, "mistral": True, "qwen2": True, "qwen3": True,
     "gemma2": False, "gemma3_text": False, "phi3": False, "smollm3": False, "olmo2": False,
     "granite": False, "qwen3_moe": False, "gpt_oss": False, "mixtral": False,
+    "ministral": False, "olmo3": False, "exaone4": False, "cohere2": False, "starcoder2": False,
+    "gemma": False, "phi": False, "glm4": False, "helium": False, "seed_oss": False, "cohere": False,
+    "arcee": False, "qwen2_moe": False, "olmoe": False, "granitemoe": False,
 }
+# Families without `layer_types` whose every layer slides when `sliding_window` is set.
+_GLOBAL_WINDOW = ("mistral", "mixtral", "phi3", "qwen3_moe", "qwen2_moe", "starcoder2")
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Config fields that mean a layer keeps a recurrent state (state-space, linear attention,
 # short convolutions), for which the engine has no pool beside the paged KV cache.
@@ -99,7 +104,7 @@ def describe(config) -> FamilySpec:
             raise UnsupportedModel(f"model family {family!r}: config.layer_types has sliding_attention layers "
                                    f"but config.sliding_window is not set")
     else:
-        windows = [window] * num_layers
+        windows = [window if family in _GLOBAL_WINDOW else None] * num_layers
     softcap = getattr(config, "attn_logit_softcapping", None) or None
     sinks = family == "gpt_oss"
     layers = tuple(LayerSpec(w, softcap, sinks) for w in windows)

@@ -102,6 +102,23 @@ def test_family_greedy_parity_chunked_with_prefix_hits(family_model, family):
     assert engine.stats()["prefix_cache_hit_tokens"] >= 2 * 56 - 8
 
 
+MORE_FAMILIES = ["ministral", "olmo3", "exaone4", "cohere2", "starcoder2", "gemma", "phi", "glm4", "helium",
+                 "seed_oss", "cohere", "arcee", "qwen2_moe", "olmoe", "granitemoe"]
+
+
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_more_families_greedy_parity(family_model, family):
+    """Families whose differences all live in transformers' modeling code (parallel blocks,
+    LayerNorm, biases, partial rotary, logit scales, shared experts) or in their sliding
+    layers: a lighter workload (a prompt crossing the window twice, one sharing its prefix,
+    a short one), chunked, staggered."""
+    rng = random.Random(4)
+    first = [rng.randrange(100, 40_000) for _ in range(60)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [("a", first, params)], 2: [("b", [7, 8, 9], params)], 6: [("c", first[:48] + [1, 2], params)]}
+    check_parity(family_model(family), arrivals)
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
 def test_family_greedy_parity_on_the_torch_backend(family_model, family):
     """The torch reference path: windows in the masks, soft-capping and sinks written out."""
