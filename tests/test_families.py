@@ -125,6 +125,29 @@ def test_family_greedy_parity_on_the_torch_backend(family_model, family):
     check_parity(family_model(family), workload(seed=1), attention_backend="torch")
 
 
+def _native_bf16() -> bool:
+    from engine.dtypes import native_bf16_cpu
+
+    return native_bf16_cpu()
+
+
+@pytest.mark.skipif(not _native_bf16(), reason="no AVX512-BF16 or AMX-bf16 on this CPU: bf16 is emulated")
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_family_bf16_on_the_kernel(family_model, family):
+    """bf16 weights and pool: Mistral's window on the fused bf16 forward, Gemma 2's window and
+    soft-cap on transformers' bf16 forward, both through the kernel's bf16 paths; equal HF's
+    bf16 eager greedy up to near-ties (0.15, tests/test_parity.py's bf16 tolerance)."""
+    arrivals = workload(seed=3)
+    model_dir = family_model(family)
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", attention_backend="kernel", block_size=8,
+                                    max_num_batched_tokens=32, max_num_seqs=8))
+    outputs = run_to_completion(engine, arrivals)
+    ref = load_eager_reference(model_dir, "bfloat16")
+    for reqs in arrivals.values():
+        for rid, prompt, params in reqs:
+            assert_greedy_parity(ref, prompt, outputs[rid], 0.15)
+
+
 @pytest.mark.parametrize("family, mode, blocks", [("gpt_oss", "recompute", 24), ("gemma3_text", "swap", 24),
                                                   ("mistral", "swap", 15), ("qwen3-sliding", "recompute", 15)])
 def test_family_greedy_parity_under_preemption(family_model, family, mode, blocks):
