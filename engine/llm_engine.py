@@ -51,7 +51,8 @@ class LLMEngine:
         if not config.chunked_prefill:           # a whole (re)computed prompt must fit one step
             self.max_model_len = min(self.max_model_len, config.max_num_batched_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          num_host_blocks=config.num_swap_blocks)
+                                          num_host_blocks=config.num_swap_blocks,
+                                          sliding_window=getattr(self.runner, "kv_free_window", None))
         self.scheduler = Scheduler(config, self.block_manager, clock, self.max_model_len)
         self.metrics = EngineMetrics(self.stats)
         self._swapped_bytes = 0
@@ -219,6 +220,8 @@ class LLMEngine:
         filled: dict[int, int] = {}
         for seq in list(sched.running):
             for i, bid in enumerate(list(seq.block_table)):
+                if bid < 0:                              # returned by the sliding window
+                    continue
                 filled[bid] = max(filled.get(bid, 0), min(bm.block_size, seq.num_computed_tokens - i * bm.block_size))
         fair = getattr(sched.policy, "counters", {})
         return {
