@@ -21,6 +21,7 @@ max_tokens first, the request ends with finish_reason "length" and its text may 
 from __future__ import annotations
 
 import concurrent.futures
+from concurrent.futures import CancelledError
 import threading
 import time
 
@@ -43,7 +44,7 @@ class GrammarState:
     @property
     def ready(self) -> bool:
         if self.matcher is None and self.error is None and self.future.done():
-            exc = self.future.exception()
+            exc = CancelledError("cancelled") if self.future.cancelled() else self.future.exception()
             if exc is None:
                 self.matcher = self.future.result()
             else:
@@ -106,6 +107,8 @@ class GrammarRuntime:
         failed = []
         for seq in list(self.pending):
             state = seq.grammar_state
+            if seq.status.finished:
+                state.future.cancel()                # aborted while queued: never compiled
             if state.ready or state.error is not None or seq.status.finished:
                 self.pending.discard(seq)
                 if state.error is not None and not seq.status.finished:

@@ -200,6 +200,21 @@ def test_a_compile_past_its_time_limit_ends_the_request_with_a_grammar_error(eng
     assert engine.stats()["kv_blocks_used"] == 0
 
 
+def test_a_request_aborted_while_its_grammar_compiles_is_never_compiled(engine):
+    release = block_compiles(engine)
+    try:
+        engine.add_request("gone", list(range(100, 140)), SamplingParams(grammar=Grammar("regex", "[0-9]+")))
+        engine.step()
+        future = engine.seqs["gone"].grammar_state.future
+        engine.abort("gone")
+        outs = engine.step()
+        assert [(o.request_id, o.finish_reason) for o in outs] == [("gone", "abort")]
+        assert future.cancelled() and not engine.grammars.pending
+    finally:
+        release.set()
+    assert not engine.has_unfinished() and engine.stats()["kv_blocks_used"] == 0
+
+
 @pytest.mark.parametrize("grammar, match", [
     (Grammar("json_schema", "{not json"), "grammar: the JSON schema is not valid JSON"),
     (Grammar("json_schema", '{"type": "frobnicate"}'), "grammar: "),
