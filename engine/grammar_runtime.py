@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 from concurrent.futures import CancelledError
 import threading
+from collections import deque
 import time
 
 import numpy as np
@@ -73,7 +74,7 @@ class GrammarRuntime:
         self._llt = None
         self._executor = None
         self.pending: set[Sequence] = set()
-        self.compile_times: list[float] = []     # seconds, for stats and the benchmark
+        self.compile_times: deque[float] = deque(maxlen=256)   # the latest compiles' seconds (bench, tests)
 
     def _lltokenizer(self):
         with self._lock:
