@@ -4,10 +4,11 @@ steps with 0, 1 and all streams under a JSON schema, and grammar compile times.
     python -m bench.grammar [--model default] [--rows 32] [--reps 50]
                             [--decode] [--streams 8,32] [--steps 40] [--rounds 2] [--dtype auto]
 
-Default (no model forward, so a shared host's load disturbs it least): 32 sampling rows of the
-model's vocabulary, after 30 constrained tokens each; the median time of the mask work
-(llguidance fills the step's bitmask on a pool thread, overlapped with the forward in the
-engine; unpacking it to bool rows) and of `sample_step` with 0, 1 and all rows constrained.
+Default (no model forward, on one torch thread, so a shared host's load disturbs it least):
+32 sampling rows of the model's vocabulary, after 30 constrained tokens each; the median time
+of the mask work (llguidance fills the step's bitmask on a pool thread, overlapped with the
+forward in the engine; numpy unpacks it) and of `sample_step` with 0, 1 and all rows
+constrained, interleaved.
 `--decode`: phases of `--steps` pure decode steps of the model with 0, 1 and all streams
 constrained, in turn, `--rounds` times (alternating phases share the host's load); the
 constrained rows sample under a schema that cannot end within the phase (an array of at least
@@ -150,7 +151,10 @@ def main() -> None:
     engine.grammars._lltokenizer()
     print(f"llguidance tokenizer build (once per engine): {(time.perf_counter() - t) * 1e3:.0f} ms")
     compile_times(engine)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)             # one thread: a shared host's load stalls no parallel region
     micro(engine.grammars, args.rows, args.reps)
+    torch.set_num_threads(threads)
     tag = 0
     for streams in [int(s) for s in args.streams.split(",")] if args.decode else []:
         results: dict[int, list[tuple[float, float]]] = {}

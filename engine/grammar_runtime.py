@@ -57,10 +57,19 @@ class MaskJob:
     def __init__(self, future: concurrent.futures.Future, rows: dict[int, int]):
         self.future, self.rows = future, rows
 
-    def result(self, device: torch.device | str = "cpu") -> dict[int, torch.Tensor]:
+    def result(self, device: torch.device | str = "cpu") -> RowMasks:
         """row -> bool [V] on `device`: the tokens the row's grammar bans."""
         banned = self.future.result().to(device)                      # bool [G, V]
-        return {row: banned[g] for row, g in self.rows.items()}
+        masks = RowMasks({row: banned[g] for row, g in self.rows.items()})
+        masks.banned = banned
+        return masks
+
+
+class RowMasks(dict):
+    """row -> banned tokens; `banned` holds them all, bool [G, V], in row order (one op for
+    the sampler when the constrained rows are all its processed rows)."""
+
+    banned: torch.Tensor
 
 
 class GrammarRuntime:
