@@ -8,7 +8,8 @@ thread, and each step's token masks for the rows that have one.
   request with an error naming the grammar (`failures()`).
 - `masks(seqs)` (before the forward) starts computing the masks of the step's constrained
   rows on another thread (llguidance releases the GIL; numpy unpacks the bits), and
-  `MaskJob.result()` (after the forward) returns each row's banned tokens for the sampler. A step without constrained rows does
+  `MaskJob.result()` (after the forward) returns each row's banned tokens for the sampler.
+  A step without constrained rows does
   nothing here.
 - `advance(seqs, tokens)` feeds each constrained row its sampled token.
 
@@ -126,7 +127,8 @@ class GrammarRuntime:
             elif now >= state.deadline:
                 self.pending.discard(seq)
                 state.future.cancel()
-                state.error = f"grammar: compiling the {seq.params.grammar.kind} took longer than {self.compile_timeout_s} s"
+                state.error = (f"grammar: compiling the {seq.params.grammar.kind} took longer than "
+                               f"{self.compile_timeout_s} s")
                 failed.append((seq, state.error))
         return failed
 

@@ -167,7 +167,8 @@ def test_the_step_never_waits_on_a_compile(engine):
     release = block_compiles(engine)
     try:
         engine.add_request("g", list(range(100, 180)),
-                           SamplingParams(max_tokens=50, temperature=0.0, grammar=Grammar("regex", "[0-9]{3}-[0-9]{4}")))
+                           SamplingParams(max_tokens=50, temperature=0.0,
+                                          grammar=Grammar("regex", "[0-9]{3}-[0-9]{4}")))
         engine.add_request("p", [5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
         outs = []
         for _ in range(40):
@@ -245,8 +246,9 @@ async def test_async_generate_refuses_a_bad_grammar_before_streaming(tiny_model)
         schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
                   "required": ["n"], "additionalProperties": False}
         text, finals = "", []
-        async for out in eng.generate("good", [1, 2], SamplingParams(max_tokens=50, temperature=1.0, seed=3,
-                                                                     grammar=Grammar("json_schema", json.dumps(schema)))):
+        params = SamplingParams(max_tokens=50, temperature=1.0, seed=3,
+                                grammar=Grammar("json_schema", json.dumps(schema)))
+        async for out in eng.generate("good", [1, 2], params):
             text += out.new_text
             finals += [out.finish_reason] if out.finished else []
         assert finals == ["stop"] and 1 <= json.loads(text)["n"] <= 9

@@ -83,7 +83,8 @@ def test_processed_logprobs_match_a_torch_reference_on_the_same_logits():
         logits = torch.randn(len(CASES) + 2, V, generator=gen) * 3
         seqs = [seq(p, [rng.randrange(V) for _ in range(6)], [rng.randrange(V) for _ in range(rng.randrange(12))])
                 for p in CASES]
-        plain = [seq(SamplingParams(temperature=0.0), [1, 2], []), seq(SamplingParams(temperature=1.0, seed=4), [1], [])]
+        plain = [seq(SamplingParams(temperature=0.0), [1, 2], []),
+                 seq(SamplingParams(temperature=1.0, seed=4), [1], [])]
         batch = seqs[:3] + plain + seqs[3:]
         rows = list(range(3)) + list(range(5, len(batch)))
         tokens, logprobs = sample_step(logits[[0, 1, 2, 6, 7, 3, 4, 5]], batch)
