@@ -233,3 +233,18 @@ def test_logit_bias_accepts_a_dict_with_string_keys():
     p = SamplingParams(logit_bias={"50": -100, 7: 2.5})
     assert p.logit_bias == ((7, 2.5), (50, -100))
     p.validate(100)
+
+
+def test_merged_outputs_keep_logprobs_aligned_with_tokens():
+    """A slow consumer's merged delta carries every token's logprob in order; the final
+    output (no tokens, no logprobs) leaves them as they were."""
+    from engine import RequestOutput, TokenLogprob
+
+    a = RequestOutput("r", [5], "a", logprobs=[TokenLogprob(5, -0.5, ((5, -0.5), (6, -1.0)))])
+    b = RequestOutput("r", [6, 7], "bc", logprobs=[TokenLogprob(6, -0.1), TokenLogprob(7, -2.0)])
+    end = RequestOutput("r", [], "", finished=True, finish_reason="stop")
+    merged = a.merge(b).merge(end)
+    assert merged.new_token_ids == [5, 6, 7] and merged.finished
+    assert [x.token_id for x in merged.logprobs] == merged.new_token_ids
+    assert merged.logprobs[0].top == ((5, -0.5), (6, -1.0))
+    assert RequestOutput("r", [1], "x").merge(end).logprobs is None
