@@ -77,7 +77,7 @@ def _processed(x: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], torch.
     want = any(s.params.logprobs is not None for s in seqs)
     logprobs = x.log_softmax(dim=-1) if want else None
     rows = [j for j, s in enumerate(seqs) if not s.params.greedy]
-    tokens = x.argmax(dim=-1) if len(rows) < len(seqs) else torch.zeros(len(seqs), dtype=torch.long)
+    tokens = x.argmax(dim=-1) if len(rows) < len(seqs) else torch.zeros(len(seqs), dtype=torch.long, device=x.device)
     if rows:
         params = [seqs[j].params for j in rows]
         dev = x.device
