@@ -248,3 +248,24 @@ def test_merged_outputs_keep_logprobs_aligned_with_tokens():
     assert [x.token_id for x in merged.logprobs] == merged.new_token_ids
     assert merged.logprobs[0].top == ((5, -0.5), (6, -1.0))
     assert RequestOutput("r", [1], "x").merge(end).logprobs is None
+
+
+def test_n_choices_of_one_prompt_compute_it_once(tiny_model):
+    """Four requests with the same 100-token prompt arriving together (the gateway's `n`):
+    the first computes the prompt, the others wait for its blocks and take them from the
+    prefix cache (only the last, partial block is computed again); greedy choices agree,
+    seeded ones differ. With prefix caching off, all four compute it."""
+    prompt = [random.Random(2).randrange(100, 40_000) for _ in range(100)]
+    for caching in (True, False):
+        eng = LLMEngine(EngineConfig(model=tiny_model("llama"), max_num_batched_tokens=64, max_num_seqs=8,
+                                     num_kv_blocks=256, enable_prefix_caching=caching))
+        reqs = [(f"c{i}", prompt, SamplingParams(max_tokens=8, temperature=0.0 if i < 2 else 1.0, seed=i,
+                                                 ignore_eos=True)) for i in range(4)]
+        out = run_to_completion(eng, {0: reqs})
+        computed = eng.scheduler.counters.prompt_tokens
+        if caching:
+            assert computed == 100 + 3 * (100 - 96)                 # 6 full blocks of 16 shared
+            assert eng.stats()["prefix_cache_hit_tokens"] == 3 * 96
+        else:
+            assert computed == 4 * 100
+        assert out["c0"] == out["c1"] and out["c2"] != out["c3"]
