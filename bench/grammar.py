@@ -3,11 +3,13 @@ steps with 0, 1 and all streams under a JSON schema, and grammar compile times.
 
     python -m bench.grammar [--model default] [--rows 32] [--reps 50]
                             [--decode] [--streams 8,32] [--steps 40] [--rounds 2] [--dtype auto]
+    python -m bench.grammar --n [--rounds 2]     # n=4 against 4 separate requests
 
-Default (no model forward, so a shared host's load disturbs it least): 32 sampling rows of the
-model's vocabulary, after 30 constrained tokens each; the median time of the mask work
-(llguidance fills the step's bitmask on a pool thread, overlapped with the forward in the
-engine; unpacking it to bool rows) and of `sample_step` with 0, 1 and all rows constrained.
+Default (no model forward, on one torch thread, so a shared host's load disturbs it least):
+32 sampling rows of the model's vocabulary, after 30 constrained tokens each; the median time
+of the mask work (llguidance fills the step's bitmask on a pool thread, overlapped with the
+forward in the engine; numpy unpacks it) and of `sample_step` with 0, 1 and all rows
+constrained, interleaved.
 `--decode`: phases of `--steps` pure decode steps of the model with 0, 1 and all streams
 constrained, in turn, `--rounds` times (alternating phases share the host's load); the
 constrained rows sample under a schema that cannot end within the phase (an array of at least
@@ -41,10 +43,11 @@ SMALL = {"type": "object", "additionalProperties": False, "required": ["city", "
 def large_schema(n: int = 120) -> dict:
     """n properties of mixed kinds, nested objects and $refs: ~20 KB of JSON."""
     rng = random.Random(0)
-    defs = {f"t{i}": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 10**6},
-                                                        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
-                                                        "mode": {"enum": [f"m{j}" for j in range(12)]}},
-                      "required": ["id"]} for i in range(10)}
+    item = {"type": "object", "required": ["id"],
+            "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 10**6},
+                           "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
+                           "mode": {"enum": [f"m{j}" for j in range(12)]}}}
+    defs = {f"t{i}": item for i in range(10)}
     props = {}
     for i in range(n):
         props[f"field_{i}"] = rng.choice([{"type": "string", "maxLength": 40}, {"type": "number", "minimum": -1e3,
@@ -114,8 +117,9 @@ def micro(rt: GrammarRuntime, rows: int, reps: int) -> None:
             fill[constrained].append(t1 - t0)
             total[constrained].append(t2 - t0)
     for constrained in sets:
-        print(f"{rows} rows, {constrained:2d} constrained: mask fill + unpack {statistics.median(fill[constrained]) * 1e3:6.2f} ms, "
-              f"with sampling {statistics.median(total[constrained]) * 1e3:6.2f} ms (median of {reps})")
+        f, t = statistics.median(fill[constrained]), statistics.median(total[constrained])
+        print(f"{rows} rows, {constrained:2d} constrained: mask fill + unpack {f * 1e3:6.2f} ms, "
+              f"with sampling {t * 1e3:6.2f} ms (median of {reps})")
 
 
 def compile_times(engine: LLMEngine) -> None:
@@ -134,6 +138,29 @@ def compile_times(engine: LLMEngine) -> None:
               f"token-level compile {', '.join(f'{x * 1e3:.1f}' for x in runs)} ms")
 
 
+def n_choices(engine: LLMEngine, prompt_len: int, max_tokens: int, rounds: int) -> None:
+    """n=4 (one prompt, four seeded choices, as the gateway sends them) against four
+    requests with distinct prompts: wall time to complete all four, alternating."""
+    times: dict[str, list[float]] = {"n=4": [], "4 requests": []}
+    for r in range(rounds):
+        for kind in times:
+            rng = random.Random(r)
+            shared = [rng.randrange(100, 40_000) for _ in range(prompt_len)]
+            before = engine.scheduler.counters.prompt_tokens
+            start = time.perf_counter()
+            for i in range(4):
+                p = shared if kind == "n=4" else [rng.randrange(100, 40_000) for _ in range(prompt_len)]
+                engine.add_request(f"n{r}-{kind}-{i}", p, SamplingParams(max_tokens=max_tokens, temperature=1.0,
+                                                                         seed=i, ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+            times[kind].append(time.perf_counter() - start)
+            computed = engine.scheduler.counters.prompt_tokens - before
+            took = times[kind][-1]
+            print(f"{kind:10s} round {r}: {took:6.2f} s, {4 * max_tokens / took:6.1f} output tok/s, "
+                  f"{computed} prompt tokens computed")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="default")
@@ -144,13 +171,20 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--decode", action="store_true")
+    ap.add_argument("--n", action="store_true", help="n=4 against 4 separate requests (prompt 1024, 32 tokens)")
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=32, max_num_batched_tokens=512))
+    if args.n:
+        n_choices(engine, 1024, 32, args.rounds)
+        return
     t = time.perf_counter()
     engine.grammars._lltokenizer()
     print(f"llguidance tokenizer build (once per engine): {(time.perf_counter() - t) * 1e3:.0f} ms")
     compile_times(engine)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)             # one thread: a shared host's load stalls no parallel region
     micro(engine.grammars, args.rows, args.reps)
+    torch.set_num_threads(threads)
     tag = 0
     for streams in [int(s) for s in args.streams.split(",")] if args.decode else []:
         results: dict[int, list[tuple[float, float]]] = {}

@@ -8,7 +8,8 @@ thread, and each step's token masks for the rows that have one.
   request with an error naming the grammar (`failures()`).
 - `masks(seqs)` (before the forward) starts computing the masks of the step's constrained
   rows on another thread (llguidance releases the GIL; numpy unpacks the bits), and
-  `MaskJob.result()` (after the forward) returns each row's banned tokens for the sampler. A step without constrained rows does
+  `MaskJob.result()` (after the forward) returns each row's banned tokens for the sampler.
+  A step without constrained rows does
   nothing here.
 - `advance(seqs, tokens)` feeds each constrained row its sampled token.
 
@@ -21,7 +22,9 @@ max_tokens first, the request ends with finish_reason "length" and its text may 
 from __future__ import annotations
 
 import concurrent.futures
+from concurrent.futures import CancelledError
 import threading
+from collections import deque
 import time
 
 import numpy as np
@@ -43,7 +46,7 @@ class GrammarState:
     @property
     def ready(self) -> bool:
         if self.matcher is None and self.error is None and self.future.done():
-            exc = self.future.exception()
+            exc = CancelledError("cancelled") if self.future.cancelled() else self.future.exception()
             if exc is None:
                 self.matcher = self.future.result()
             else:
@@ -55,10 +58,19 @@ class MaskJob:
     def __init__(self, future: concurrent.futures.Future, rows: dict[int, int]):
         self.future, self.rows = future, rows
 
-    def result(self, device: torch.device | str = "cpu") -> dict[int, torch.Tensor]:
+    def result(self, device: torch.device | str = "cpu") -> RowMasks:
         """row -> bool [V] on `device`: the tokens the row's grammar bans."""
         banned = self.future.result().to(device)                      # bool [G, V]
-        return {row: banned[g] for row, g in self.rows.items()}
+        masks = RowMasks({row: banned[g] for row, g in self.rows.items()})
+        masks.banned = banned
+        return masks
+
+
+class RowMasks(dict):
+    """row -> banned tokens; `banned` holds them all, bool [G, V], in row order (one op for
+    the sampler when the constrained rows are all its processed rows)."""
+
+    banned: torch.Tensor
 
 
 class GrammarRuntime:
@@ -72,7 +84,7 @@ class GrammarRuntime:
         self._llt = None
         self._executor = None
         self.pending: set[Sequence] = set()
-        self.compile_times: list[float] = []     # seconds, for stats and the benchmark
+        self.compile_times: deque[float] = deque(maxlen=256)   # the latest compiles' seconds (bench, tests)
 
     def _lltokenizer(self):
         with self._lock:
@@ -106,6 +118,8 @@ class GrammarRuntime:
         failed = []
         for seq in list(self.pending):
             state = seq.grammar_state
+            if seq.status.finished:
+                state.future.cancel()                # aborted while queued: never compiled
             if state.ready or state.error is not None or seq.status.finished:
                 self.pending.discard(seq)
                 if state.error is not None and not seq.status.finished:
@@ -113,7 +127,8 @@ class GrammarRuntime:
             elif now >= state.deadline:
                 self.pending.discard(seq)
                 state.future.cancel()
-                state.error = f"grammar: compiling the {seq.params.grammar.kind} took longer than {self.compile_timeout_s} s"
+                state.error = (f"grammar: compiling the {seq.params.grammar.kind} took longer than "
+                               f"{self.compile_timeout_s} s")
                 failed.append((seq, state.error))
         return failed
 

@@ -1,10 +1,12 @@
 """The synchronous engine: `add_request()` then `step()` until nothing is unfinished.
 
-    batch  = scheduler.schedule()
+    batch  = scheduler.schedule()     # a sequence whose grammar compiles is not sampled yet
+    masks  = grammars.masks(...)      # constrained rows' token masks, on a thread during the forward
     logits = runner.run(batch)
-    tokens = sample(logits, batch.sampling_seqs)
+    tokens, logprobs = sample_step(logits, batch.sampling_seqs, masks)   # sampler.py, logits_processors.py
+    grammars.advance(...)             # each constrained row's matcher consumes its token
     scheduler.update(batch, tokens)   # catch up, commit, charge, stop tokens, length, free
-    outputs: detokenize (stop strings), metrics
+    outputs: detokenize (stop strings), logprobs, metrics
 
 The step's time feeds the scheduler's token budget (budget.py), which keeps steps under
 the inter-token latency target.

@@ -6,7 +6,8 @@ this order, which is vLLM v1's:
    divided by the penalty if positive, multiplied by it otherwise;
 3. frequency_penalty and presence_penalty (OpenAI): logit - frequency * count - presence * (count > 0),
    count over the generated tokens only;
-4. the grammar's mask (grammar_runtime.py): disallowed tokens to -inf;
+4. the grammar's mask (grammar_runtime.py): disallowed tokens to -inf (applied first in
+   fact: -inf stays -inf through steps 1-3, so the order is the same result);
 then, in sampler.py, temperature, min_p (on the tempered distribution, as vLLM), top-k and top-p.
 
 The processed distribution (everything above) is the one sampled from and the one whose

@@ -31,11 +31,18 @@ def sample_step(logits: torch.Tensor, seqs: list[Sequence],
         return _plain(logits, seqs), None
     tokens = _plain(logits, seqs, skip=set(special))                 # special rows' entries replaced below
     rows = [seqs[i] for i in special]
-    x = logits[special]                                               # a copy: [R, V]
+    whole = getattr(masks, "banned", None) if masks and list(masks) == special else None
+    if whole is not None and len(special) == len(seqs):
+        x = logits.masked_fill(whole, float("-inf"))                  # copy and mask in one pass
+    else:
+        x = logits[special]                                           # a copy: [R, V]
+        if whole is not None:
+            x.masked_fill_(whole, float("-inf"))
+        else:
+            for j, i in enumerate(special):
+                if masks and i in masks:
+                    x[j].masked_fill_(masks[i], float("-inf"))
     apply_penalties(x, rows)
-    for j, i in enumerate(special):
-        if masks and i in masks:
-            x[j].masked_fill_(masks[i], float("-inf"))
     picked, logprobs = _processed(x, rows)
     out: list[TokenLogprob | None] = [None] * len(seqs)
     for j, i in enumerate(special):
@@ -70,7 +77,7 @@ def _processed(x: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], torch.
     want = any(s.params.logprobs is not None for s in seqs)
     logprobs = x.log_softmax(dim=-1) if want else None
     rows = [j for j, s in enumerate(seqs) if not s.params.greedy]
-    tokens = x.argmax(dim=-1) if len(rows) < len(seqs) else torch.zeros(len(seqs), dtype=torch.long)
+    tokens = x.argmax(dim=-1) if len(rows) < len(seqs) else torch.zeros(len(seqs), dtype=torch.long, device=x.device)
     if rows:
         params = [seqs[j].params for j in rows]
         dev = x.device

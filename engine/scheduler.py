@@ -201,6 +201,7 @@ class Scheduler(Preemption):
         key = lambda s: self.policy.key(s, now)  # noqa: E731
         group = lambda s: (s.tenant, s.priority)  # noqa: E731
         blocked: set[tuple] = set()                          # heads that could not start
+        twins: set[int] = set()                              # prompts whose twin is prefilling: next step
         held: set[tuple] = set()                             # prompts that may not share this step
         first: Sequence | None = None                        # isolate_prompts: the step's first prompt
         self.waiting.sort(key=key)
@@ -210,10 +211,13 @@ class Scheduler(Preemption):
                 self.waiting.sort(key=key)
                 self.swapped.sort(key=key)
             seq = next((s for s in heapq.merge(self.waiting, self.swapped, key=key)
-                        if group(s) not in blocked and group(s) not in held), None)
+                        if group(s) not in blocked and group(s) not in held and id(s) not in twins), None)
             if seq is None:
                 break
             swapping = seq.status is SequenceStatus.SWAPPED
+            if not swapping and self._twin_prefilling(seq):
+                twins.add(id(seq))                           # its prompt comes from the prefix cache next
+                continue
             if first is not None and not swapping and not self.policy.may_share_step(first, seq):
                 held.add(group(seq))                         # its prompt would slow first's token: next step
                 continue
@@ -244,6 +248,16 @@ class Scheduler(Preemption):
             seq.admitted_step = self.num_steps
             self.running.append(seq)
             self._add(out, seq, self._chunk(seq, out, left))
+
+    def _twin_prefilling(self, seq: Sequence) -> bool:
+        """A fresh prompt of at least a block whose exact twin is running and still computing
+        its prompt (the `n` choices of one request): it waits for the twin's blocks to be
+        committed and takes them from the prefix cache, so the prompt is computed once."""
+        if not self.bm.enable_prefix_caching or self.config.batching != "continuous" or seq.num_computed_tokens \
+                or seq.num_output_tokens or seq.num_prompt_tokens <= self.bm.block_size:
+            return False
+        return any(s.num_computed_tokens < s.num_prompt_tokens and s.prompt_token_ids == seq.prompt_token_ids
+                   for s in self.running)
 
     def _add(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         """Schedule `n` tokens of `seq`. Prompt work is charged to the policy now (as VTC

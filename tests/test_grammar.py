@@ -167,7 +167,8 @@ def test_the_step_never_waits_on_a_compile(engine):
     release = block_compiles(engine)
     try:
         engine.add_request("g", list(range(100, 180)),
-                           SamplingParams(max_tokens=50, temperature=0.0, grammar=Grammar("regex", "[0-9]{3}-[0-9]{4}")))
+                           SamplingParams(max_tokens=50, temperature=0.0,
+                                          grammar=Grammar("regex", "[0-9]{3}-[0-9]{4}")))
         engine.add_request("p", [5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
         outs = []
         for _ in range(40):
@@ -200,6 +201,21 @@ def test_a_compile_past_its_time_limit_ends_the_request_with_a_grammar_error(eng
     assert engine.stats()["kv_blocks_used"] == 0
 
 
+def test_a_request_aborted_while_its_grammar_compiles_is_never_compiled(engine):
+    release = block_compiles(engine)
+    try:
+        engine.add_request("gone", list(range(100, 140)), SamplingParams(grammar=Grammar("regex", "[0-9]+")))
+        engine.step()
+        future = engine.seqs["gone"].grammar_state.future
+        engine.abort("gone")
+        outs = engine.step()
+        assert [(o.request_id, o.finish_reason) for o in outs] == [("gone", "abort")]
+        assert future.cancelled() and not engine.grammars.pending
+    finally:
+        release.set()
+    assert not engine.has_unfinished() and engine.stats()["kv_blocks_used"] == 0
+
+
 @pytest.mark.parametrize("grammar, match", [
     (Grammar("json_schema", "{not json"), "grammar: the JSON schema is not valid JSON"),
     (Grammar("json_schema", '{"type": "frobnicate"}'), "grammar: "),
@@ -230,8 +246,9 @@ async def test_async_generate_refuses_a_bad_grammar_before_streaming(tiny_model)
         schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
                   "required": ["n"], "additionalProperties": False}
         text, finals = "", []
-        async for out in eng.generate("good", [1, 2], SamplingParams(max_tokens=50, temperature=1.0, seed=3,
-                                                                     grammar=Grammar("json_schema", json.dumps(schema)))):
+        params = SamplingParams(max_tokens=50, temperature=1.0, seed=3,
+                                grammar=Grammar("json_schema", json.dumps(schema)))
+        async for out in eng.generate("good", [1, 2], params):
             text += out.new_text
             finals += [out.finish_reason] if out.finished else []
         assert finals == ["stop"] and 1 <= json.loads(text)["n"] <= 9

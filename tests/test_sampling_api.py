@@ -83,7 +83,8 @@ def test_processed_logprobs_match_a_torch_reference_on_the_same_logits():
         logits = torch.randn(len(CASES) + 2, V, generator=gen) * 3
         seqs = [seq(p, [rng.randrange(V) for _ in range(6)], [rng.randrange(V) for _ in range(rng.randrange(12))])
                 for p in CASES]
-        plain = [seq(SamplingParams(temperature=0.0), [1, 2], []), seq(SamplingParams(temperature=1.0, seed=4), [1], [])]
+        plain = [seq(SamplingParams(temperature=0.0), [1, 2], []),
+                 seq(SamplingParams(temperature=1.0, seed=4), [1], [])]
         batch = seqs[:3] + plain + seqs[3:]
         rows = list(range(3)) + list(range(5, len(batch)))
         tokens, logprobs = sample_step(logits[[0, 1, 2, 6, 7, 3, 4, 5]], batch)
@@ -232,3 +233,39 @@ def test_logit_bias_accepts_a_dict_with_string_keys():
     p = SamplingParams(logit_bias={"50": -100, 7: 2.5})
     assert p.logit_bias == ((7, 2.5), (50, -100))
     p.validate(100)
+
+
+def test_merged_outputs_keep_logprobs_aligned_with_tokens():
+    """A slow consumer's merged delta carries every token's logprob in order; the final
+    output (no tokens, no logprobs) leaves them as they were."""
+    from engine import RequestOutput, TokenLogprob
+
+    a = RequestOutput("r", [5], "a", logprobs=[TokenLogprob(5, -0.5, ((5, -0.5), (6, -1.0)))])
+    b = RequestOutput("r", [6, 7], "bc", logprobs=[TokenLogprob(6, -0.1), TokenLogprob(7, -2.0)])
+    end = RequestOutput("r", [], "", finished=True, finish_reason="stop")
+    merged = a.merge(b).merge(end)
+    assert merged.new_token_ids == [5, 6, 7] and merged.finished
+    assert [x.token_id for x in merged.logprobs] == merged.new_token_ids
+    assert merged.logprobs[0].top == ((5, -0.5), (6, -1.0))
+    assert RequestOutput("r", [1], "x").merge(end).logprobs is None
+
+
+def test_n_choices_of_one_prompt_compute_it_once(tiny_model):
+    """Four requests with the same 100-token prompt arriving together (the gateway's `n`):
+    the first computes the prompt, the others wait for its blocks and take them from the
+    prefix cache (only the last, partial block is computed again); greedy choices agree,
+    seeded ones differ. With prefix caching off, all four compute it."""
+    prompt = [random.Random(2).randrange(100, 40_000) for _ in range(100)]
+    for caching in (True, False):
+        eng = LLMEngine(EngineConfig(model=tiny_model("llama"), max_num_batched_tokens=64, max_num_seqs=8,
+                                     num_kv_blocks=256, enable_prefix_caching=caching))
+        reqs = [(f"c{i}", prompt, SamplingParams(max_tokens=8, temperature=0.0 if i < 2 else 1.0, seed=i,
+                                                 ignore_eos=True)) for i in range(4)]
+        out = run_to_completion(eng, {0: reqs})
+        computed = eng.scheduler.counters.prompt_tokens
+        if caching:
+            assert computed == 100 + 3 * (100 - 96)                 # 6 full blocks of 16 shared
+            assert eng.stats()["prefix_cache_hit_tokens"] == 3 * 96
+        else:
+            assert computed == 4 * 100
+        assert out["c0"] == out["c1"] and out["c2"] != out["c3"]
