@@ -60,16 +60,19 @@ def logits(model, ids: list[int]) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def assert_tokens_within_noise(model_dir: str, prompt: list[int], got: list[int], device: str = "cpu") -> float:
+def assert_tokens_within_noise(model_dir: str, prompt: list[int], got: list[int], device: str = "cpu",
+                               load=None) -> float:
     """Every token of the engine's bf16 greedy output `got` is within 2 * HEADROOM * noise of
     the fp32 maximum at its position, the logits teacher-forced over the engine's own output;
     `noise` is HF's bf16 forward against its fp32 forward over the same tokens, on each
-    position's TOP_K fp32 candidates. Returns the tolerance used."""
+    position's TOP_K fp32 candidates. `load(dtype)` gives the HF model (default: SDPA
+    attention; families whose features SDPA lacks pass their eager loader). Returns the
+    tolerance used."""
     from tests.models import load_reference
 
+    load = load or (lambda dtype: load_reference(model_dir, device, dtype))
     ids = prompt + got
-    l32 = logits(load_reference(model_dir, device, "float32"), ids)
-    l16 = logits(load_reference(model_dir, device, "bfloat16"), ids)
+    l32, l16 = logits(load("float32"), ids), logits(load("bfloat16"), ids)
     tol = 2 * HEADROOM * noise(l32, l16, TOP_K)
     out = l32[len(prompt) - 1:-1]                                        # [len(got), V]
     chosen = out.gather(1, torch.tensor(got, device=out.device)[:, None])[:, 0]

@@ -68,7 +68,7 @@ def test_silu_and_mul_matches_torch(width):
 def test_runner_fuses_llama_by_default_and_not_when_off(tiny_model):
     """A Llama model on CPU fp32 runs the fused forward, its weights held once (q/k/v and
     gate/up fused, no nn.Linear left); fused_layers=False or packed_linear=False keeps
-    transformers' forward; another architecture (Qwen2) is never fused."""
+    transformers' forward; Qwen2, Llama-shaped with q/k/v biases, is fused too (families.py)."""
     runner = ModelRunner(EngineConfig(model=tiny_model("llama"), num_kv_blocks=64))
     assert isinstance(runner.forward, FusedLlama)
     assert not any(type(m) is nn.Linear for m in runner.model.modules())
@@ -76,7 +76,7 @@ def test_runner_fuses_llama_by_default_and_not_when_off(tiny_model):
     assert isinstance(layer.self_attn.qkv_proj, PackedLinear) and layer.self_attn.q_proj is None
     for off in ({"fused_layers": False}, {"packed_linear": False}):
         assert ModelRunner(EngineConfig(model=tiny_model("llama"), num_kv_blocks=64, **off)).forward.__class__ is not FusedLlama
-    assert not isinstance(ModelRunner(EngineConfig(model=tiny_model("qwen2"), num_kv_blocks=64)).forward, FusedLlama)
+    assert isinstance(ModelRunner(EngineConfig(model=tiny_model("qwen2"), num_kv_blocks=64)).forward, FusedLlama)
 
 
 def test_fused_logits_match_transformers_on_a_packed_batch(tiny_model):
