@@ -90,16 +90,17 @@ def _dequantized_reference(model_dir: str):
     return model
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_engine_with_int8_generates_the_dequantized_models_greedy_tokens(tiny_model, fused):
+@pytest.mark.parametrize("family, fused", [("llama", True), ("llama", False), ("qwen2", True)])
+def test_engine_with_int8_generates_the_dequantized_models_greedy_tokens(tiny_model, family, fused):
     """An engine with quantization="int8" (fused Llama forward, or transformers' with Int8Linear
     modules) generates, for two prompts batched together (multi-row prefill and decode steps,
     then one-row steps once the shorter finishes), the greedy tokens of HF `generate` on the
-    same model with its linear weights replaced by their int8 round trip."""
+    same model with its linear weights replaced by their int8 round trip. Qwen2: q/k/v biases
+    ride in the fused int8 GEMM."""
     from engine import LLMEngine, SamplingParams
     from engine.fused_llama import FusedLlama
 
-    model_dir = tiny_model("llama")
+    model_dir = tiny_model(family)
     eng = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64, quantization="int8", fused_layers=fused,
                                  max_num_batched_tokens=16, max_num_seqs=4))
     if fused:
