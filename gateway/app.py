@@ -28,6 +28,7 @@ from tenants import Ledger, QuotaBackend, QuotaManager, Registry
 
 from .auth import authenticate, bearer_key
 from .errors import GatewayError, InternalError, TooManyConnections
+from .holds import Holds
 from .limits import Slots
 from .live import StatsHub, interval_class
 from .logs import RequestContext
@@ -84,6 +85,10 @@ class GatewaySettings:
     max_stats_streams_per_tenant: int = 4   # GET /v1/stats streams + WebSocket subscriptions
     ws_auth_timeout_s: float = 5.0          # a socket must authenticate within this or is closed 1008
     ws_idle_timeout_s: float = 300.0        # no frame and nothing running for this long: closed 1000
+    ws_preauth_max_frame_bytes: int = 4096  # a frame before auth (auth, ping) past this: closed 1009
+    ws_preauth_frame_rate: float = 10.0     # frames per second a socket may send before auth (1008 past it) ...
+    ws_preauth_frame_burst: int = 20        # ... and at once
+    write_timeout_s: float = 30.0           # a send to a client blocked this long aborts the connection
     tokenize_workers: int = 2               # threads rendering chat templates and tokenizing
     drain_grace_s: float = 30.0
     keepalive_s: float = 15.0
@@ -120,6 +125,20 @@ class Gateway:
         self.stats = StatsHub(self)
         self.drain_started = asyncio.Event()
         self.load_error: BaseException | None = None
+
+    def held(self) -> dict:
+        """Everything requests and sockets hold, by registry; each value is empty or 0
+        when the gateway is idle (tests assert it after every gateway test: tests/idle.py).
+        Call on the event loop."""
+        def values(gauge) -> dict:
+            return {s.labels.get("transport", ""): s.value for m in gauge.collect() for s in m.samples if s.value}
+        return {"chat.active": len(self.chat.active), "stats.subscribers": len(self.stats.subscribers),
+                "stats_slots": dict(self.stats_slots.counts), "sockets": dict(self.sockets.counts),
+                "pending_sockets": len(self.pending_sockets),
+                "pending_by_address": dict(self.pending_by_address.counts),
+                "quota.in_flight": {t: n for t in self.registry.tenants if (n := self.quotas.in_flight(t))},
+                "open_streams": values(self.metrics.open_streams),
+                "open_websockets": sum(values(self.metrics.websockets).values())}
 
     def unauthenticated_full(self, address: str) -> bool:
         """Whether `address` holds its share of the sockets still authenticating (checked
@@ -192,19 +211,17 @@ async def stats_stream(request: Request) -> Response:
     cap = gw.settings.max_stats_streams_per_tenant
     if not gw.stats_slots.take(tenant.name, cap):
         raise TooManyConnections(f"tenant {tenant.name!r} has {cap} stats streams open; close one first")
+    holds = Holds()         # released by the response whatever happens (HEAD: the body never starts)
+    holds.take(lambda: gw.stats_slots.give(tenant.name))
     sub = gw.stats.subscribe(interval_class(interval_ms))
+    holds.take(lambda: gw.stats.unsubscribe(sub))
 
     async def events():
-        try:
-            while not gw.chat.draining:
-                yield await sub.next()
-        finally:
-            gw.stats.unsubscribe(sub)
+        while not gw.chat.draining:
+            yield await sub.next()
 
-    async def give_back() -> None:
-        gw.stats_slots.give(tenant.name)
-
-    return ClosingEventStream(give_back, events(), sep="\n", ping=gw.settings.keepalive_s)
+    return ClosingEventStream(holds.release, events(), sep="\n", ping=gw.settings.keepalive_s,
+                              write_timeout_s=gw.settings.write_timeout_s)
 
 
 async def _gateway_error(request: Request, exc: GatewayError) -> Response:

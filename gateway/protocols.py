@@ -22,6 +22,20 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .limits import AddressRate
 
+# The scope key under which the app finds its connection's transport, to abort it when a
+# write passes its deadline (gateway/sse.py `deadline_send`, gateway/ws_socket.py).
+TRANSPORT_KEY = "streamgate.transport"
+
+
+def abort_transport(scope) -> bool:
+    """Drop the connection now, its unsent buffer too (`close()` would wait for a reader
+    that never comes); False if the scope carries no transport (another server)."""
+    transport = scope.get(TRANSPORT_KEY)
+    if transport is None:
+        return False
+    transport.abort()
+    return True
+
 
 def _too_many_upgrades() -> bytes:
     body = json.dumps({"error": {"message": "too many WebSocket connections without a key from this address; "
@@ -51,6 +65,17 @@ class Defended:
     known_key: Callable[[bytes], bool] | None = None
     _header_timer: asyncio.TimerHandle | None = None
 
+    @property
+    def scope(self):
+        return self.__dict__.get("_scope")
+
+    @scope.setter
+    def scope(self, value) -> None:
+        """Every request scope the protocol builds carries its transport (TRANSPORT_KEY)."""
+        if isinstance(value, dict) and getattr(self, "transport", None) is not None:
+            value[TRANSPORT_KEY] = self.transport
+        self.__dict__["_scope"] = value
+
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm()
@@ -75,6 +100,9 @@ class Defended:
                 self.transport.close()
                 return
         super().handle_websocket_upgrade(*event)
+        upgraded = self.transport.get_protocol()
+        if isinstance(getattr(upgraded, "scope", None), dict):     # its task has not run yet
+            upgraded.scope[TRANSPORT_KEY] = self.transport
 
     def connection_lost(self, exc) -> None:
         self._disarm()
