@@ -138,7 +138,8 @@ class Gateway:
                 "pending_by_address": dict(self.pending_by_address.counts),
                 "quota.in_flight": {t: n for t in self.registry.tenants if (n := self.quotas.in_flight(t))},
                 "open_streams": values(self.metrics.open_streams),
-                "open_websockets": sum(values(self.metrics.websockets).values())}
+                "open_websockets": sum(values(self.metrics.websockets).values()),
+                "billing.unwritten": getattr(getattr(self.quotas, "billing", None), "unwritten", 0)}
 
     def unauthenticated_full(self, address: str) -> bool:
         """Whether `address` holds its share of the sockets still authenticating (checked

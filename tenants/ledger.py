@@ -1,7 +1,11 @@
 """Daily token usage per tenant in SQLite, so daily budgets survive restarts.
 
 The day is the UTC date of the injected wall clock. Each call is one tiny indexed
-statement, so it runs synchronously (the gateway calls it from its event-loop thread).
+statement, so it runs synchronously on the caller's thread, but it never waits for a lock:
+the connection's busy timeout is 0, so a file another process holds locked (or a full
+disk, an I/O error) raises `sqlite3.Error` at once instead of stalling the gateway's event
+loop for sqlite3's default 5 s. `tenants.billing` retries failed writes on a thread, on
+`retry_connection()`, which may wait.
 """
 
 from __future__ import annotations
@@ -29,14 +33,17 @@ class Ledger:
     def __init__(self, path: str | os.PathLike = ":memory:",
                  clock: Callable[[], float] = time.time):
         self.clock = clock
+        self.path = str(path)
         self._lock = threading.Lock()
-        if str(path) != ":memory:":
+        if self.path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._conn = sqlite3.connect(str(path), check_same_thread=False)
+        # Set-up (before the server starts) may wait for a lock; afterwards nothing does.
+        self._conn = sqlite3.connect(self.path, check_same_thread=False, timeout=5.0)
         with self._lock, self._conn:
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.execute(SCHEMA)
+        self._conn.execute("PRAGMA busy_timeout=0")
 
     def today(self) -> str:
         """The current UTC date as YYYY-MM-DD."""
@@ -54,17 +61,28 @@ class Ledger:
                 (tenant, self.today())).fetchone()
         return row[0] if row else 0
 
-    def add(self, tenant: str, tokens: int) -> None:
-        """Add `tokens` to (tenant, today) in one transaction."""
+    def add(self, tenant: str, tokens: int, day: str | None = None, conn: sqlite3.Connection | None = None) -> None:
+        """Add `tokens` to (tenant, day or today) in one transaction; raises sqlite3.Error
+        (at once on the default connection) if it cannot be written."""
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0 (got {tokens})")
         if tokens == 0:
             return
+        sql = ("INSERT INTO usage (tenant, day, tokens) VALUES (?, ?, ?) "
+               "ON CONFLICT (tenant, day) DO UPDATE SET tokens = tokens + excluded.tokens")
+        if conn is not None:
+            with conn:
+                conn.execute(sql, (tenant, day or self.today(), tokens))
+            return
         with self._lock, self._conn:
-            self._conn.execute(
-                "INSERT INTO usage (tenant, day, tokens) VALUES (?, ?, ?) "
-                "ON CONFLICT (tenant, day) DO UPDATE SET tokens = tokens + excluded.tokens",
-                (tenant, self.today(), tokens))
+            self._conn.execute(sql, (tenant, day or self.today(), tokens))
+
+    def retry_connection(self, timeout_s: float = 2.0) -> sqlite3.Connection | None:
+        """A connection of its own that waits up to `timeout_s` for a lock, for a thread
+        retrying writes (None for an in-memory ledger: it has only its one connection)."""
+        if self.path == ":memory:":
+            return None
+        return sqlite3.connect(self.path, check_same_thread=False, timeout=timeout_s)
 
     def close(self) -> None:
         with self._lock:

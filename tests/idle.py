@@ -9,7 +9,8 @@ import time
 import pytest
 
 IDLE = {"chat.active": 0, "stats.subscribers": 0, "stats_slots": {}, "sockets": {}, "pending_sockets": 0,
-        "pending_by_address": {}, "quota.in_flight": {}, "open_streams": {}, "open_websockets": 0}
+        "pending_by_address": {}, "quota.in_flight": {}, "open_streams": {}, "open_websockets": 0,
+        "billing.unwritten": 0}
 
 
 def held(live) -> dict:
