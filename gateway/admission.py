@@ -160,6 +160,18 @@ class Admitter:
         self.tokenizers = Tokenizers(self.engine.tokenizer, workers=self.tokenize_workers)
         self.max_model_len = self.engine.max_model_len
 
+    def precheck(self, tenant: Tenant) -> None:
+        """The quota's refusal, if it would refuse now, as a GatewayError (nothing taken)."""
+        precheck = getattr(self.quotas, "precheck", None)
+        if precheck is None:
+            return
+        try:
+            precheck(tenant)
+        except QuotaExceeded as exc:
+            raise RateLimited(str(exc), reason=exc.reason, retry_after=exc.retry_after, headers=exc.headers) from None
+        except QuotaBackendUnavailable as exc:
+            raise QuotaStoreUnavailable(str(exc), retry_after=exc.retry_after) from None
+
     async def admit(self, tenant: Tenant, body: object, *, transport: str, timeout_s: float | None,
                     request_id: str | None) -> Admission:
         arrival = self.clock()

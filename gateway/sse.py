@@ -153,6 +153,7 @@ class _Disconnect:
 async def chat_completions(request: Request) -> Response:
     gw = request.app.state.gateway
     tenant = gw.authenticate(bearer_key(request.headers.get("authorization")))
+    gw.chat.precheck(tenant, "http")        # over its limits: refused before its body costs anything
     try:
         body = parse_json(await read_body(request, gw.settings.max_body_bytes, gw.settings.body_timeout_s),
                           gw.settings.max_json_values)

@@ -101,6 +101,23 @@ class ChatService:
     def max_model_len(self) -> int:
         return self.admitter.max_model_len
 
+    def precheck(self, tenant: Tenant, transport: str) -> None:
+        """Refuse, before any work on the body (reading, decoding, validating), a tenant
+        its quota would refuse anyway; raises the GatewayError admit() would."""
+        try:
+            self.admitter.precheck(tenant)
+        except GatewayError as exc:
+            self._refused(tenant, transport, exc)
+            raise
+
+    def _refused(self, tenant: Tenant, transport: str, exc: GatewayError) -> None:
+        self.metrics.request_done(tenant.name, transport, exc.status)
+        if isinstance(exc, RateLimited):
+            self.metrics.rate_limited(tenant.name, exc.reason)      # counted; not one log line each
+            log.debug("chat.refused", tenant=tenant.name, transport=transport, status=exc.status, code=exc.code)
+        else:
+            log.info("chat.refused", tenant=tenant.name, transport=transport, status=exc.status, code=exc.code)
+
     async def admit(self, tenant: Tenant, body: object, *, transport: str, timeout_s: float | None = None,
                     request_id: str | None = None) -> Admission:
         """Validate, tokenize, clamp to the tenant's limits and reserve quota. Raises a
@@ -116,10 +133,7 @@ class ChatService:
             return await self.admitter.admit(tenant, body, transport=transport, timeout_s=timeout_s,
                                              request_id=request_id)
         except GatewayError as exc:
-            self.metrics.request_done(tenant.name, transport, exc.status)
-            if isinstance(exc, RateLimited):
-                self.metrics.rate_limited(tenant.name, exc.reason)
-            log.info("chat.refused", tenant=tenant.name, transport=transport, status=exc.status, code=exc.code)
+            self._refused(tenant, transport, exc)
             raise
 
     # -- generation --------------------------------------------------------------------------

@@ -43,6 +43,7 @@ class QuotaBackend(Protocol):
     """What the gateway needs from a quota backend; it never knows which one it has."""
 
     async def begin(self, tenant: Tenant, estimate: int = 0) -> Lease: ...
+    def precheck(self, tenant: Tenant) -> None: ...     # raises what begin would, taking nothing
     def headers(self, tenant: Tenant) -> dict[str, str]: ...
     def in_flight(self, tenant_name: str) -> int: ...
     async def start(self) -> None: ...
@@ -118,6 +119,14 @@ class QuotaManager:
             self._check_request(tenant, st, now)
             self._take_request(st)
             return Lease(self, tenant, 0)
+
+    def precheck(self, tenant: Tenant) -> None:
+        """What `begin` would refuse right now, taking nothing (raises like it): the gateway
+        asks before it reads and parses a body, so a tenant over its limits costs nothing."""
+        with self._lock:
+            now = self.clock()
+            self._check_billed(tenant)
+            self._check_request(tenant, self._state(tenant, now), now)
 
     def _check_billed(self, tenant: Tenant) -> None:
         """Billing fails closed: a tenant whose usage could not be written yet gets no new work."""

@@ -110,13 +110,17 @@ class RedisQuotas(SettlementSender):
 
     # -- admission -------------------------------------------------------------------
 
+    def precheck(self, tenant: Tenant) -> None:
+        """Only what is known here without a round trip: usage not yet durable refuses."""
+        if self._unwritten_by_tenant[tenant.name]:
+            raise QuotaBackendUnavailable(f"tenant {tenant.name!r}: usage of earlier requests is not recorded yet "
+                                          "(the outbox cannot be written); retry later", retry_after=2.0)
+
     async def begin(self, tenant: Tenant, estimate: int = 0) -> Lease:
         """Take a concurrency lease and one request in one round trip (and `estimate`
         tokens, prepaid, when they fit with headroom), or raise QuotaExceeded taking
         nothing; QuotaBackendUnavailable when Redis is unreachable or refuses."""
-        if self._unwritten_by_tenant[tenant.name]:
-            raise QuotaBackendUnavailable(f"tenant {tenant.name!r}: usage of earlier requests is not recorded yet "
-                                          "(the outbox cannot be written); retry later", retry_after=2.0)
+        self.precheck(tenant)
         lim, k = tenant.limits, self.keys(tenant.name)
         lease_id, tpm = uuid.uuid4().hex, limit_arg(lim.tokens_per_minute)
         try:

@@ -17,7 +17,7 @@ from websockets.exceptions import ConnectionClosed
 
 from tests.fake_engine import FloodEngine
 from tests.idle import assert_idle, held, idle_after  # noqa: F401 - fixture
-from tests.live import KEYS, serve
+from tests.live import KEYS, serve, tenants
 
 pytestmark = pytest.mark.usefixtures("idle_after")
 
@@ -28,6 +28,7 @@ HELLO = [{"role": "user", "content": "hi"}]
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     with serve("fake", tmp_path_factory.mktemp("hard"), engine=FloodEngine(), write_timeout_s=0.5,
+               registry=tenants(batch={"requests_per_minute": 1}),
                ws_preauth_frame_rate=5.0, ws_preauth_frame_burst=10, max_stats_streams_per_tenant=2) as server:
         yield server
 
@@ -209,3 +210,20 @@ def test_a_lone_surrogate_on_a_websocket_fails_only_its_request(live):
         await ws.send('{"type": "auth", "api_key": "sk-\\ud800"}')
         assert await closed_with(ws) == 1008
     asyncio.run(main())
+
+
+# -- 7: the quota before any work on the body ----------------------------------------------------
+def test_a_tenant_over_its_limits_is_refused_before_its_body_is_read(live):
+    """With its requests per minute used up, a tenant's next request is a 429 answered
+    from its headers alone: the server neither waits for nor parses its (large) body."""
+    ok = httpx.post(f"{live.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEYS['batch']}"},
+                    json={"messages": HELLO, "max_tokens": 1}, timeout=30)
+    assert ok.status_code == 200
+    host, port = live.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"authorization: Bearer " + KEYS["batch"].encode() + b"\r\ncontent-length: 900000\r\n\r\n")
+        sock.settimeout(10)         # the body timeout is 30 s: before, the answer waited for the body
+        head = sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 429"), head[:200]
+    assert b"requests_per_minute" in head
