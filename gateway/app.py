@@ -146,10 +146,18 @@ class Gateway:
         by the HTTP protocol before a keyless upgrade: gateway/protocols.py)."""
         return self.pending_by_address[address] >= self.settings.max_unauthenticated_sockets_per_address
 
-    def known_key(self, authorization: bytes) -> bool:
-        """Whether an Authorization header carries a valid key (a SHA-256 and a lookup:
-        cheap enough to run in the HTTP protocol before an upgrade)."""
-        return self.registry.authenticate(bearer_key(authorization.decode("latin-1"))) is not None
+    def known_key(self, authorization: bytes) -> str | None:
+        """The tenant whose valid key an Authorization header carries, or None (a SHA-256
+        and a lookup: cheap enough to run in the HTTP protocol before an upgrade)."""
+        try:
+            tenant = self.registry.authenticate(bearer_key(authorization.decode("latin-1")))
+        except UnicodeEncodeError:
+            return None
+        return None if tenant is None else tenant.name
+
+    def tenant_sockets_full(self, tenant: str) -> bool:
+        """Whether `tenant` holds all its WebSocket places (checked before an upgrade)."""
+        return self.sockets[f"tenant:{tenant}"] >= self.settings.max_sockets_per_tenant
 
     def authenticate(self, key: str | None):
         return authenticate(self.registry, key)

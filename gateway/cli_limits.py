@@ -34,6 +34,9 @@ def limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ws-keyless-rate", type=float, default=10.0,
                    help="WebSocket upgrades without a key per client address and second (0: no limit)")
     p.add_argument("--ws-keyless-burst", type=int, default=16, help="... and at once")
+    p.add_argument("--ws-keyed-rate", type=float, default=20.0,
+                   help="WebSocket upgrades with a valid key per tenant and second (0: no limit)")
+    p.add_argument("--ws-keyed-burst", type=int, default=40, help="... and at once")
     p.add_argument("--ws-preauth-max-frame-bytes", type=int, default=4096,
                    help="largest WebSocket frame before authentication (close 1009)")
     p.add_argument("--ws-preauth-frame-rate", type=float, default=10.0,
@@ -59,7 +62,8 @@ def server_limits(args: argparse.Namespace) -> dict:
             "timeout_keep_alive": args.timeout_keep_alive, "timeout_headers": args.timeout_headers,
             "loop": args.loop, "http": args.http, "backlog": args.backlog, "ws_keyless_rate": args.ws_keyless_rate,
             "ws_keyless_burst": args.ws_keyless_burst, "switch_interval_ms": args.switch_interval_ms,
-            "ws_compression_max_bytes": args.ws_compression_max_bytes}
+            "ws_compression_max_bytes": args.ws_compression_max_bytes, "ws_keyed_rate": args.ws_keyed_rate,
+            "ws_keyed_burst": args.ws_keyed_burst}
 
 
 def settings_limits(args: argparse.Namespace) -> dict:

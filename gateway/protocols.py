@@ -37,15 +37,18 @@ def abort_transport(scope) -> bool:
     return True
 
 
-def _too_many_upgrades() -> bytes:
-    body = json.dumps({"error": {"message": "too many WebSocket connections without a key from this address; "
-                                           "send 'Authorization: Bearer <key>' or retry later",
+def _too_many_upgrades(message: str = "too many WebSocket connections without a key from this address; "
+                                      "send 'Authorization: Bearer <key>' or retry later") -> bytes:
+    body = json.dumps({"error": {"message": message,
                                  "type": "rate_limit_error", "param": None, "code": "too_many_connections"}})
     return (f"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             f"retry-after: 1\r\nconnection: close\r\n\r\n{body}").encode()
 
 
 TOO_MANY_UPGRADES = _too_many_upgrades()
+TOO_MANY_KEYED_UPGRADES = _too_many_upgrades(
+    "too many WebSocket connections for this key: its tenant's sockets are all open or it is "
+    "opening them too fast; close one or retry later")
 
 
 class Defended:
@@ -56,13 +59,17 @@ class Defended:
     of its next request). `keyless_upgrades`: the shared per-address rate (None: off);
     `address_full(address)`: whether the address already holds its share of sockets
     still authenticating (the gateway's count; None: not checked here);
-    `known_key(authorization)`: whether an Authorization header carries a valid key, so
-    that a made-up header does not buy a full handshake (None: any header counts)."""
+    `known_key(authorization)`: the tenant whose valid key an Authorization header
+    carries, or None, so that a made-up header does not buy a full handshake (None: any
+    header counts); for a valid key, `tenant_full(tenant)` (its socket places are all
+    taken) and `keyed_upgrades` (a rate per tenant) refuse the upgrade with a 429 too."""
 
     header_timeout = 10.0
     keyless_upgrades: AddressRate | None = None
     address_full: Callable[[str], bool] | None = None
-    known_key: Callable[[bytes], bool] | None = None
+    known_key: Callable[[bytes], str | None] | None = None
+    keyed_upgrades: AddressRate | None = None
+    tenant_full: Callable[[str], bool] | None = None
     _header_timer: asyncio.TimerHandle | None = None
 
     @property
@@ -91,7 +98,16 @@ class Defended:
     def handle_websocket_upgrade(self, *event) -> None:
         self._disarm()                  # the transport now belongs to the WebSocket protocol (or is closed)
         authorization = next((value for name, value in self.headers if name == b"authorization"), None)
-        keyed = authorization is not None and (self.known_key is None or self.known_key(authorization))
+        tenant = None if authorization is None or self.known_key is None else self.known_key(authorization)
+        keyed = authorization is not None and (self.known_key is None or tenant is not None)
+        if tenant is not None:
+            # A valid key buys a handshake only while its tenant has a socket place left and
+            # opens sockets at a bounded rate (the app's own cap would refuse only after it).
+            if (self.tenant_full is not None and self.tenant_full(tenant)) or \
+                    (self.keyed_upgrades is not None and not self.keyed_upgrades.admit(tenant)):
+                self.transport.write(TOO_MANY_KEYED_UPGRADES)
+                self.transport.close()
+                return
         if not keyed:
             address = self.client[0] if self.client else ""
             if (self.address_full is not None and self.address_full(address)) or \
@@ -133,7 +149,9 @@ def _httptools_protocol() -> type | None:
 
 def protocol_class(http: str, *, header_timeout: float, keyless_rate: float, keyless_burst: int,
                    address_full: Callable[[str], bool] | None = None,
-                   known_key: Callable[[bytes], bool] | None = None, clock=time.monotonic) -> type:
+                   known_key: Callable[[bytes], str | None] | None = None, keyed_rate: float = 0.0,
+                   keyed_burst: int = 0, tenant_full: Callable[[str], bool] | None = None,
+                   clock=time.monotonic) -> type:
     """The protocol class uvicorn instantiates per connection. `http`: "h11", "httptools"
     or "auto" (httptools where it is installed, as uvicorn chooses). `keyless_rate` (per
     second) and `keyless_burst`: WebSocket upgrades without a key per client address;
@@ -146,7 +164,9 @@ def protocol_class(http: str, *, header_timeout: float, keyless_rate: float, key
     elif http != "h11":
         raise ValueError(f"--http: unknown {http!r} (auto, h11, httptools)")
     gate = AddressRate(keyless_rate, keyless_burst, clock=clock) if keyless_rate > 0 else None
+    keyed = AddressRate(keyed_rate, keyed_burst, clock=clock) if keyed_rate > 0 else None
     return type(f"Defended{base.__name__}", (Defended, base),
                 {"header_timeout": header_timeout, "keyless_upgrades": gate,
                  "address_full": None if address_full is None else staticmethod(address_full),
-                 "known_key": None if known_key is None else staticmethod(known_key)})
+                 "known_key": None if known_key is None else staticmethod(known_key), "keyed_upgrades": keyed,
+                 "tenant_full": None if tenant_full is None else staticmethod(tenant_full)})

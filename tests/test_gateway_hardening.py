@@ -227,3 +227,33 @@ def test_a_tenant_over_its_limits_is_refused_before_its_body_is_read(live):
         head = sock.recv(4096)
     assert head.startswith(b"HTTP/1.1 429"), head[:200]
     assert b"requests_per_minute" in head
+
+
+# -- 10: keyed upgrades ------------------------------------------------------------------------
+def test_keyed_upgrades_are_refused_before_the_handshake_when_the_tenant_is_full_or_too_fast(tmp_path):
+    """An upgrade carrying a valid key gets HTTP 429 before any handshake when its tenant's
+    socket places are all taken, or past its tenant's upgrade rate; others are unaffected."""
+    from websockets.exceptions import InvalidStatus
+
+    limits = {"ws_keyed_rate": 0.01, "ws_keyed_burst": 3}
+    with serve("fake", tmp_path, engine=FloodEngine(), max_sockets_per_tenant=2, uvicorn_limits=limits) as live:
+        async def main():
+            held_open = [await websockets.connect(live.ws_url, additional_headers=AUTH) for _ in range(2)]
+            for ws in held_open:
+                assert (await recv(ws))["type"] == "auth.ok"
+            with pytest.raises(InvalidStatus) as full:
+                await websockets.connect(live.ws_url, additional_headers=AUTH)
+            assert full.value.response.status_code == 429
+            for ws in held_open:
+                await ws.close()
+            await asyncio.to_thread(assert_idle, live)
+            ok = await websockets.connect(live.ws_url, additional_headers=AUTH)    # the 3rd of the burst (a refused one takes none)
+            await ok.close()
+            with pytest.raises(InvalidStatus) as fast:                              # the 4th: over the rate
+                await websockets.connect(live.ws_url, additional_headers=AUTH)
+            assert fast.value.response.status_code == 429
+            other = await websockets.connect(live.ws_url, additional_headers={"Authorization": f"Bearer {KEYS['other']}"})
+            assert (await recv(other))["type"] == "auth.ok"
+            await other.close()
+        asyncio.run(main())
+        assert_idle(live)
