@@ -191,10 +191,12 @@ class Gateway:
 
 async def health(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
+    # The exception's text stays in the server's log (engine.load_failed, the engine's own):
+    # /health answers anyone, and a message can carry paths or input.
     if gw.load_error is not None:
-        return JSONResponse({"status": "error", "detail": f"model failed to load: {gw.load_error}"}, 503)
+        return JSONResponse({"status": "error", "detail": "the model failed to load; see the server log"}, 503)
     if gw.engine.error is not None:
-        return JSONResponse({"status": "error", "detail": f"the engine failed: {gw.engine.error!r}"}, 503)
+        return JSONResponse({"status": "error", "detail": "the engine failed; see the server log"}, 503)
     if gw.chat.draining:
         return JSONResponse({"status": "draining"}, 503)
     if not gw.chat.ready:
