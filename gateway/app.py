@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import ipaddress
 import os
 import time
 from dataclasses import dataclass, field
@@ -93,6 +95,7 @@ class GatewaySettings:
     drain_grace_s: float = 30.0
     keepalive_s: float = 15.0
     default_max_tokens: int = 1024          # when neither the request nor the tenant sets one
+    metrics_token: str | None = None        # /metrics for callers presenting it; None: loopback clients only
 
 
 class Gateway:
@@ -204,8 +207,25 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok", "model": gw.chat.model_name})
 
 
+def metrics_allowed(request: Request, token: str | None) -> bool:
+    """/metrics names every tenant with its traffic and refusals: with `metrics_token` set,
+    only a caller presenting it; without, only a client on this host (loopback)."""
+    if token:
+        given = bearer_key(request.headers.get("authorization")) or ""
+        return hmac.compare_digest(given.encode("utf-8", "replace"), token.encode())
+    host = request.client.host if request.client else ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 async def metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
+    if not metrics_allowed(request, gw.settings.metrics_token):
+        return JSONResponse({"error": {"message": "metrics need the metrics token (Authorization: Bearer ...) "
+                                                  "or a client on this host", "type": "authentication_error",
+                                       "param": None, "code": "metrics_forbidden"}}, 403)
     registries = [gw.engine.metrics_registry] if gw.chat.ready else []
     return Response(gw.metrics.render(*registries), media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def limit_args(p: argparse.ArgumentParser) -> None:
@@ -45,6 +46,9 @@ def limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ws-compression-max-bytes", type=int, default=0,
                    help="negotiate permessage-deflate, no message inflating past this many bytes "
                         "(default 0: compression off, so every byte limit counts the bytes processed)")
+    p.add_argument("--metrics-token", default=os.environ.get("STREAMGATE_METRICS_TOKEN"),
+                   help="bearer token /metrics requires (env STREAMGATE_METRICS_TOKEN; default: "
+                        "/metrics answers only clients on this host)")
     p.add_argument("--write-timeout", type=float, default=30.0,
                    help="seconds a send to a client (SSE, WebSocket) may block before the connection is aborted")
     p.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
@@ -77,4 +81,4 @@ def settings_limits(args: argparse.Namespace) -> dict:
                 body_timeout_s=args.body_timeout, max_json_values=args.max_json_values,
                 ws_preauth_max_frame_bytes=args.ws_preauth_max_frame_bytes,
                 ws_preauth_frame_rate=args.ws_preauth_frame_rate, ws_preauth_frame_burst=args.ws_preauth_frame_burst,
-                write_timeout_s=args.write_timeout)
+                write_timeout_s=args.write_timeout, metrics_token=args.metrics_token or None)

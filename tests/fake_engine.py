@@ -48,7 +48,8 @@ class FloodEngine:
         pass
 
     def stats(self) -> dict:
-        return {"waiting": 0, "running": len(self.running)}
+        return {"waiting": 0, "running": len(self.running), "kv_cache_usage": 0.0, "block_size": 16,
+                "kv_blocks_total": 0}
 
     def validate(self, rid, prompt, params, *, priority=0, deadline=None, weight=1.0) -> None:
         pass

@@ -257,3 +257,24 @@ def test_keyed_upgrades_are_refused_before_the_handshake_when_the_tenant_is_full
             await other.close()
         asyncio.run(main())
         assert_idle(live)
+
+
+# -- 11: /metrics ------------------------------------------------------------------------------
+def test_metrics_need_the_token_when_one_is_set(tmp_path):
+    """/metrics names every tenant: with --metrics-token it answers only that bearer token."""
+    with serve("fake", tmp_path, engine=FloodEngine(), metrics_token="m-secret") as live:
+        assert httpx.get(f"{live.url}/metrics").status_code == 403
+        assert httpx.get(f"{live.url}/metrics", headers=AUTH).status_code == 403        # a tenant key is not it
+        r = httpx.get(f"{live.url}/metrics", headers={"Authorization": "Bearer m-secret"})
+        assert r.status_code == 200 and "streamgate_gateway_requests" in r.text
+
+
+def test_metrics_without_a_token_answer_only_loopback_clients():
+    from types import SimpleNamespace
+
+    from gateway.app import metrics_allowed
+
+    def request(host):
+        return SimpleNamespace(client=SimpleNamespace(host=host), headers={})
+    assert metrics_allowed(request("127.0.0.1"), None) and metrics_allowed(request("::1"), None)
+    assert not metrics_allowed(request("10.0.0.7"), None) and not metrics_allowed(request("203.0.113.5"), None)
