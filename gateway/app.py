@@ -31,6 +31,7 @@ from tenants import Ledger, QuotaBackend, QuotaManager, Registry
 from .auth import authenticate, bearer_key
 from .errors import GatewayError, InternalError, TooManyConnections
 from .holds import Holds
+from .hosts import HostAllowlist
 from .limits import Slots
 from .live import StatsHub, interval_class
 from .logs import RequestContext
@@ -96,6 +97,7 @@ class GatewaySettings:
     keepalive_s: float = 15.0
     default_max_tokens: int = 1024          # when neither the request nor the tenant sets one
     metrics_token: str | None = None        # /metrics for callers presenting it; None: loopback clients only
+    allowed_hosts: tuple[str, ...] = ()     # Host names answered (DNS rebinding); (): any (serve sets loopback's)
 
 
 class Gateway:
@@ -295,4 +297,6 @@ def create_app(settings: GatewaySettings, *, engine=None, registry: Registry | N
                                                                            Exception: _unexpected_error})
     app.state.gateway = gw
     app.add_middleware(RequestContext)
+    if settings.allowed_hosts:
+        app.add_middleware(HostAllowlist, hosts=settings.allowed_hosts)
     return app

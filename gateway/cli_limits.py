@@ -46,6 +46,9 @@ def limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ws-compression-max-bytes", type=int, default=0,
                    help="negotiate permessage-deflate, no message inflating past this many bytes "
                         "(default 0: compression off, so every byte limit counts the bytes processed)")
+    p.add_argument("--allow-host", action="append", default=[],
+                   help="a Host name the server answers (repeatable). Serving on a loopback address, only "
+                        "localhost, 127.0.0.1 and ::1 are answered unless listed here (DNS rebinding)")
     p.add_argument("--metrics-token", default=os.environ.get("STREAMGATE_METRICS_TOKEN"),
                    help="bearer token /metrics requires (env STREAMGATE_METRICS_TOKEN; default: "
                         "/metrics answers only clients on this host)")
@@ -81,4 +84,14 @@ def settings_limits(args: argparse.Namespace) -> dict:
                 body_timeout_s=args.body_timeout, max_json_values=args.max_json_values,
                 ws_preauth_max_frame_bytes=args.ws_preauth_max_frame_bytes,
                 ws_preauth_frame_rate=args.ws_preauth_frame_rate, ws_preauth_frame_burst=args.ws_preauth_frame_burst,
-                write_timeout_s=args.write_timeout, metrics_token=args.metrics_token or None)
+                write_timeout_s=args.write_timeout, metrics_token=args.metrics_token or None,
+                allowed_hosts=allowed_hosts(args))
+
+
+def allowed_hosts(args: argparse.Namespace) -> tuple[str, ...]:
+    """`--allow-host` names; on a loopback address the loopback names are always among them."""
+    from .hosts import LOOPBACK_HOSTS
+
+    listed = tuple(args.allow_host)
+    loopback = getattr(args, "host", "") in ("127.0.0.1", "localhost", "::1") or str(getattr(args, "host", "")).startswith("127.")
+    return (*LOOPBACK_HOSTS, *listed) if loopback else listed

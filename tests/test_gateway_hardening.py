@@ -278,3 +278,33 @@ def test_metrics_without_a_token_answer_only_loopback_clients():
         return SimpleNamespace(client=SimpleNamespace(host=host), headers={})
     assert metrics_allowed(request("127.0.0.1"), None) and metrics_allowed(request("::1"), None)
     assert not metrics_allowed(request("10.0.0.7"), None) and not metrics_allowed(request("203.0.113.5"), None)
+
+
+def test_a_loopback_server_answers_only_its_own_host_names(tmp_path):
+    """DNS rebinding: a page whose name resolves to 127.0.0.1 is same-origin with itself,
+    so Origin cannot tell; the Host allowlist (serve's default on loopback) refuses it, on
+    HTTP (421) and on the WebSocket upgrade (403)."""
+    import argparse
+
+    from gateway.cli_limits import allowed_hosts
+    from websockets.exceptions import InvalidStatus
+
+    hosts = allowed_hosts(argparse.Namespace(host="127.0.0.1", allow_host=[]))
+    assert set(hosts) == {"localhost", "127.0.0.1", "::1"}
+    assert allowed_hosts(argparse.Namespace(host="0.0.0.0", allow_host=[])) == ()
+    with serve("fake", tmp_path, engine=FloodEngine(), allowed_hosts=hosts) as live:
+        port = live.url.rsplit(":", 1)[1]
+        assert httpx.get(f"{live.url}/health").status_code == 200
+        assert httpx.get(f"{live.url}/health", headers={"host": f"localhost:{port}"}).status_code == 200
+        evil = {"host": f"rebind.example:{port}", "origin": f"http://rebind.example:{port}"}
+        r = httpx.post(f"{live.url}/v1/chat/completions", headers={**evil, **AUTH},
+                       json={"messages": HELLO, "max_tokens": 1})
+        assert r.status_code == 421 and r.json()["error"]["code"] == "host_not_allowed"
+
+        async def main():
+            with pytest.raises(InvalidStatus) as refused:
+                await websockets.connect(live.ws_url, additional_headers={"Host": evil["host"],
+                                                                          "Origin": evil["origin"]})
+            assert refused.value.response.status_code == 403
+        asyncio.run(main())
+        assert_idle(live)
