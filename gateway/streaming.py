@@ -74,6 +74,14 @@ def billed_tokens(out) -> int:
     return out.num_computed_prompt_tokens
 
 
+def billed_at_least(out, usage: Usage) -> int:
+    """`billed_tokens(out)`, and never less than what the gateway itself saw streamed: a
+    final output made up without the engine's counts (the engine stopping with requests
+    in flight, or failing) would otherwise bill a request that produced tokens 0."""
+    seen = usage.total_tokens if usage.completion_tokens else 0
+    return max(billed_tokens(out), seen)
+
+
 class ChatService:
     def __init__(self, engine, quotas: QuotaManager, metrics, *, model_name: str,
                  default_max_tokens: int = 1024, clock=time.monotonic, tokenize_workers: int = 2):
@@ -152,7 +160,7 @@ class ChatService:
                 stream = self.engine.generate(adm.request_id, adm.prompt_ids, adm.params, priority=adm.priority,
                                               tenant=adm.tenant.name, deadline=adm.deadline,
                                               weight=adm.tenant.weight, validated=True,
-                                              on_final=lambda out: self._settle(adm, billed_tokens(out)))
+                                              on_final=lambda out: self._settle(adm, billed_at_least(out, usage)))
                 unsent = 0          # tokens of outputs that carried no text yet
                 try:
                     async with contextlib.aclosing(stream):

@@ -13,7 +13,7 @@ MAIN_PY=${MAIN_PY:-.venv/bin/python}
 TESTS=(tests/test_gateway_hardening.py tests/test_ledger_fails_closed.py tests/test_gateway_stats.py
        tests/test_chat_service.py tests/test_tenants_quota.py tests/test_tenants_ledger.py
        tests/test_tenants_registry.py tests/test_quota_redis_idempotent.py tests/test_quota_redis_failures.py
-       tests/test_policy_bounded.py tests/test_prefix_salt.py)
+       tests/test_policy_bounded.py tests/test_prefix_salt.py tests/test_gateway_stop_billing.py)
 PACKAGES="starlette uvicorn websockets sse-starlette httpx httpcore h11 httptools anyio structlog pydantic
           pydantic_core prometheus_client pytest pytest-asyncio redis hypothesis"
 
