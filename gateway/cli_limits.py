@@ -35,6 +35,8 @@ def limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ws-keyless-rate", type=float, default=10.0,
                    help="WebSocket upgrades without a key per client address and second (0: no limit)")
     p.add_argument("--ws-keyless-burst", type=int, default=16, help="... and at once")
+    p.add_argument("--max-connections-per-address", type=int, default=256,
+                   help="open HTTP connections from one client address (429 past it; 0: no cap, e.g. behind a proxy)")
     p.add_argument("--ws-keyed-rate", type=float, default=20.0,
                    help="WebSocket upgrades with a valid key per tenant and second (0: no limit)")
     p.add_argument("--ws-keyed-burst", type=int, default=40, help="... and at once")
@@ -70,7 +72,7 @@ def server_limits(args: argparse.Namespace) -> dict:
             "loop": args.loop, "http": args.http, "backlog": args.backlog, "ws_keyless_rate": args.ws_keyless_rate,
             "ws_keyless_burst": args.ws_keyless_burst, "switch_interval_ms": args.switch_interval_ms,
             "ws_compression_max_bytes": args.ws_compression_max_bytes, "ws_keyed_rate": args.ws_keyed_rate,
-            "ws_keyed_burst": args.ws_keyed_burst}
+            "ws_keyed_burst": args.ws_keyed_burst, "max_connections_per_address": args.max_connections_per_address}
 
 
 def settings_limits(args: argparse.Namespace) -> dict:

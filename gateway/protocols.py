@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -46,6 +47,7 @@ def _too_many_upgrades(message: str = "too many WebSocket connections without a 
 
 
 TOO_MANY_UPGRADES = _too_many_upgrades()
+TOO_MANY_CONNECTIONS = _too_many_upgrades("too many open connections from this address; close some or retry later")
 TOO_MANY_KEYED_UPGRADES = _too_many_upgrades(
     "too many WebSocket connections for this key: its tenant's sockets are all open or it is "
     "opening them too fast; close one or retry later")
@@ -70,7 +72,10 @@ class Defended:
     known_key: Callable[[bytes], str | None] | None = None
     keyed_upgrades: AddressRate | None = None
     tenant_full: Callable[[str], bool] | None = None
+    max_per_address = 0                 # open HTTP connections from one address (0: no cap)
+    per_address: Counter | None = None  # shared by every connection of one server
     _header_timer: asyncio.TimerHandle | None = None
+    _counted: str | None = None
 
     @property
     def scope(self):
@@ -85,7 +90,24 @@ class Defended:
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        if self.max_per_address and self.per_address is not None:
+            address = self.client[0] if self.client else ""
+            self._counted = address
+            self.per_address[address] += 1
+            if self.per_address[address] > self.max_per_address:
+                transport.write(TOO_MANY_CONNECTIONS)
+                transport.close()
+                return
         self._arm()
+
+    def _uncount(self) -> None:
+        """Give back this connection's place under its address (closed, or now a WebSocket,
+        which the gateway's own socket pools count)."""
+        address, self._counted = self._counted, None
+        if address is not None:
+            self.per_address[address] -= 1
+            if self.per_address[address] <= 0:
+                del self.per_address[address]
 
     def data_received(self, data: bytes) -> None:
         if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
@@ -116,12 +138,14 @@ class Defended:
                 self.transport.close()
                 return
         super().handle_websocket_upgrade(*event)
+        self._uncount()
         upgraded = self.transport.get_protocol()
         if isinstance(getattr(upgraded, "scope", None), dict):     # its task has not run yet
             upgraded.scope[TRANSPORT_KEY] = self.transport
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self._uncount()
         super().connection_lost(exc)
 
     def _arm(self) -> None:
@@ -151,7 +175,7 @@ def protocol_class(http: str, *, header_timeout: float, keyless_rate: float, key
                    address_full: Callable[[str], bool] | None = None,
                    known_key: Callable[[bytes], str | None] | None = None, keyed_rate: float = 0.0,
                    keyed_burst: int = 0, tenant_full: Callable[[str], bool] | None = None,
-                   clock=time.monotonic) -> type:
+                   max_per_address: int = 0, clock=time.monotonic) -> type:
     """The protocol class uvicorn instantiates per connection. `http`: "h11", "httptools"
     or "auto" (httptools where it is installed, as uvicorn chooses). `keyless_rate` (per
     second) and `keyless_burst`: WebSocket upgrades without a key per client address;
@@ -169,4 +193,5 @@ def protocol_class(http: str, *, header_timeout: float, keyless_rate: float, key
                 {"header_timeout": header_timeout, "keyless_upgrades": gate,
                  "address_full": None if address_full is None else staticmethod(address_full),
                  "known_key": None if known_key is None else staticmethod(known_key), "keyed_upgrades": keyed,
-                 "tenant_full": None if tenant_full is None else staticmethod(tenant_full)})
+                 "tenant_full": None if tenant_full is None else staticmethod(tenant_full),
+                 "max_per_address": max_per_address, "per_address": Counter()})

@@ -61,7 +61,7 @@ def config(app, host: str, port: int, *, max_frame_bytes: int, log_config=None, 
            ws_ping_interval: float | None = 20.0, ws_ping_timeout: float | None = 20.0, loop: str = "auto",
            http: str = "auto", backlog: int = 2048, ws_keyless_rate: float = 10.0,
            ws_keyless_burst: int = 16, ws_keyed_rate: float = 20.0, ws_keyed_burst: int = 40,
-           ws_compression_max_bytes: int = 0) -> uvicorn.Config:
+           ws_compression_max_bytes: int = 0, max_connections_per_address: int = 256) -> uvicorn.Config:
     """uvicorn's settings for the gateway. `limit_concurrency`: connections + tasks past
     which uvicorn answers 503 at once; `timeout_keep_alive`: seconds an idle keep-alive
     connection stays open; `timeout_headers`: seconds to send a request head;
@@ -70,6 +70,9 @@ def config(app, host: str, port: int, *, max_frame_bytes: int, log_config=None, 
     `backlog`: the listen queue; `ws_keyless_*`: WebSocket upgrades without a key per
     client address and second, and at once (gateway/protocols.py; rate 0: no limit);
     `ws_keyed_*`: WebSocket upgrades with a valid key per tenant and second, and at once;
+    `max_connections_per_address`: open HTTP connections from one client address past
+    which a new one gets a static 429 from the protocol (0: no cap; behind a proxy every
+    client shares its address);
     `ws_compression_max_bytes`: 0 (default) never negotiates permessage-deflate, so every
     byte limit counts the bytes processed; above 0 it is negotiated and no message may
     inflate past this many bytes (nor past `max_frame_bytes`: websockets enforces its
@@ -80,7 +83,8 @@ def config(app, host: str, port: int, *, max_frame_bytes: int, log_config=None, 
                               address_full=None if gateway is None else gateway.unauthenticated_full,
                               known_key=None if gateway is None else gateway.known_key,
                               keyed_rate=ws_keyed_rate, keyed_burst=ws_keyed_burst,
-                              tenant_full=None if gateway is None else gateway.tenant_sockets_full)
+                              tenant_full=None if gateway is None else gateway.tenant_sockets_full,
+                              max_per_address=max_connections_per_address)
     extra = {} if log_level is None else {"log_level": log_level}
     inflated = min(max_frame_bytes, ws_compression_max_bytes) if ws_compression_max_bytes > 0 else max_frame_bytes
     return uvicorn.Config(app, host=host, port=port, loop=loop, http=protocol, ws="websockets-sansio",

@@ -17,7 +17,7 @@ from websockets.exceptions import ConnectionClosed
 
 from tests.fake_engine import FloodEngine
 from tests.idle import assert_idle, held, idle_after  # noqa: F401 - fixture
-from tests.live import KEYS, serve, tenants
+from tests.live import KEYS, serve, tenants, wait_until
 
 pytestmark = pytest.mark.usefixtures("idle_after")
 
@@ -310,3 +310,30 @@ def test_a_loopback_server_answers_only_its_own_host_names(tmp_path):
             assert refused.value.response.status_code == 403
         asyncio.run(main())
         assert_idle(live)
+
+
+def test_open_connections_per_address_are_capped(tmp_path):
+    """Past --max-connections-per-address open connections from one address, a new one
+    gets a static 429 and is closed; once one closes, a new one is served. A connection
+    that became a WebSocket no longer counts (the socket pools do)."""
+    with serve("fake", tmp_path, engine=FloodEngine(), uvicorn_limits={"max_connections_per_address": 3}) as live:
+        host, port = live.url.removeprefix("http://").split(":")
+        held_open = [socket.create_connection((host, int(port))) for _ in range(3)]
+        extra = socket.create_connection((host, int(port)))
+        extra.settimeout(10)
+        assert extra.recv(4096).startswith(b"HTTP/1.1 429")
+        extra.close()
+        held_open.pop().close()
+
+        def served() -> bool:
+            with httpx.Client() as client:
+                return client.get(f"{live.url}/health").status_code == 200
+        assert wait_until(served)
+        for sock in held_open:
+            sock.close()
+
+        async def main():
+            sockets = [await authed(live) for _ in range(4)]        # upgraded: not counted
+            for ws in sockets:
+                await ws.close()
+        asyncio.run(main())
