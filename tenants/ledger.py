@@ -5,7 +5,8 @@ statement, so it runs synchronously on the caller's thread, but it never waits f
 the connection's busy timeout is 0, so a file another process holds locked (or a full
 disk, an I/O error) raises `sqlite3.Error` at once instead of stalling the gateway's event
 loop for sqlite3's default 5 s. `tenants.billing` retries failed writes on a thread, on
-`retry_connection()`, which may wait.
+`retry_connection()`, which may wait. The WAL checkpoint (the one step of a WAL commit
+that fsyncs) runs on a thread too, every CHECKPOINT_EVERY writes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 DAY = 86400.0
+CHECKPOINT_EVERY = 256          # ledger writes between two checkpoints
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
@@ -44,6 +46,12 @@ class Ledger:
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.execute(SCHEMA)
         self._conn.execute("PRAGMA busy_timeout=0")
+        # WAL commits (synchronous=NORMAL) do not fsync, but the automatic checkpoint
+        # that every ~1000 pages runs inside a commit does: checkpoints run on a thread.
+        self._writes = 0
+        self._checkpointing = threading.Lock()
+        if self.path != ":memory:":
+            self._conn.execute("PRAGMA wal_autocheckpoint=0")
 
     def today(self) -> str:
         """The current UTC date as YYYY-MM-DD."""
@@ -76,6 +84,29 @@ class Ledger:
             return
         with self._lock, self._conn:
             self._conn.execute(sql, (tenant, day or self.today(), tokens))
+        self._writes += 1
+        if self._writes % CHECKPOINT_EVERY == 0:
+            self.checkpoint_soon()
+
+    def checkpoint_soon(self) -> None:
+        """Copy the WAL back into the database on a thread of its own (PASSIVE: it never
+        blocks a writer); one at a time."""
+        if self.path == ":memory:" or not self._checkpointing.acquire(blocking=False):
+            return
+
+        def run() -> None:
+            try:
+                conn = sqlite3.connect(self.path, timeout=5.0)
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                finally:
+                    conn.close()
+            except sqlite3.Error:
+                pass                    # the next one tries again
+            finally:
+                self._checkpointing.release()
+
+        threading.Thread(target=run, name="streamgate-ledger-checkpoint", daemon=True).start()
 
     def retry_connection(self, timeout_s: float = 2.0) -> sqlite3.Connection | None:
         """A connection of its own that waits up to `timeout_s` for a lock, for a thread

@@ -110,3 +110,23 @@ def test_a_locked_ledger_refuses_the_tenant_until_its_usage_is_written(tmp_path)
         assert_idle(live)
         assert post().status_code == 200
         assert_idle(live)
+
+
+def test_the_wal_is_checkpointed_off_the_writing_thread(tmp_path):
+    """Writes never run the WAL checkpoint themselves (the step that fsyncs); a thread
+    does, every CHECKPOINT_EVERY writes, and the usage is all there after it."""
+    import os
+
+    from tenants.ledger import CHECKPOINT_EVERY
+
+    led = Ledger(tmp_path / "usage.sqlite3")
+    wal = tmp_path / "usage.sqlite3-wal"
+    for _ in range(CHECKPOINT_EVERY):       # the last one starts the checkpoint thread
+        led.add("acme", 1)
+    assert wait_until(lambda: not led._checkpointing.locked())
+    size = os.path.getsize(wal)
+    for _ in range(50):                     # after a checkpoint the WAL is reused from its start
+        led.add("acme", 1)
+    assert os.path.getsize(wal) == size
+    assert led.used_today("acme") == CHECKPOINT_EVERY + 50
+    led.close()
