@@ -30,6 +30,7 @@ from tenants import Ledger, QuotaBackend, QuotaManager, Registry
 
 from .auth import authenticate, bearer_key
 from .errors import GatewayError, InternalError, TooManyConnections
+from .deadline import WriteDeadline
 from .holds import Holds
 from .hosts import HostAllowlist
 from .limits import Slots
@@ -253,8 +254,7 @@ async def stats_stream(request: Request) -> Response:
         while not gw.chat.draining:
             yield await sub.next()
 
-    return ClosingEventStream(holds.release, events(), sep="\n", ping=gw.settings.keepalive_s,
-                              write_timeout_s=gw.settings.write_timeout_s)
+    return ClosingEventStream(holds.release, events(), sep="\n", ping=gw.settings.keepalive_s)
 
 
 async def _gateway_error(request: Request, exc: GatewayError) -> Response:
@@ -296,6 +296,7 @@ def create_app(settings: GatewaySettings, *, engine=None, registry: Registry | N
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={GatewayError: _gateway_error,
                                                                            Exception: _unexpected_error})
     app.state.gateway = gw
+    app.add_middleware(WriteDeadline, timeout_s=settings.write_timeout_s)
     app.add_middleware(RequestContext)
     if settings.allowed_hosts:
         app.add_middleware(HostAllowlist, hosts=settings.allowed_hosts)

@@ -13,7 +13,6 @@ import contextlib
 import json
 import re
 
-import structlog
 
 from sse_starlette import EventSourceResponse
 from starlette.requests import ClientDisconnect, Request
@@ -22,11 +21,8 @@ from starlette.responses import JSONResponse, Response
 from .admission import Admission
 from .auth import bearer_key
 from .errors import BadRequest, BodyTimeout, GatewayError, PayloadTooLarge
-from .protocols import abort_transport
 from .schemas import timeout_from_header
 from .streaming import CLIENT_CLOSED, Delta, Done, Failed
-
-log = structlog.get_logger("streamgate.sse")
 
 
 def error_response(exc: GatewayError, extra_headers: dict | None = None) -> JSONResponse:
@@ -176,7 +172,7 @@ async def chat_completions(request: Request) -> Response:
             watch.close()       # from here on sse-starlette watches for the hang-up
             handed_off = True
             return ClosingEventStream(events.aclose, _chunks(adm, first, events), headers=headers, sep="\n",
-                                      ping=gw.settings.keepalive_s, write_timeout_s=gw.settings.write_timeout_s)
+                                      ping=gw.settings.keepalive_s)
         text, event = [], first
         while isinstance(event, Delta):
             text.append(event.text)
@@ -200,16 +196,13 @@ class ClosingEventStream(EventSourceResponse):
     """An SSE response that runs `on_close` (async) however it ends, even if it was
     cancelled before its body was first iterated (then the body generator's own `finally`
     never runs) or never iterated at all (HEAD): chat streams close their pipeline, stats
-    streams give back their subscription and place (gateway/holds.py).
+    streams give back their subscription and place (gateway/holds.py). A client that stops
+    reading is cut off by the write deadline (gateway/deadline.py); the stream then ends
+    here like any hang-up."""
 
-    Every send (data and keep-alive) has `write_timeout_s`: a client that stops reading
-    fills the socket's buffers and the send blocks; past the deadline the connection is
-    aborted (its buffer dropped, not flushed), the stream ends and `on_close` settles it."""
-
-    def __init__(self, on_close, content, *, write_timeout_s: float | None = None, **kw):
+    def __init__(self, on_close, content, **kw):
         super().__init__(self._quiet_after_last(content), **kw)
         self.on_close = on_close
-        self.write_timeout_s = write_timeout_s
 
     async def _quiet_after_last(self, content):
         """No keep-alive comment after the stream's `Last` payload: the body's cleanup (settling
@@ -221,32 +214,9 @@ class ClosingEventStream(EventSourceResponse):
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().__call__(scope, receive, deadline_send(scope, send, self.write_timeout_s))
+            await super().__call__(scope, receive, send)
         finally:
             await self.on_close()
-
-
-def deadline_send(scope, send, timeout_s: float | None):
-    """`send` with a deadline: a send still blocked after `timeout_s` (the client stopped
-    reading) aborts the connection, after which uvicorn answers every send at once and
-    reports the disconnect, so the response ends. Without a transport to abort (a server
-    other than ours) the send raises instead."""
-    if timeout_s is None:
-        return send
-
-    async def send_by_deadline(message) -> None:
-        try:
-            await asyncio.wait_for(send(message), timeout_s)
-        except asyncio.TimeoutError:
-            log.info("write.deadline", timeout_s=timeout_s, path=scope.get("path"))
-            if not abort_transport(scope):
-                raise WriteTimeout(f"a send blocked for {timeout_s:g} s") from None
-
-    return send_by_deadline
-
-
-class WriteTimeout(Exception):
-    """A send to a client that stopped reading passed its deadline."""
 
 
 def _completion(adm: Admission, text: str, done: Done) -> dict:
