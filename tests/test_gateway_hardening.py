@@ -337,3 +337,17 @@ def test_open_connections_per_address_are_capped(tmp_path):
             for ws in sockets:
                 await ws.close()
         asyncio.run(main())
+
+
+
+def test_a_request_with_too_many_messages_is_refused_before_they_are_validated(live):
+    """25k empty messages are under the body limit but cost their template and validation
+    per message: a 400 naming `messages`, before any of that work."""
+    from gateway.schemas import MAX_MESSAGES
+
+    body = {"messages": [{"role": "user", "content": ""}] * (MAX_MESSAGES + 1), "max_tokens": 1}
+    r = httpx.post(f"{live.url}/v1/chat/completions", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert str(MAX_MESSAGES) in r.json()["error"]["message"]
+    ok = {"messages": [{"role": "user", "content": "hi"}] * MAX_MESSAGES, "max_tokens": 1}
+    assert httpx.post(f"{live.url}/v1/chat/completions", json=ok, headers=AUTH, timeout=30).status_code == 200
