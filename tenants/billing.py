@@ -134,11 +134,12 @@ class Billing:
                 with self._lock:
                     for rec in written:
                         self._pending.remove(rec)
+                    self._spill_locked()            # the spill file first: then the tenant is let in
+                    for rec in written:
                         self._blocked[rec.tenant] -= 1
                         if not self._blocked[rec.tenant]:
                             del self._blocked[rec.tenant]
                             log.warning("billing: tenant %r's usage is recorded again", rec.tenant)
-                    self._spill_locked()
                 if len(written) < len(batch):
                     self._wake.wait(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)])
                     self._wake.clear()
