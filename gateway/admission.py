@@ -16,7 +16,6 @@ import concurrent.futures
 import contextlib
 import copy
 import queue
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from engine import EngineOverloaded, SamplingParams
 from tenants import Lease, QuotaBackend, QuotaBackendUnavailable, QuotaExceeded, Tenant
 
+from .control_tokens import break_token, control_tokens
 from .errors import BadRequest, ContextLengthExceeded, Overloaded, QuotaStoreUnavailable, RateLimited
 from .schemas import ChatRequest, parse_chat_request
 
@@ -103,7 +103,7 @@ class Tokenizers:
         typed by a user) is broken with a zero-width space first, so that it is tokenized
         as the text it is, never as the control token the template itself writes."""
         if self.control is not None:
-            messages = [{**m, "content": self.control.sub(_break, m["content"])} for m in messages]
+            messages = [{**m, "content": self.control.sub(break_token, m["content"])} for m in messages]
         return self._with_copy(lambda t: t.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
 
     def encode(self, text: str) -> list[int]:
@@ -123,21 +123,6 @@ class Tokenizers:
 def _call_soon(loop: asyncio.AbstractEventLoop, fn) -> None:
     with contextlib.suppress(RuntimeError):         # the loop closed (shutdown)
         loop.call_soon_threadsafe(fn)
-
-
-def control_tokens(tokenizer) -> re.Pattern | None:
-    """A pattern matching the text of every special (control) token, or None."""
-    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    texts = {tok.content for tok in decoder.values() if getattr(tok, "special", False) and len(tok.content) > 1}
-    texts |= {t for t in getattr(tokenizer, "all_special_tokens", ()) if isinstance(t, str) and len(t) > 1}
-    if not texts:
-        return None
-    return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
-
-
-def _break(match: re.Match) -> str:
-    text = match.group(0)
-    return text[0] + "\u200b" + text[1:]
 
 
 def max_token_chars(tokenizer) -> int | None:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import ipaddress
 import os
 import time
 from dataclasses import dataclass, field
@@ -29,14 +27,14 @@ from engine import EngineConfig
 from tenants import Ledger, QuotaBackend, QuotaManager, Registry
 
 from .auth import authenticate, bearer_key
-from .errors import GatewayError, InternalError, TooManyConnections
 from .deadline import WriteDeadline
+from .errors import GatewayError, InternalError, TooManyConnections
 from .holds import Holds
 from .hosts import HostAllowlist
 from .limits import Slots
 from .live import StatsHub, interval_class
 from .logs import RequestContext
-from .metrics import GatewayMetrics
+from .metrics import GatewayMetrics, metrics_allowed
 from .sse import ClosingEventStream, chat_completions, error_response, list_models
 from .streaming import ChatService
 from .vllm_metrics import register_vllm_metrics
@@ -208,19 +206,6 @@ async def health(request: Request) -> Response:
     if not gw.chat.ready:
         return JSONResponse({"status": "loading"}, 503)
     return JSONResponse({"status": "ok", "model": gw.chat.model_name})
-
-
-def metrics_allowed(request: Request, token: str | None) -> bool:
-    """/metrics names every tenant with its traffic and refusals: with `metrics_token` set,
-    only a caller presenting it; without, only a client on this host (loopback)."""
-    if token:
-        given = bearer_key(request.headers.get("authorization")) or ""
-        return hmac.compare_digest(given.encode("utf-8", "replace"), token.encode())
-    host = request.client.host if request.client else ""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 async def metrics(request: Request) -> Response:

@@ -274,7 +274,7 @@ def test_metrics_need_the_token_when_one_is_set(tmp_path):
 def test_metrics_without_a_token_answer_only_loopback_clients():
     from types import SimpleNamespace
 
-    from gateway.app import metrics_allowed
+    from gateway.metrics import metrics_allowed
 
     def request(host):
         return SimpleNamespace(client=SimpleNamespace(host=host), headers={})
