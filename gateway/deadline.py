@@ -12,7 +12,7 @@ import asyncio
 
 import structlog
 
-from .protocols import abort_transport
+from .protocols import TRANSPORT_KEY, abort_transport
 
 log = structlog.get_logger("streamgate.http")
 
@@ -22,13 +22,29 @@ class WriteTimeout(Exception):
 
 
 def deadline_send(scope, send, timeout_s: float):
-    async def send_by_deadline(message) -> None:
-        try:
-            await asyncio.wait_for(send(message), timeout_s)
-        except asyncio.TimeoutError:
-            log.info("write.deadline", timeout_s=timeout_s)
-            if not abort_transport(scope):
+    """`send` under the deadline. With the connection's transport in the scope (our
+    protocol puts it there) a timer aborts it, which costs no task per send (an SSE
+    stream sends one message per delta); otherwise the send is cancelled and raises."""
+    if TRANSPORT_KEY not in scope:
+        async def send_or_raise(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), timeout_s)
+            except asyncio.TimeoutError:
                 raise WriteTimeout(f"a send blocked for {timeout_s:g} s") from None
+        return send_or_raise
+
+    loop = asyncio.get_running_loop()
+
+    def expire() -> None:
+        log.info("write.deadline", timeout_s=timeout_s)
+        abort_transport(scope)          # the blocked send then returns: uvicorn sees the disconnect
+
+    async def send_by_deadline(message) -> None:
+        timer = loop.call_later(timeout_s, expire)
+        try:
+            await send(message)
+        finally:
+            timer.cancel()
 
     return send_by_deadline
 

@@ -139,13 +139,14 @@ class Socket:
         async with self._send_lock:
             if self.ws.application_state is not WebSocketState.CONNECTED:
                 raise _Gone()
+            # A timer, not wait_for: no task per frame. Aborting makes the blocked send raise.
+            timer = asyncio.get_running_loop().call_later(self.gw.settings.write_timeout_s, self.abort)
             try:
-                await asyncio.wait_for(self.ws.send_text(text), self.gw.settings.write_timeout_s)
-            except asyncio.TimeoutError:
-                self.abort()
-                raise _Gone() from None
+                await self.ws.send_text(text)
             except (WebSocketDisconnect, RuntimeError, OSError) as exc:
                 raise _Gone() from exc
+            finally:
+                timer.cancel()
 
     def abort(self) -> None:
         """Drop the connection at once (a stuck write): the receive loop then sees the
