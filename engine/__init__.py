@@ -3,7 +3,8 @@ chunked prefill. See DESIGN.md for the contract."""
 
 from .config import EngineConfig, SamplingParams
 from .errors import EngineOverloaded
-from .sequence import RequestOutput, Sequence, SequenceStatus
+from .grammar import Grammar
+from .sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
 
 
 def __getattr__(name: str):
@@ -18,5 +19,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["EngineConfig", "SamplingParams", "RequestOutput", "Sequence", "SequenceStatus",
+__all__ = ["EngineConfig", "SamplingParams", "Grammar", "RequestOutput", "TokenLogprob", "Sequence", "SequenceStatus",
            "LLMEngine", "AsyncEngine", "EngineOverloaded"]

@@ -1,18 +1,20 @@
 """Attention over block tables for a packed batch that mixes prefill chunks and decode
 tokens, registered with transformers' AttentionInterface as "streamgate_paged".
 
-The model runs on one packed row `[1, N]`. Two backends:
-- "kernel" (CPU): the C++ kernel (csrc/, `torch.ops.streamgate.paged_attention`, registered
-  by engine.kernels when the runner picks it) attends for every row, decode rows and prefill
-  chunks alike, in one call per layer, reading each sequence's keys and values in place
-  through its block table; its metadata is the same three tensors every step.
-- "torch" (CUDA, and the CPU fallback and reference): single-token rows are batched into
-  SDPA calls over their gathered, padded contexts, one call per group of similar context
-  lengths (so one long context does not make every stream gather and attend over its
-  padding).
-Each prefill chunk gets its own SDPA call with a causal mask offset by the tokens already
-computed. All index tensors are built once per step (`AttentionMetadata`) and shared by
-every layer.
+The model runs on one packed row `[1, N]`. Two backends, one file each, each with the
+metadata builder the runner calls once per step:
+- "kernel" (CPU, attention_kernel.py): the C++ kernel (csrc/) attends for every row, decode
+  rows and prefill chunks alike, in one call per layer, reading each sequence's keys and
+  values in place through its block table; its metadata is the same three tensors every step.
+- "torch" (CUDA, and the CPU fallback and reference, attention_torch.py): single-token rows
+  are batched into SDPA calls over their gathered, padded contexts, one call per group of
+  similar context lengths; each prefill chunk gets its own call with a causal mask offset by
+  the tokens already computed.
+Both take each layer's features from the family description (families.py): a sliding
+window, attention logit soft-capping and learned sink logits, with the scaling the module
+passes (e.g. Gemma's `query_pre_attn_scalar`). The family's own modeling code passes the same
+window, soft-cap and sinks in every call; they are checked against the description, so a
+description that disagrees with the model fails on its first step rather than diverging.
 """
 
 from __future__ import annotations
@@ -20,27 +22,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from .attention_torch import DecodeGroup, PrefillChunk, torch_attention
+from .families import LayerSpec
 from .kv_cache import PagedKVCache
 
 ATTN_IMPLEMENTATION = "streamgate_paged"
+_PLAIN = LayerSpec()
 
-
-@dataclass
-class PrefillChunk:
-    rows: slice                      # the chunk's rows in the packed batch
-    context_slots: torch.Tensor | None  # [T] slots of the whole context; None: no earlier context
-    mask: torch.Tensor | None        # [q, T] bool, causal with offset; None: plain causal
-
-
-@dataclass
-class DecodeGroup:
-    """Single-token rows with similar context lengths, attended in one SDPA call."""
-    rows: torch.Tensor               # [B] packed-row index of each single-token row
-    slots: torch.Tensor              # [B, T_max] context slots, padded with slot 0
-    mask: torch.Tensor               # [B, 1, 1, T_max] True where the slot is real context
+__all__ = ["ATTN_IMPLEMENTATION", "AttentionMetadata", "DecodeGroup", "KernelBatch", "PrefillChunk",
+           "paged_attention", "CompiledKVCache"]
 
 
 @dataclass
@@ -57,42 +49,36 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor       # [N] where each new token's K/V goes
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
-    kernel: KernelBatch | None = None   # set: the kernel attends for every row (no groups)
+    kernel: KernelBatch | None = None   # set: the kernel attends for the layers it serves
+    layers: tuple[LayerSpec, ...] | None = None   # per layer features (families.py); None: all plain
+    on_kernel: tuple[bool, ...] | None = None     # per layer: the kernel attends (else torch); None: all
 
 
-def paged_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, **kwargs):
+def paged_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, sliding_window=None,
+                    softcap=None, s_aux=None, **kwargs):
     """query [1, H, N, D]; key/value [1, H_kv, N, D] (already written to the pool by the
     cache's update()). Returns ([1, N, H, D], None)."""
     meta: AttentionMetadata = kwargs["paged"]
     layer = module.layer_idx
+    spec = meta.layers[layer] if meta.layers is not None else _PLAIN
+    if ((sliding_window or None) != spec.window or (softcap or None) != spec.softcap
+            or (s_aux is not None) != spec.sinks):
+        raise RuntimeError(f"layer {layer}: the model passes sliding_window={sliding_window}, softcap={softcap}, "
+                           f"sinks={s_aux is not None}; the family description (engine/families.py) says {spec}")
     q = query[0].transpose(0, 1)                                  # [N, H, D]
     out = torch.empty_like(q)                                     # [N, H, D]
-    if (kb := meta.kernel) is not None:
-        torch.ops.streamgate.paged_attention(q, meta.cache.k[layer], meta.cache.v[layer], kb.block_tables,
-                                             kb.q_start, kb.ctx_lens, meta.cache.block_size, scaling, out)
-        return out.unsqueeze(0), None
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = key.shape[1]
-    group = num_heads // num_kv_heads
-
-    for dec in meta.decodes:
-        k_ctx, v_ctx = _gather(meta.cache, layer, dec.slots)     # [B, T, H_kv, D]
-        b = k_ctx.shape[0]
-        qd = q[dec.rows].view(b, num_kv_heads, group, head_dim)    # [B, H_kv, G, D]
-        o = F.scaled_dot_product_attention(qd, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
-                                           attn_mask=dec.mask, scale=scaling)  # [B, H_kv, G, D]
-        out[dec.rows] = o.reshape(b, num_heads, head_dim)
-
-    for chunk in meta.prefills:
-        qp = q[chunk.rows].transpose(0, 1).unsqueeze(0)           # [1, H, q, D]
-        if chunk.context_slots is None:                            # whole context is this chunk
-            kp, vp = key[:, :, chunk.rows], value[:, :, chunk.rows]  # [1, H_kv, q, D]
+    if (kb := meta.kernel) is not None and (meta.on_kernel is None or meta.on_kernel[layer]):
+        cache = meta.cache
+        if spec.plain:
+            torch.ops.streamgate.paged_attention(q, cache.k[layer], cache.v[layer], kb.block_tables, kb.q_start,
+                                                 kb.ctx_lens, cache.block_size, scaling, out)
         else:
-            kc, vc = _gather(meta.cache, layer, chunk.context_slots)  # [T, H_kv, D]
-            kp, vp = kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0)  # [1, H_kv, T, D]
-        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, is_causal=chunk.mask is None,
-                                           scale=scaling, enable_gqa=group > 1)  # [1, H, q, D]
-        out[chunk.rows] = o[0].transpose(0, 1)
+            sinks = None if s_aux is None else s_aux.detach().float().contiguous()
+            torch.ops.streamgate.paged_attention_ext(q, cache.k[layer], cache.v[layer], kb.block_tables, kb.q_start,
+                                                     kb.ctx_lens, cache.block_size, scaling, spec.window or 0,
+                                                     spec.softcap or 0.0, sinks, out)
+        return out.unsqueeze(0), None
+    torch_attention(meta, layer, q, key, value, out, scaling, spec, s_aux)
     return out.unsqueeze(0), None
 
 
@@ -116,15 +102,6 @@ class CompiledKVCache(PagedKVCache):
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         kv_write(self.k, layer, slots, key)
         kv_write(self.v, layer, slots, value)
-
-
-def _gather(cache: PagedKVCache, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eager: the cache's gather into its reused scratch buffer. Compiled: plain indexing,
-    whose buffers inductor plans itself (a CUDA graph cannot hold the scratch buffer's
-    reallocation, and would copy it in as an input on every replay)."""
-    if torch.compiler.is_compiling():
-        return cache.k[layer][slots], cache.v[layer][slots]
-    return cache.gather(layer, slots)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

@@ -7,6 +7,14 @@ block whose hash is registered *and* whose stored tokens equal its own (the chec
 rules out false sharing). A block whose last owner frees it keeps its hash and goes to the
 back of the free queue; allocation takes from the front, so cached blocks are evicted
 least-recently-freed first (LRU) and a hit on a free block takes it back off the queue.
+
+Sliding windows (`sliding_window`, set where every layer of the model slides over the same
+window and the attention reads only the window: ModelRunner.kv_free_window): once a
+sequence's next query no longer sees a block (all its positions before p - window + 1 for
+the next position p), the block goes back to the pool and its table entry becomes FREED.
+Freed entries are always a prefix of the table (windows only move forward), are never read,
+and are skipped by every count, swap and release; a freed block keeps its prefix-cache hash,
+so another sequence can still reuse it until it is evicted.
 """
 
 from __future__ import annotations
@@ -17,6 +25,9 @@ from array import array
 from collections import OrderedDict
 
 from .sequence import Sequence
+
+
+FREED = -1      # a block_table entry whose block fell out of the sliding window and was returned
 
 
 def cdiv(a: int, b: int) -> int:
@@ -50,8 +61,9 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0):
+                 num_host_blocks: int = 0, sliding_window: int | None = None):
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.num_host_blocks = num_host_blocks
         self.host_free: list[int] = list(range(num_host_blocks))    # the swap pool
         # Host blocks released during a step stay unusable until the next step: a swap-in
@@ -111,7 +123,7 @@ class BlockManager:
 
     def num_exclusive_blocks(self, seq: Sequence) -> int:
         """Blocks that freeing `seq` would return to the free queue."""
-        return sum(1 for b in seq.block_table if self.blocks[b].ref_count == 1)
+        return sum(1 for b in seq.block_table if b != FREED and self.blocks[b].ref_count == 1)
 
     def allocate(self, seq: Sequence) -> None:
         """Give `seq` blocks for all its tokens, reusing cached prefix blocks."""
@@ -158,19 +170,36 @@ class BlockManager:
 
     # -- after the model ran --------------------------------------------------------------
     def commit(self, seq: Sequence) -> None:
-        """Register the hashes of blocks that the last step filled with computed tokens."""
-        if not self.enable_prefix_caching:
-            return
+        """Register the hashes of blocks that the last step filled with computed tokens, then
+        (sliding windows) return the blocks the next query no longer sees."""
         bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs if self.enable_prefix_caching else 0):
             tokens = seq.token_ids(i * bs, (i + 1) * bs)
             parent = seq.block_hashes[-1] if seq.block_hashes else tenant_salt(seq.tenant)
             h = block_hash(parent, tokens)
             seq.block_hashes.append(h)
+            if seq.block_table[i] == FREED:                 # re-hashed after a swap: the chain only
+                continue
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.hash_to_block:
                 block.hash, block.token_ids = h, tuple(tokens)
                 self.hash_to_block[h] = block.block_id
+        if self.sliding_window:
+            table = seq.block_table
+            unseen = max(0, seq.num_computed_tokens - self.sliding_window + 1) // bs   # blocks wholly before
+            for i in range(min(len(table), unseen) - 1, -1, -1):
+                if table[i] == FREED:
+                    break
+                self._release([table[i]])
+                table[i] = FREED
+
+    @staticmethod
+    def num_freed(seq: Sequence) -> int:
+        """Leading table entries returned by the sliding window."""
+        n = 0
+        while n < len(seq.block_table) and seq.block_table[n] == FREED:
+            n += 1
+        return n
 
     def free(self, seq: Sequence) -> None:
         """Release all of `seq`'s blocks (device and host); it has nothing computed after."""
@@ -181,26 +210,28 @@ class BlockManager:
 
     # -- swapping (the host pool) ---------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
-        return 0 < len(seq.block_table) <= len(self.host_free)
+        return 0 < len(seq.block_table) - self.num_freed(seq) <= len(self.host_free)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move `seq` to host blocks; returns (device block, host block) pairs to copy.
         The copies must run before the device blocks are written again (the runner does
         them before the step's forward pass)."""
-        pairs = [(bid, self.host_free.pop()) for bid in seq.block_table]
-        self._release(seq.block_table)
+        freed = self.num_freed(seq)
+        live = seq.block_table[freed:]
+        pairs = [(bid, self.host_free.pop()) for bid in live]
+        self._release(live)
         seq.host_table = [h for _, h in pairs]
-        seq.block_table, seq.block_hashes = [], []
+        seq.block_table, seq.block_hashes = [FREED] * freed, []     # freed entries stay freed
         return pairs
 
     def can_swap_in(self, seq: Sequence, reserve: int = 0) -> bool:
-        return self.blocks_for(seq.num_tokens) + reserve <= self.num_free_blocks
+        return self.blocks_for(seq.num_tokens) - self.num_freed(seq) + reserve <= self.num_free_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Give `seq` fresh device blocks for all its tokens; returns (host block, device
         block) pairs to copy back. Its computed tokens stay computed."""
         self._grow(seq, seq.num_tokens)
-        pairs = list(zip(seq.host_table, seq.block_table))
+        pairs = list(zip(seq.host_table, seq.block_table[self.num_freed(seq):]))
         self.host_pending.extend(seq.host_table)
         seq.host_table = []
         return pairs
@@ -214,6 +245,8 @@ class BlockManager:
         """Drop one reference to each block. Tail blocks are queued first, so among cached
         blocks the tails are evicted before the prefixes; uncached blocks are reused first."""
         for bid in reversed(table):
+            if bid == FREED:
+                continue
             block = self.blocks[bid]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {bid} freed twice"
@@ -229,7 +262,7 @@ class BlockManager:
         """Every block is either free (ref 0) or owned exactly ref_count times by `live`."""
         owners: dict[int, int] = {}
         for seq in live:
-            for bid in seq.block_table:
+            for bid in seq.block_table[self.num_freed(seq):]:
                 owners[bid] = owners.get(bid, 0) + 1
         for block in self.blocks:
             expected = owners.get(block.block_id, 0)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from .grammar import Grammar
 
 POLICIES = ("fcfs", "priority", "cost", "fair")
 BATCHING = ("continuous", "static")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 DTYPES = ("float32", "bfloat16", "float16", "auto")   # "auto": see dtypes.resolve_dtype
 ATTENTION_BACKENDS = ("auto", "kernel", "torch")
+MAX_LOGPROBS = 20                       # OpenAI's top_logprobs limit
 
 
 @dataclass(frozen=True)
@@ -152,12 +156,30 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # -- the OpenAI/vLLM sampling surface (issue 27); the sampler's order is in sampler.py --
+    presence_penalty: float = 0.0       # OpenAI: minus this for a token generated at least once
+    frequency_penalty: float = 0.0      # OpenAI: minus this times the token's count in the output
+    repetition_penalty: float = 1.0     # HF/vLLM: logits of prompt+output tokens / (or *) this
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]); a dict is accepted
+    min_p: float = 0.0                  # drop tokens below min_p * the most likely token's probability
+    logprobs: int | None = None         # None: none; 0: the chosen token's; k <= 20: and the top k
+    prompt_logprobs: int | None = None  # not implemented: validate() refuses anything but None
+    grammar: Grammar | None = None      # constrained decoding (engine/grammar.py)
 
     def __post_init__(self) -> None:
         # Accept lists (JSON bodies) and a single string for `stop`; store tuples.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = bias.items()
+        try:
+            bias = tuple(sorted((int(t) if isinstance(t, str) and t.strip().lstrip("-").isdigit() else t, b)
+                                for t, b in (bias or ())))
+        except (TypeError, ValueError):
+            bias = tuple(bias) if isinstance(bias, (list, tuple)) else bias   # validate() names it
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def greedy(self) -> bool:
@@ -181,11 +203,47 @@ class SamplingParams:
         limit = vocab_size if vocab_size is not None else float("inf")
         if not all(_is_int(t) and 0 <= t < limit for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids in [0, {limit}) (got {self.stop_token_ids!r})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2] (got {v!r})")
+        if not _is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            raise ValueError(f"repetition_penalty must be a number in (0, 100] (got {self.repetition_penalty!r})")
+        bias = self.logit_bias
+        if not isinstance(bias, tuple) or len(bias) > 1024 or not all(
+                isinstance(e, tuple) and len(e) == 2 and _is_int(e[0]) and 0 <= e[0] < limit
+                and _is_num(e[1]) and -100.0 <= e[1] <= 100.0 for e in bias):
+            raise ValueError(f"logit_bias must map at most 1024 token ids in [0, {limit}) to numbers in "
+                             f"[-100, 100] (got {_short(bias)})")
+        if len({t for t, _ in bias}) != len(bias):
+            raise ValueError(f"logit_bias names a token id twice (got {_short(bias)})")
+        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be a number in [0, 1] (got {self.min_p!r})")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (got {self.logprobs!r})")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported by this engine (got "
+                             f"{self.prompt_logprobs!r}; leave it None)")
+        if self.grammar is not None:
+            if not isinstance(self.grammar, Grammar):
+                raise ValueError(f"grammar must be an engine.Grammar or None (got {type(self.grammar).__name__})")
+            if self.ignore_eos:
+                raise ValueError("grammar: cannot be combined with ignore_eos (the grammar ends the output with EOS)")
+            self.grammar.check()
 
 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
+
+
+def _short(x: object) -> str:
+    r = repr(x)
+    return r if len(r) <= 120 else r[:117] + "..."
 
 
 __all__ = ["EngineConfig", "SamplingParams", "POLICIES", "PREEMPTION_MODES", "DTYPES"]

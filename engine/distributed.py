@@ -96,17 +96,64 @@ def barrier() -> None:
 
 
 class Ranks:
-    """The spawned ranks 1..N-1: daemon processes, stopped by rank 0 (or by its exit)."""
+    """The spawned ranks 1..N-1: daemon processes, stopped by rank 0 (or by its exit). Each
+    rank reports on `reports` that its start-up code began, and its error if start-up fails."""
 
     def __init__(self, target, world_size: int, args: tuple):
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=target, args=(rank, *args, os.getpid()), daemon=True,
-                                  name=f"streamgate-rank{rank}") for rank in range(1, world_size)]
+        self.reports = ctx.SimpleQueue()
+        self.started: set[int] = set()
+        self.errors: dict[int, str] = {}
+        self.procs = [ctx.Process(target=_rank_main, args=(target, self.reports, rank, *args, os.getpid()),
+                                  daemon=True, name=f"streamgate-rank{rank}") for rank in range(1, world_size)]
         for p in self.procs:
             p.start()
         # Before multiprocessing's own exit hook (atexit runs last-registered first), which
         # would SIGTERM the daemon ranks, which ignore it, and then join them forever.
         atexit.register(self.stop, grace_s=0.0)
+
+    def wait_start(self, startup, poll_s: float = 0.1):
+        """Run `startup` (rank 0's side of joining the group and loading) on a helper thread
+        while watching the ranks: if one dies first, raise at once with its error instead of
+        waiting out the group's start-up timeout with the rendezvous. The thread left behind
+        then ends with that timeout."""
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                box["result"] = startup()
+            except BaseException as exc:  # noqa: BLE001 (handed to the caller)
+                box["error"] = exc
+
+        thread = threading.Thread(target=run, name="streamgate-tp-startup", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(poll_s)
+            if dead := self.dead():
+                time.sleep(poll_s)                      # let a dying rank's report arrive
+                raise RuntimeError(self.startup_failure(dead))
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+
+    def startup_failure(self, dead: list[str]) -> str:
+        while not self.reports.empty():
+            rank, kind, text = self.reports.get()
+            (self.started.add(rank) if kind == "started" else self.errors.__setitem__(rank, text))
+        lines = [f"tensor parallelism: {', '.join(dead)} during start-up"]
+        for r, p in enumerate(self.procs, 1):
+            if p.is_alive():
+                continue
+            if r in self.errors:
+                lines.append(f"rank {r} failed: {self.errors[r]}")
+            elif r not in self.started:
+                lines.append(
+                    f"rank {r} died before its start-up code ran. Ranks are processes started with "
+                    "multiprocessing's 'spawn' method, which re-imports the main module: a script that "
+                    "builds an engine with tensor_parallel_size > 1 must do it under "
+                    "`if __name__ == \"__main__\":` (as vLLM and torch.multiprocessing require); the "
+                    "rank's own error is printed above on stderr")
+        return "\n".join(lines)
 
     def dead(self) -> list[str]:
         """'rank R (exit code C)' for each rank process that is gone."""
@@ -121,6 +168,17 @@ class Ranks:
             if p.is_alive():
                 p.kill()
                 p.join(5.0)
+
+
+def _rank_main(target, reports, rank: int, *args) -> None:
+    """A spawned rank's entry: report that start-up began, run `target`, and report the
+    error that ends it (the parent names it if the rank dies during start-up)."""
+    reports.put((rank, "started", ""))
+    try:
+        target(rank, *args)
+    except BaseException as exc:
+        reports.put((rank, "error", f"{type(exc).__name__}: {exc}"))
+        raise
 
 
 def exit_with_parent(parent_pid: int, interval_s: float = 0.5) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -22,13 +24,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def native_bf16_cpu() -> bool:
     """Whether this CPU has bf16 dot-product instructions oneDNN uses (AVX512-BF16 or AMX)."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return "avx512_bf16" in flags or flags >= {"amx_bf16", "amx_tile"}
 
 
-def _cpu_flags() -> set[str]:
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+            return next((frozenset(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")),
+                        frozenset())
     except OSError:                                                  # not Linux: no bf16 guess
-        return set()
+        return frozenset()

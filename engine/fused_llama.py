@@ -1,4 +1,5 @@
-"""A lean forward for Llama-architecture models (SmolLM2's), eager fp32 or bf16 on CPU.
+"""A lean forward for Llama-shaped models (Llama/SmolLM2, Mistral, Qwen2, Qwen3), eager fp32 or
+bf16 on CPU.
 
 transformers' Llama forward runs ~50 operators and a dozen module calls per layer; once the
 linear layers were fast (csrc/linear.cpp), that dispatch and Python took ~40 % of a one-row
@@ -9,8 +10,11 @@ rotary embedding (in place) and SiLU(gate) * up. Attention and the KV cache are 
 own (attention.py), as on the transformers path. Rotary cos/sin come from the model's own
 rotary module (so every rope scaling transformers knows is honoured), once per step.
 
-Used where `supports()` holds: model_type "llama" with SiLU, no per-layer differences, the C++
-kernels built; anything else keeps transformers' forward. fp32 weights are packed for the C++
+Used where `supports()` holds: a family the description marks fused (families.py: Llama,
+Mistral, Qwen2, Qwen3: pre-norm RMSNorm layers, SiLU gate/up MLP, full rotary; Qwen2's q/k/v
+biases ride in the packed GEMM, Qwen3's per-head q/k RMSNorms run as transformers' modules,
+Mistral's sliding window is the attention's), every layer that family's decoder layer, the
+C++ kernels built; anything else keeps transformers' forward. fp32 weights are packed for the C++
 linear kernel; bf16 ones for oneDNN's matmul (with avx512_bf16 or AMX its bf16 GEMM is 3-5x
 the fp32 one at 8+ rows and reads half the bytes at one row: docs/BENCHMARKS.md §8.16), and
 the C++ operators round bf16 results where transformers' bf16 modules do. Greedy parity with
@@ -31,23 +35,29 @@ from .packed_linear import PackedLinear, available
 log = logging.getLogger("streamgate.engine")
 
 
-def supports(model: nn.Module) -> bool:
+# model_type -> the transformers class prefix of its CausalLM and decoder layer.
+_CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+def supports(model: nn.Module, family=None) -> bool:
     cfg = model.config
-    return (getattr(cfg, "model_type", None) == "llama" and getattr(cfg, "hidden_act", None) == "silu"
-            and getattr(cfg, "pretraining_tp", 1) == 1 and type(model).__name__ == "LlamaForCausalLM"
+    prefix = _CLASSES.get(getattr(cfg, "model_type", None))
+    return (prefix is not None and (family is None or family.fused) and getattr(cfg, "hidden_act", None) == "silu"
+            and getattr(cfg, "pretraining_tp", 1) == 1 and type(model).__name__ == f"{prefix}ForCausalLM"
             and len(model.model.layers) > 0
-            and all(type(m).__name__ == "LlamaDecoderLayer" for m in model.model.layers))
+            and all(type(m).__name__ == f"{prefix}DecoderLayer" for m in model.model.layers))
 
 
-def maybe_fuse(model: nn.Module, config, device: torch.device, dtype: torch.dtype) -> FusedLlama | None:
+def maybe_fuse(model: nn.Module, config, device: torch.device, dtype: torch.dtype,
+               family=None) -> FusedLlama | None:
     """The fused forward for eager fp32 or bf16 on CPU in one process, unless `config.fused_layers`
     or `config.packed_linear` is False; None where it does not apply."""
     if config.fused_layers is False or config.packed_linear is False or config.compile or config.tensor_parallel_size > 1:
         return None
     kind = linear_kind(dtype)
-    if not (device.type == "cpu" and kind and available() == "streamgate" and supports(model)):
+    if not (device.type == "cpu" and kind and available() == "streamgate" and supports(model, family)):
         return None
-    return FusedLlama(model, kind)
+    return FusedLlama(model, kind, family)
 
 
 def linear_kind(dtype: torch.dtype) -> str | None:
@@ -76,9 +86,11 @@ class _Layer:
     copy in memory): the fused ones take their place as `qkv_proj` / `gate_up_proj`, o_proj and
     down_proj become packed, so transformers' own forward cannot run this model any more."""
 
-    def __init__(self, layer: nn.Module, kind: str):
+    def __init__(self, layer: nn.Module, kind: str, window: int | None = None):
         attn, mlp = layer.self_attn, layer.mlp
         self.attn = attn                                        # layer_idx, scaling for attention
+        self.window = window
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)   # Qwen3
         self.qkv = attn.qkv_proj = _fuse(kind, attn.q_proj, attn.k_proj, attn.v_proj)
         self.o = attn.o_proj = PackedLinear(attn.o_proj, kind)
         self.gate_up = mlp.gate_up_proj = _fuse(kind, mlp.gate_proj, mlp.up_proj)
@@ -92,15 +104,17 @@ class _Layer:
 class FusedLlama:
     """Callable like the transformers model as the runner calls it; returns `.logits` [1, K, V]."""
 
-    def __init__(self, model: nn.Module, kind: str = "streamgate"):
+    def __init__(self, model: nn.Module, kind: str = "streamgate", family=None):
         cfg, body = model.config, model.model
+        windows = [layer.window for layer in family.layers] if family is not None else [None] * len(body.layers)
         self.embed, self.rotary_emb = body.embed_tokens, body.rotary_emb
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.layers = [_Layer(layer, kind) for layer in body.layers]
+        self.layers = [_Layer(layer, kind, w) for layer, w in zip(body.layers, windows)]
         self.norm, self.eps = body.norm.weight.detach(), body.norm.variance_epsilon
         self.lm_head = model.lm_head = PackedLinear(model.lm_head, kind)   # a tied one: its own copy
-        log.info("fused Llama forward: %d layers, q/k/v and gate/up packed as one GEMM each (%s)", len(self.layers), kind)
+        log.info("fused Llama-shaped forward (%s): %d layers, q/k/v and gate/up packed as one GEMM each (%s)",
+                 cfg.model_type, len(self.layers), kind)
 
     def __call__(self, input_ids, position_ids, cache, paged, logits_to_keep, **_):
         ops = torch.ops.streamgate
@@ -116,10 +130,13 @@ class FusedLlama:
             q = qkv[:, :q_end].view(n, self.heads, hd)
             k = qkv[:, q_end:k_end].view(n, self.kv_heads, hd)
             v = qkv[:, k_end:].view(n, self.kv_heads, hd)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)                           # new [N, H(_kv), D]
             ops.rotary(q, k, cos, sin)
             cache.write(i, k, v, paged.slot_mapping)
             out, _ = paged_attention(layer.attn, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                     v.transpose(0, 1)[None], None, scaling=layer.attn.scaling, paged=paged)
+                                     v.transpose(0, 1)[None], None, scaling=layer.attn.scaling,
+                                     sliding_window=layer.window, paged=paged)
             hidden = layer.o(out[0].reshape(n, q_end))
             x = ops.add_rms_norm(hidden, residual, layer.norm_post, layer.eps_post)
             hidden = layer.down(ops.silu_and_mul(layer.gate_up(x)))

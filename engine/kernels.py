@@ -1,9 +1,13 @@
 """The engine's C++ kernels (csrc/), built from source with torch's extension tools.
 
-`make setup` builds them once (`python -m engine.kernels`); the engine then only loads the
-built library, rebuilding it if the source changed. Where no compiler is available the build
-fails with its log and the engine keeps its pure-torch attention (attention.py) and
-oneDNN linear layers (packed_linear.py).
+The kernels are written once and compiled once per instruction-set variant (as llama.cpp
+builds a backend per CPU level and vLLM detects the CPU's ISA): a variant is picked at load
+from the CPU's flags, so a venv built on one host runs on another (a container image, a
+shared cache) without an illegal instruction or a needlessly slow path. `make setup` builds
+every variant of this architecture (`python -m engine.kernels`); the engine then only loads
+the one for its CPU, building it first if the sources changed. Where no compiler is
+available the build fails with its log and the engine keeps its pure-torch attention
+(attention.py) and oneDNN linear layers (packed_linear.py).
 """
 
 from __future__ import annotations
@@ -11,11 +15,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import sys
 import time
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from .dtypes import cpu_flags
 from .models import cache_dir
 
 log = logging.getLogger("streamgate.engine")
@@ -24,6 +31,64 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "linear.cpp", CSRC / "layers.cpp"]
 HEADERS = sorted(CSRC.glob("*.h"))
 NAME = "streamgate_kernels"
+ISA_ENV = "STREAMGATE_KERNEL_ISA"       # force a variant by name (tests, benchmarks)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One build of the kernels: the compiler's target flags and the CPU flags (as
+    /proc/cpuinfo names them) a CPU needs to run it. Best first in VARIANTS."""
+
+    name: str
+    cflags: tuple[str, ...]
+    needs: frozenset[str]
+
+    def runs_here(self, flags: frozenset[str]) -> bool:
+        return self.needs <= flags
+
+
+# x86-64 microarchitecture levels (the psABI's v3 = Haswell's AVX2/FMA/BMI, v4 = AVX-512
+# F/BW/CD/DQ/VL) plus AVX512-BF16, whose dot products the bf16 attention uses
+# (csrc/attention_bf16.h, attention_decode_bf16.h). An AMX host runs the avx512_bf16 build:
+# no kernel uses AMX tiles (oneDNN uses them for the bf16 matmuls by itself).
+# -mtune=native only orders instructions for the build host; it never adds any.
+_V3 = frozenset({"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"})
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+X86_VARIANTS = (
+    Variant("avx512_bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mtune=native"), _V4 | {"avx512_bf16"}),
+    Variant("avx512", ("-march=x86-64-v4", "-mtune=native"), _V4),
+    Variant("avx2", ("-march=x86-64-v3", "-mtune=native"), _V3),
+    Variant("x86_64", ("-march=x86-64-v2", "-mtune=native"), frozenset({"sse4_2", "popcnt"})),
+)
+# Elsewhere (aarch64, ...): one build for the host it is built on.
+NATIVE = Variant("native", ("-march=native",), frozenset())
+
+
+def variants() -> tuple[Variant, ...]:
+    """The variants of this machine's architecture, best first."""
+    return X86_VARIANTS if platform.machine().lower() in ("x86_64", "amd64") else (NATIVE,)
+
+
+def built_at_setup() -> tuple[Variant, ...]:
+    """What `make setup` builds: every variant of this architecture, so the venv runs on any
+    CPU of it (about a minute each on two cores)."""
+    return variants()
+
+
+def choose_variant(flags: frozenset[str] | None = None) -> Variant:
+    """The best variant this CPU runs, or the one STREAMGATE_KERNEL_ISA names (refused if
+    this CPU cannot run it: an illegal instruction would kill the process)."""
+    flags = cpu_flags() if flags is None else flags
+    runnable = [v for v in variants() if v.runs_here(flags)] or [variants()[-1]]
+    if wanted := os.environ.get(ISA_ENV):
+        named = {v.name: v for v in variants()}
+        if wanted not in named:
+            raise ValueError(f"{ISA_ENV}={wanted!r}: the variants are {', '.join(named)}")
+        if named[wanted] not in runnable:
+            missing = sorted(named[wanted].needs - flags)
+            raise ValueError(f"{ISA_ENV}={wanted!r}: this CPU lacks {', '.join(missing)}")
+        return named[wanted]
+    return runnable[0]
 
 
 # A build holds torch's `lock` file for about a minute; one older than this was left by a
@@ -31,9 +96,9 @@ NAME = "streamgate_kernels"
 _STALE_LOCK_S = 900.0
 
 
-def build_dir() -> Path:
-    """Where the kernel is built: beside the interpreter it is built for (the venv's
-    `share/streamgate/kernels`), so every process of that venv, whatever its
+def build_dir(variant: Variant | None = None) -> Path:
+    """Where a variant is built: beside the interpreter it is built for (the venv's
+    `share/streamgate/kernels/<variant>`), so every process of that venv, whatever its
     STREAMGATE_CACHE (tests give servers fresh caches), loads the one `make setup` built.
     Outside a writable prefix, the cache directory; STREAMGATE_KERNEL_DIR overrides both."""
     prefix = Path(sys.prefix) / "share" / "streamgate"
@@ -43,6 +108,7 @@ def build_dir() -> Path:
         path = prefix / "kernels"
     else:
         path = cache_dir() / "kernels"
+    path = path / (variant or choose_variant()).name
     path.mkdir(parents=True, exist_ok=True)
     lock = path / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
@@ -51,34 +117,78 @@ def build_dir() -> Path:
     return path
 
 
-@cache
-def load_kernels() -> bool:
-    """Build (if the sources changed) and load the kernels as torch operators in the
-    `streamgate` namespace (`torch.ops.streamgate.paged_attention`, `.pack_linear`, `.linear`);
-    False if they cannot be built."""
-    import torch
-    from torch.utils.cpp_extension import load
+def build(variant: Variant, load_it: bool) -> bool:
+    """Compile `variant` (ninja rebuilds only what its sources or flags changed) and, if
+    `load_it`, load it as torch operators in the `streamgate` namespace. A process loads one
+    variant at most, and never one its CPU cannot run: a library's static initializers are
+    compiled for its target too."""
+    from torch.utils import cpp_extension
 
-    if missing := [str(p) for p in SOURCES + HEADERS if not p.exists()]:
-        log.warning("C++ kernels: %s missing; using the torch paths", ", ".join(missing))
-        return False
     # cpp_extension runs `ninja` from PATH; the venv's own (the `ninja` package) is there only
     # when the venv is activated, which `make` does not do.
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    # Each variant has its own library name: torch remembers loaded libraries by name.
+    name, directory = f"{NAME}_{variant.name}", str(build_dir(variant))
+    cflags = ["-O3", *variant.cflags, "-fno-math-errno", "-fopenmp", _headers_flag()]
+    verbose = os.environ.get("STREAMGATE_VERBOSE_BUILD") == "1"
     start = time.perf_counter()
     try:
-        # is_python_module=False: the library is loaded with torch.ops.load_library, so its
-        # operators are called through the dispatcher (a few us) rather than a Python wrapper.
-        load(name=NAME, sources=[str(p) for p in SOURCES], build_directory=str(build_dir()),
-             extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp", _headers_flag()],
-             extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=os.environ.get("STREAMGATE_VERBOSE_BUILD") == "1")
+        if load_it:
+            # is_python_module=False: loaded with torch.ops.load_library, so the operators are
+            # called through the dispatcher (a few us) rather than a Python wrapper.
+            cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], build_directory=directory,
+                               extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False,
+                               verbose=verbose)
+        else:
+            # The same ninja file and build that load() makes, without loading the result
+            # (torch has no public build-only entry point).
+            baton = cpp_extension.FileBaton(os.path.join(directory, "lock"))
+            if not baton.try_acquire():
+                baton.wait()                      # another process is building it
+                return True
+            try:
+                cpp_extension._write_ninja_file_and_build_library(
+                    name, [str(p) for p in SOURCES], cflags, None, None, ["-fopenmp"], None, directory, verbose,
+                    with_cuda=False, with_sycl=False)
+            finally:
+                baton.release()
     except Exception as e:  # noqa: BLE001 (no compiler, bad toolchain: fall back, say why)
-        log.warning("C++ kernels did not build (%s); using the torch paths", e)
+        log.warning("C++ kernels (%s) did not build (%s); using the torch paths", variant.name, e)
+        return False
+    log.info("C++ kernels (%s) %s in %.1f s", variant.name, "ready" if load_it else "built",
+             time.perf_counter() - start)
+    return True
+
+
+@cache
+def load_kernels() -> bool:
+    """Build (if the sources changed) and load the variant for this CPU as torch operators
+    in the `streamgate` namespace (`torch.ops.streamgate.paged_attention`, `.pack_linear`,
+    `.linear`, ...); False if it cannot be built."""
+    import torch
+
+    if missing := [str(p) for p in SOURCES if not p.exists()]:
+        log.warning("C++ kernels: %s missing; using the torch paths", ", ".join(missing))
+        return False
+    variant = choose_variant()
+    log.info("C++ kernels: the %s variant (CPU %s)", variant.name, _cpu_model())
+    if not build(variant, load_it=True):
         return False
     _register_fakes(torch)
-    log.info("C++ kernels ready in %.1f s", time.perf_counter() - start)
     return True
+
+
+def loaded_variant() -> str | None:
+    """The name of the variant this process runs, or None without kernels."""
+    return choose_variant().name if load_kernels() else None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    except OSError:
+        return platform.processor() or "?"
 
 
 def _headers_flag() -> str:
@@ -112,6 +222,16 @@ def paged_attention_op():
     return None if ops is None else ops.paged_attention
 
 
+def build_all() -> bool:
+    """`make setup`: compile every variant of built_at_setup() (and this CPU's, if it is not
+    among them), then load this CPU's. True if this CPU's variant is ready."""
+    mine = choose_variant()
+    for variant in built_at_setup():
+        if variant != mine:
+            build(variant, load_it=False)
+    return load_kernels()
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    raise SystemExit(0 if load_kernels() else 1)
+    raise SystemExit(0 if build_all() else 1)

@@ -1,10 +1,12 @@
 """The synchronous engine: `add_request()` then `step()` until nothing is unfinished.
 
-    batch  = scheduler.schedule()
+    batch  = scheduler.schedule()     # a sequence whose grammar compiles is not sampled yet
+    masks  = grammars.masks(...)      # constrained rows' token masks, on a thread during the forward
     logits = runner.run(batch)
-    tokens = sample(logits, batch.sampling_seqs)
+    tokens, logprobs = sample_step(logits, batch.sampling_seqs, masks)   # sampler.py, logits_processors.py
+    grammars.advance(...)             # each constrained row's matcher consumes its token
     scheduler.update(batch, tokens)   # catch up, commit, charge, stop tokens, length, free
-    outputs: detokenize (stop strings), metrics
+    outputs: detokenize (stop strings), logprobs, metrics
 
 The step's time feeds the scheduler's token budget (budget.py), which keeps steps under
 the inter-token latency target.
@@ -19,9 +21,10 @@ import time
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
 from .detokenizer import IncrementalDetokenizer
+from .grammar_runtime import GrammarRuntime
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner
-from .sampler import sample
+from .sampler import sample_step
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestOutput, Sequence, SequenceStatus
 
@@ -50,11 +53,13 @@ class LLMEngine:
         if not config.chunked_prefill:           # a whole (re)computed prompt must fit one step
             self.max_model_len = min(self.max_model_len, config.max_num_batched_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          num_host_blocks=config.num_swap_blocks)
+                                          num_host_blocks=config.num_swap_blocks,
+                                          sliding_window=getattr(self.runner, "kv_free_window", None))
         self.scheduler = Scheduler(config, self.block_manager, clock, self.max_model_len)
         self.metrics = EngineMetrics(self.stats)
         self._swapped_bytes = 0
         self.eos_token_ids = _eos_ids(self.tokenizer, self.runner.model)
+        self.grammars = GrammarRuntime(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []       # outputs of requests ended outside a step
@@ -104,6 +109,8 @@ class LLMEngine:
                        weight=weight)
         self.seqs[request_id] = seq
         self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
+        if params.grammar is not None:
+            self.grammars.start(seq, self.clock())     # compiles while the prompt prefills
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
@@ -121,6 +128,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop what the engine runs besides this thread (tensor-parallel ranks)."""
         self.runner.close()
+        self.grammars.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
@@ -129,17 +137,26 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         outputs, self._pending = self._pending, []
+        for seq, error in self.grammars.failures(self.clock()):
+            self.scheduler.finish(seq, "error")
+            outputs.append(self._retire(seq))
+            outputs[-1].error = error
         batch = self.scheduler.schedule()
         outputs += [self._retire(seq) for seq in batch.finished]      # deadlines
         self.runner.last_forward_time = 0.0
         try:
             self._swapped_bytes += self.runner.swap(batch)
             if not batch.is_empty:
+                masks = self.grammars.masks(batch.sampling_seqs)      # computed during the forward
                 logits = self.runner.run(batch)
-                tokens = sample(logits, batch.sampling_seqs)
+                tokens, logprobs = sample_step(logits, batch.sampling_seqs, masks and masks.result(logits.device))
+                self.grammars.advance(batch.sampling_seqs, tokens)
                 now = self.clock()
-                for seq in self.scheduler.update(batch, tokens):
+                for j, seq in enumerate(self.scheduler.update(batch, tokens)):
                     outputs.append(self._emit(seq, now))
+                    outputs[-1].logprobs = None if logprobs is None or logprobs[j] is None else [logprobs[j]]
+            elif self.grammars.pending:
+                self.grammars.wait(0.01)        # nothing to run but compiles: do not spin
         except Exception as exc:                        # fail this batch, keep serving the rest
             log.exception("step failed; failing %d requests", len(batch.seqs))
             outputs += self._fail(batch, exc)
@@ -205,6 +222,8 @@ class LLMEngine:
         filled: dict[int, int] = {}
         for seq in list(sched.running):
             for i, bid in enumerate(list(seq.block_table)):
+                if bid < 0:                              # returned by the sliding window
+                    continue
                 filled[bid] = max(filled.get(bid, 0), min(bm.block_size, seq.num_computed_tokens - i * bm.block_size))
         fair = getattr(sched.policy, "counters", {})
         return {

@@ -8,7 +8,9 @@ import time
 
 import torch
 
-from .attention import AttentionMetadata, CompiledKVCache, DecodeGroup, KernelBatch, PrefillChunk
+from .attention import AttentionMetadata, CompiledKVCache
+from .attention_kernel import has_features, kernel_batch, register_fakes
+from .attention_torch import build_torch_groups
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .dtypes import resolve_dtype
@@ -32,23 +34,38 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         tp = config.tensor_parallel_size
-        self.model, self.tokenizer = load_model(config.model, self.dtype, self.device, tp)
+        self.model, self.tokenizer, self.family = load_model(config.model, self.dtype, self.device, tp)
         hf = self.model.config
         self.vocab_size = hf.vocab_size
         self.max_position_embeddings = getattr(hf, "max_position_embeddings", None)
         num_kv_heads = (getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads) // tp   # this rank's
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.num_blocks = config.num_kv_blocks or self._auto_num_blocks(hf.num_hidden_layers, num_kv_heads, head_dim)
-        use_graphs = config.compile and config.cuda_graphs and self.device.type == "cuda"
+        plain = all(layer.plain for layer in self.family.layers)
+        use_graphs = config.compile and config.cuda_graphs and self.device.type == "cuda" and plain
         # Compiled, one block more than the block manager hands out: the scratch block (block
         # num_blocks) that padded rows read and write.
         pool = CompiledKVCache if config.compile else PagedKVCache
         self.kv_cache = pool(hf.num_hidden_layers, self.num_blocks + int(config.compile), config.block_size,
                              num_kv_heads, head_dim, self.dtype, self.device, config.num_swap_blocks)
-        self.use_kernel = self._use_kernel(config)
+        # The path, decided once: per layer, the kernel or the torch backend (a layer whose
+        # features the built kernel lacks takes the torch one); the fused or generic forward.
+        kernel = self._use_kernel(config)
+        if kernel:
+            register_fakes()
+        self.on_kernel = tuple(kernel and (layer.plain or has_features()) for layer in self.family.layers)
+        self.use_kernel = any(self.on_kernel)
+        self.use_torch = not all(self.on_kernel)
         self.pad_rows = _PAD_ROWS if config.compile and self.use_kernel else 0
-        log.info("dtype %s, attention backend %s", self.dtype, "kernel" if self.use_kernel else "torch")
-        self.forward = maybe_fuse(self.model, config, self.device, self.dtype) or self.model
+        log.info("%s: dtype %s, attention backend %s", self.family.model_type, self.dtype,
+                 "kernel" if not self.use_torch else "torch" if not self.use_kernel else
+                 f"kernel on {sum(self.on_kernel)} of {len(self.on_kernel)} layers, torch on the rest")
+        self.forward = maybe_fuse(self.model, config, self.device, self.dtype, self.family) or self.model
+        # Every layer sliding over one window, attended by the kernel (which reads only the
+        # window): the block manager returns blocks that fell out of it (block_manager.py).
+        windows = {layer.window for layer in self.family.layers}
+        one = len(windows) == 1 and None not in windows and all(self.on_kernel)
+        self.kv_free_window = windows.pop() if one else None
         if self.forward is self.model:
             maybe_pack(self.model, config, self.device, self.dtype)
         eager_cpu = self.device.type == "cpu" and not config.compile and tp == 1
@@ -88,8 +105,9 @@ class ModelRunner:
             if self.use_kernel:
                 meta = self._pad(ids, pos, slots, sample_rows, kernel)
             else:
-                meta = AttentionMetadata(self.kv_cache, torch.tensor(slots, device=dev), [], [])
-                self._torch_groups(meta, [0], [kernel[0][2]], [kernel[0][0]],
+                meta = self._meta(torch.tensor(slots, device=dev))
+            if self.use_torch:
+                build_torch_groups(meta, bs, dev, [0], [kernel[0][2]], [kernel[0][0]],
                                    [(row, ctx - n, n, table) for row, (ctx, n, table) in zip((1, 10, 14), kernel[1:])])
             forward(input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([pos], device=dev),
                     cache=self.kv_cache, use_cache=False, paged=meta,
@@ -112,9 +130,13 @@ class ModelRunner:
         pos += [bs - 1, bs]                                            # a 2-block context
         slots += [scratch * bs + bs - 1, scratch * bs]
         kernel.append((bs + 1, _PAD_ROWS, [scratch, scratch]))
-        meta = AttentionMetadata(self.kv_cache, torch.tensor(slots, dtype=torch.long, device=self.device), [], [])
-        meta.kernel = self._kernel_batch(kernel)
+        meta = self._meta(torch.tensor(slots, dtype=torch.long, device=self.device))
+        meta.kernel = kernel_batch(kernel, bs)
         return meta
+
+    def _meta(self, slots: torch.Tensor) -> AttentionMetadata:
+        return AttentionMetadata(self.kv_cache, slots, [], [], layers=self.family.layers,
+                                 on_kernel=None if not self.use_torch else self.on_kernel)
 
     def _use_kernel(self, config: EngineConfig) -> bool:
         if config.attention_backend == "torch" or self.device.type != "cpu":
@@ -217,7 +239,9 @@ class ModelRunner:
             # context is copied.
             if self.use_kernel:
                 kernel.append((start + n, n, table))
-            elif is_decode:
+            if not self.use_torch:
+                continue
+            if is_decode:
                 dec_rows.append(row)
                 dec_tables.append(table)
                 dec_lens.append(start + 1)
@@ -226,74 +250,15 @@ class ModelRunner:
         if self.pad_rows:
             meta = self._pad(ids, pos, slots, sample_rows, kernel)
         else:
-            meta = AttentionMetadata(self.kv_cache, torch.tensor(slots, dtype=torch.long, device=dev), [], [])
+            meta = self._meta(torch.tensor(slots, dtype=torch.long, device=dev))
             if kernel:
-                meta.kernel = self._kernel_batch(kernel)
+                meta.kernel = kernel_batch(kernel, bs)
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)      # [1, N]
         positions = torch.tensor([pos], dtype=torch.long, device=dev)      # [1, N]
         sample_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        self._torch_groups(meta, dec_rows, dec_tables, dec_lens, prefills)
+        build_torch_groups(meta, bs, dev, dec_rows, dec_tables, dec_lens, prefills)
         return input_ids, positions, sample_t, meta
-
-    def _kernel_batch(self, kernel: list[tuple[int, int, list[int]]]) -> KernelBatch:
-        bs = self.config.block_size
-        lens = [ctx for ctx, _, _ in kernel]
-        width = max(-(-n // bs) for n in lens)
-        tables = [table[:width] + [0] * (width - len(table[:width])) for _, _, table in kernel]
-        q_start = [0]
-        for _, n, _ in kernel:
-            q_start.append(q_start[-1] + n)
-        return KernelBatch(torch.tensor(tables, dtype=torch.long), torch.tensor(q_start, dtype=torch.long),
-                           torch.tensor(lens, dtype=torch.long))
-
-    def _torch_groups(self, meta: AttentionMetadata, dec_rows, dec_tables, dec_lens, prefills) -> None:
-        """Decode groups of similar context length and per-chunk masks for the torch backend."""
-        bs, dev = self.config.block_size, self.device
-        order = sorted(range(len(dec_rows)), key=dec_lens.__getitem__)
-        for group in _length_groups([dec_lens[i] for i in order]):
-            idx = [order[i] for i in group]
-            lens = [dec_lens[i] for i in idx]
-            t_max = lens[-1]
-            width = -(-t_max // bs)
-            tables = torch.tensor([dec_tables[i][:width] + [0] * (width - len(dec_tables[i][:width])) for i in idx],
-                                  dtype=torch.long, device=dev)             # [B, blocks]
-            lens_t = torch.tensor(lens, device=dev)
-            meta.decodes.append(DecodeGroup(
-                rows=torch.tensor([dec_rows[i] for i in idx], dtype=torch.long, device=dev),
-                slots=self._slots(tables)[:, :t_max],                        # [B, T_max]
-                mask=(torch.arange(t_max, device=dev)[None, :] < lens_t[:, None])[:, None, None, :]))
-        for row, start, n, table in prefills:
-            chunk = PrefillChunk(slice(row, row + n), None, None)
-            if start > 0:                                                    # attends to earlier context
-                length = start + n
-                table_t = torch.tensor(table[:-(-length // bs)], dtype=torch.long, device=dev)
-                chunk.context_slots = self._slots(table_t[None])[0, :length]  # [T]
-                q_pos = torch.arange(start, length, device=dev)
-                chunk.mask = torch.arange(length, device=dev)[None, :] <= q_pos[:, None]   # [q, T]
-            meta.prefills.append(chunk)
-
-    def _slots(self, tables: torch.Tensor) -> torch.Tensor:
-        """Block tables [B, nb] -> token slots [B, nb * block_size]."""
-        bs = self.config.block_size
-        offsets = torch.arange(bs, device=tables.device)
-        return (tables[:, :, None] * bs + offsets).reshape(tables.shape[0], -1)
 
 
 # Compiled with the kernel, every step gets a dummy sequence of this many rows (`_pad`).
 _PAD_ROWS = 2
-
-# A decode group may pad its rows up to this factor of its shortest context (plus a block)
-# before a new group starts: one more gather+SDPA call per layer is cheaper than attending
-# over that much padding.
-_GROUP_SLACK = 1.5
-
-
-def _length_groups(sorted_lens: list[int]) -> list[list[int]]:
-    """Split ascending context lengths into runs of similar length (returns index lists)."""
-    groups: list[list[int]] = []
-    for i, n in enumerate(sorted_lens):
-        if groups and n <= _GROUP_SLACK * sorted_lens[groups[-1][0]] + 16:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups

@@ -15,12 +15,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .families import FamilySpec, describe
+
 log = logging.getLogger("streamgate.engine")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# Families whose attention runs through AttentionInterface with `layer_idx`, RoPE via
-# explicit position_ids and no sliding window or soft-capping: verified by parity tests.
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 
 
 def cache_dir() -> Path:
@@ -78,14 +77,9 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     log.warning("converted default model into %s", target)
 
 
-def check_supported(config) -> None:
-    family = getattr(config, "model_type", "?")
-    if family not in SUPPORTED_FAMILIES:
-        raise ValueError(f"model family {family!r} is not supported by the paged engine "
-                         f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
-    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        raise ValueError(f"model family {family!r} with sliding-window attention is not supported "
-                         f"(sliding_window={config.sliding_window})")
+def check_supported(config) -> FamilySpec:
+    """The family's description (families.py), or UnsupportedModel naming the blocking field."""
+    return describe(config)
 
 
 def check_tensor_parallel(config, tp_size: int) -> None:
@@ -98,7 +92,8 @@ def check_tensor_parallel(config, tp_size: int) -> None:
 
 
 def load_model(name: str, dtype, device, tp_size: int = 1):
-    """Load (model, tokenizer) with the paged attention implementation plugged in. With
+    """Load (model, tokenizer, family description) with the paged attention implementation
+    plugged in; a family the engine cannot serve is refused before its weights load. With
     tp_size > 1 (torch.distributed initialised, one process per rank) transformers shards
     it by the model's own tensor-parallel plan and places this rank's shard itself."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -106,7 +101,7 @@ def load_model(name: str, dtype, device, tp_size: int = 1):
     from .attention import ATTN_IMPLEMENTATION
 
     path = resolve_model(name)
-    check_supported(AutoConfig.from_pretrained(path))
+    family = check_supported(AutoConfig.from_pretrained(path))
     if tp_size > 1:
         from transformers.distributed import DistributedConfig
 
@@ -118,4 +113,39 @@ def load_model(name: str, dtype, device, tp_size: int = 1):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
         model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
+    adapt_chat_template(tokenizer)
+    return model, tokenizer, family
+
+
+# Prepended to a chat template that refuses the system role (Gemma 2's raises "System role
+# not supported"): a leading system message becomes the start of the first user turn, as
+# Gemma 3's own template does it. String contents only; anything else is left to the template.
+_MERGE_SYSTEM = (
+    "{%- if messages and messages[0]['role'] == 'system' and messages[0]['content'] is string -%}"
+    "{%- if messages | length > 1 and messages[1]['role'] == 'user' and messages[1]['content'] is string -%}"
+    "{%- set messages = [{'role': 'user', 'content': messages[0]['content'] ~ '\n\n' ~ messages[1]['content']}]"
+    " + messages[2:] -%}"
+    "{%- else -%}{%- set messages = [{'role': 'user', 'content': messages[0]['content']}] + messages[1:] -%}"
+    "{%- endif -%}{%- endif -%}")
+
+
+def adapt_chat_template(tokenizer) -> bool:
+    """Give a template that rejects system messages the merge above; returns whether it did.
+    The template text itself changes, so every copy of the tokenizer (the gateway's) has it."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return False
+    probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    try:
+        tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        return False
+    except Exception:           # jinja2's TemplateError from the template's raise_exception
+        pass
+    tokenizer.chat_template = _MERGE_SYSTEM + template
+    try:
+        tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+    except Exception:
+        tokenizer.chat_template = template                      # refuses for another reason: as shipped
+        return False
+    log.info("chat template: system messages merged into the first user turn (the template rejects them)")
+    return True

@@ -1,5 +1,11 @@
 """Token sampling: greedy, temperature, top-k, top-p, with a per-request RNG so the same
-seed gives the same output regardless of what else is in the batch."""
+seed gives the same output regardless of what else is in the batch.
+
+Rows that use the issue-27 surface (penalties, logit_bias, min_p, logprobs, a grammar) are
+sampled apart from the plain rows, through logits_processors.py's steps; a batch without
+them runs exactly the plain path (it pays nothing). Either way each row draws one uniform
+from its own generator per sampled token, so a seeded request reproduces in any batch.
+"""
 
 from __future__ import annotations
 
@@ -7,41 +13,107 @@ import random
 
 import torch
 
-from .sequence import Sequence
+from .logits_processors import apply_min_p, apply_penalties, needs_processing, token_logprobs
+from .sequence import Sequence, TokenLogprob
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits: [K, V] float32, one row per sequence in `seqs`. Returns one token id each."""
+    return sample_step(logits, seqs)[0]
+
+
+def sample_step(logits: torch.Tensor, seqs: list[Sequence],
+                masks: dict[int, torch.Tensor] | None = None) -> tuple[list[int], list[TokenLogprob | None] | None]:
+    """Tokens for each row and, where a row asked for them, its log-probabilities (None
+    when no row did). `masks`: row -> bool [V] of the tokens its grammar bans."""
+    special = [i for i, s in enumerate(seqs) if needs_processing(s.params) or (masks and i in masks)]
+    if not special:
+        return _plain(logits, seqs), None
+    tokens = _plain(logits, seqs, skip=set(special))                 # special rows' entries replaced below
+    rows = [seqs[i] for i in special]
+    whole = getattr(masks, "banned", None) if masks and list(masks) == special else None
+    if whole is not None and len(special) == len(seqs):
+        x = logits.masked_fill(whole, float("-inf"))                  # copy and mask in one pass
+    else:
+        x = logits[special]                                           # a copy: [R, V]
+        if whole is not None:
+            x.masked_fill_(whole, float("-inf"))
+        else:
+            for j, i in enumerate(special):
+                if masks and i in masks:
+                    x[j].masked_fill_(masks[i], float("-inf"))
+    apply_penalties(x, rows)
+    picked, logprobs = _processed(x, rows)
+    out: list[TokenLogprob | None] = [None] * len(seqs)
+    for j, i in enumerate(special):
+        tokens[i] = picked[j]
+    if logprobs is not None:
+        for j, lp in enumerate(token_logprobs(logprobs, picked, [s.params.logprobs for s in rows])):
+            out[special[j]] = lp
+    return tokens, out if any(lp is not None for lp in out) else None
+
+
+def _plain(logits: torch.Tensor, seqs: list[Sequence], skip: set[int] = frozenset()) -> list[int]:
+    """The plain path for every row but those in `skip` (whose generators it leaves alone)."""
+    if len(skip) == len(seqs):
+        return [0] * len(seqs)
     tokens = logits.argmax(dim=-1)                                   # [K] greedy for all
-    rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    rows = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in skip]
     if rows:
         idx = torch.tensor(rows, device=logits.device)
         params = [seqs[i].params for i in rows]
         temps = torch.tensor([p.temperature for p in params], device=logits.device)
-        probs = _filtered_probs(logits[idx] / temps[:, None],
-                                torch.tensor([p.top_k for p in params], device=logits.device),
-                                torch.tensor([p.top_p for p in params], device=logits.device))  # [R, V]
-        cdf = probs.cumsum(dim=-1)                                   # [R, V]
-        for j, i in enumerate(rows):
-            gen = _generator(seqs[i], logits.device)
-            # Inverse CDF, one uniform draw per row: the first token whose cumulative mass
-            # exceeds u * total (never a zero-probability one). An exponential race over the
-            # vocabulary cost ~2.5 ms a row (a scalar log per token).
-            u = torch.rand((), generator=gen, device=logits.device) * cdf[j, -1]
-            tokens[i] = torch.searchsorted(cdf[j], u[None], right=True).clamp_(max=cdf.shape[1] - 1)[0]
+        probs = _filtered_logits(logits[idx] / temps[:, None],
+                                 torch.tensor([p.top_k for p in params], device=logits.device),
+                                 torch.tensor([p.top_p for p in params], device=logits.device)).softmax(dim=-1)
+        _draw(probs, [seqs[i] for i in rows], tokens, rows)
     return tokens.tolist()
 
 
-def _filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Softmax over the tokens that survive each row's top-k and top-p cuts. [R, V]
+def _processed(x: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor | None]:
+    """Sample the processed rows `x` [R, V]; returns the tokens and the log-probabilities of
+    the distribution each was drawn from (greedy rows: log-softmax of `x`), None if no row
+    asked for them."""
+    want = any(s.params.logprobs is not None for s in seqs)
+    logprobs = x.log_softmax(dim=-1) if want else None
+    rows = [j for j, s in enumerate(seqs) if not s.params.greedy]
+    tokens = x.argmax(dim=-1) if len(rows) < len(seqs) else torch.zeros(len(seqs), dtype=torch.long, device=x.device)
+    if rows:
+        params = [seqs[j].params for j in rows]
+        dev = x.device
+        temps = torch.tensor([p.temperature for p in params], device=dev, dtype=x.dtype)
+        random_rows = x if len(rows) == len(seqs) else x[rows]
+        tempered = apply_min_p(random_rows / temps[:, None], torch.tensor([p.min_p for p in params], device=dev))
+        filtered = _filtered_logits(tempered, torch.tensor([p.top_k for p in params], device=dev),
+                                    torch.tensor([p.top_p for p in params], device=dev))
+        _draw(filtered.softmax(dim=-1), [seqs[j] for j in rows], tokens, rows)
+        if want:
+            logprobs[rows] = filtered.log_softmax(dim=-1)
+    return tokens.tolist(), logprobs
 
-    Without any cut (top_k 0, top_p 1: the default) it is the plain softmax; sorting the
+
+def _draw(probs: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor, rows: list[int]) -> None:
+    """tokens[rows[j]] = a draw from probs[j], with seqs[j]'s generator."""
+    cdf = probs.cumsum(dim=-1)                                       # [R, V]
+    for j, i in enumerate(rows):
+        gen = _generator(seqs[j], probs.device)
+        # Inverse CDF, one uniform draw per row: the first token whose cumulative mass
+        # exceeds u * total (never a zero-probability one). An exponential race over the
+        # vocabulary cost ~2.5 ms a row (a scalar log per token).
+        u = torch.rand((), generator=gen, device=probs.device) * cdf[j, -1]
+        tokens[i] = torch.searchsorted(cdf[j], u[None], right=True).clamp_(max=cdf.shape[1] - 1)[0]
+
+
+def _filtered_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The logits with the tokens cut by each row's top-k and top-p at -inf. [R, V]
+
+    Without any cut (top_k 0, top_p 1: the default) they are returned as they are; sorting the
     vocabulary for nothing was ~10 ms of a 40 ms SmolLM2 decode step. With top-k only the
     largest k are ranked (topk), and the whole vocabulary only when some row has top-p alone."""
     vocab = logits.shape[-1]
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
     if bool((k == vocab).all()) and bool((top_p >= 1.0).all()):
-        return logits.softmax(dim=-1)
+        return logits
     ranked = vocab if bool((top_p < 1.0).any()) else int(k.max())
     if ranked < vocab:
         sorted_logits, order = logits.topk(ranked, dim=-1)               # [R, ranked], descending
@@ -53,8 +125,7 @@ def _filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
     cut |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
-    filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return filtered.softmax(dim=-1)
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
 def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
@@ -62,3 +133,8 @@ def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
         seed = seq.params.seed if seq.params.seed is not None else random.getrandbits(63)
         seq.generator = torch.Generator(device=device).manual_seed(seed)
     return seq.generator
+
+
+def _filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Softmax over the tokens that survive each row's top-k and top-p cuts. [R, V]"""
+    return _filtered_logits(logits, top_k, top_p).softmax(dim=-1)

@@ -153,7 +153,7 @@ class Scheduler(Preemption):
     def _schedule_decodes(self, out: SchedulerOutput, now: float) -> None:
         """Every running sequence with one token to compute, most urgent first."""
         for seq in [s for s in self.running if not s.is_prefill]:
-            if seq.status is SequenceStatus.RUNNING and self._reserve_decode_slot(seq, out, now):
+            if seq.status is SequenceStatus.RUNNING and seq.can_sample and self._reserve_decode_slot(seq, out, now):
                 self._add(out, seq, 1)                       # (a prompt's last token is charged)
 
     def _schedule_prefills(self, out: SchedulerOutput, now: float) -> None:
@@ -201,6 +201,7 @@ class Scheduler(Preemption):
         key = lambda s: self.policy.key(s, now)  # noqa: E731
         group = lambda s: (s.tenant, s.priority)  # noqa: E731
         blocked: set[tuple] = set()                          # heads that could not start
+        twins: set[int] = set()                              # prompts whose twin is prefilling: next step
         held: set[tuple] = set()                             # prompts that may not share this step
         first: Sequence | None = None                        # isolate_prompts: the step's first prompt
         self.waiting.sort(key=key)
@@ -210,10 +211,13 @@ class Scheduler(Preemption):
                 self.waiting.sort(key=key)
                 self.swapped.sort(key=key)
             seq = next((s for s in heapq.merge(self.waiting, self.swapped, key=key)
-                        if group(s) not in blocked and group(s) not in held), None)
+                        if group(s) not in blocked and group(s) not in held and id(s) not in twins), None)
             if seq is None:
                 break
             swapping = seq.status is SequenceStatus.SWAPPED
+            if not swapping and self._twin_prefilling(seq):
+                twins.add(id(seq))                           # its prompt comes from the prefix cache next
+                continue
             if first is not None and not swapping and not self.policy.may_share_step(first, seq):
                 held.add(group(seq))                         # its prompt would slow first's token: next step
                 continue
@@ -245,11 +249,25 @@ class Scheduler(Preemption):
             self.running.append(seq)
             self._add(out, seq, self._chunk(seq, out, left))
 
+    def _twin_prefilling(self, seq: Sequence) -> bool:
+        """A fresh prompt of at least a block whose exact twin is running and still computing
+        its prompt (the `n` choices of one request): it waits for the twin's blocks to be
+        committed and takes them from the prefix cache, so the prompt is computed once."""
+        if not self.bm.enable_prefix_caching or self.config.batching != "continuous" or seq.num_computed_tokens \
+                or seq.num_output_tokens or seq.num_prompt_tokens <= self.bm.block_size:
+            return False
+        return any(s.num_computed_tokens < s.num_prompt_tokens and s.prompt_token_ids == seq.prompt_token_ids
+                   for s in self.running)
+
     def _add(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         """Schedule `n` tokens of `seq`. Prompt work is charged to the policy now (as VTC
         does at admission), so the next pick in this same step already sees it, but only
         for positions never billed before: a recompute after a preemption is free. Output
         tokens are charged when they are sampled."""
+        if n and seq.num_computed_tokens + n == seq.num_tokens and not seq.can_sample:
+            n -= 1                                           # its grammar is compiling: the sampled token waits
+            if n == 0:
+                return
         charged = 0
         if seq.computes_prompt:
             end = seq.num_computed_tokens + n

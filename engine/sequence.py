@@ -61,6 +61,9 @@ class Sequence:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.generator = None                 # sampler's per-request RNG (set by the sampler)
+        # Constrained decoding: the llguidance matcher and its compile (grammar_runtime.py).
+        # It lives here, not in the KV cache, so preemption (recompute or swap) keeps it.
+        self.grammar_state = None
 
     # -- derived values ---------------------------------------------------------------
     @property
@@ -90,6 +93,11 @@ class Sequence:
         """More than one token to compute: a prompt (or a recomputed sequence) catching up."""
         return self.num_uncomputed_tokens > 1
 
+    @property
+    def can_sample(self) -> bool:
+        """False while the request's grammar is still compiling: its last token waits."""
+        return self.grammar_state is None or self.grammar_state.ready
+
     def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
         end = self.num_tokens if end is None else end
         p = len(self.prompt_token_ids)
@@ -102,6 +110,17 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token's log-probability and the `top` most likely (token id, logprob)
+    pairs, most likely first (empty unless SamplingParams.logprobs > 0). Log-probabilities
+    are from the distribution the token was drawn from (sampler.py says which)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -119,6 +138,8 @@ class RequestOutput:
     error: str | None = None
     queue_time_s: float | None = None   # arrival to first scheduled; set once it is known
     num_computed_prompt_tokens: int = 0   # prompt tokens whose KV the engine holds (billing)
+    logprobs: list[TokenLogprob] | None = None   # aligned with new_token_ids when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # reserved (SamplingParams.prompt_logprobs)
 
     def merge(self, later: "RequestOutput") -> "RequestOutput":
         """Fold a later output into this one (for consumers that fall behind)."""
@@ -126,4 +147,10 @@ class RequestOutput:
                              self.new_text + later.new_text, later.finished, later.finish_reason,
                              later.num_prompt_tokens, later.num_output_tokens, later.error or self.error,
                              later.queue_time_s if later.queue_time_s is not None else self.queue_time_s,
-                             later.num_computed_prompt_tokens)
+                             later.num_computed_prompt_tokens,
+                             _concat(self.logprobs, later.logprobs),
+                             self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
+
+
+def _concat(a: list | None, b: list | None) -> list | None:
+    return b if a is None else a if b is None else a + b

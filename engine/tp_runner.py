@@ -74,11 +74,14 @@ class TPModelRunner(ShardRunner):
         self.failed: str | None = None             # why the ranks can no longer step
         self._lock = threading.Lock()               # one collective sequence at a time
         self._stopped = threading.Event()
+        def startup() -> None:
+            tpd.init_group(0, n, port, config.device)
+            super(TPModelRunner, self).__init__(dataclasses.replace(config, device=tpd.rank_device(config.device, 0)))
+            tpd.loaded(config.tp_timeout_s)
+
         try:
             torch.set_num_threads(threads)
-            tpd.init_group(0, n, port, config.device)
-            super().__init__(dataclasses.replace(config, device=tpd.rank_device(config.device, 0)))
-            tpd.loaded(config.tp_timeout_s)
+            self.ranks.wait_start(startup)
         except BaseException:
             self.ranks.stop(grace_s=0.0)
             tpd.destroy_group()

@@ -25,7 +25,9 @@ from tenants import Lease, QuotaBackend, QuotaBackendUnavailable, QuotaExceeded,
 
 from .control_tokens import break_token, control_tokens
 from .errors import BadRequest, ContextLengthExceeded, Overloaded, QuotaStoreUnavailable, RateLimited
-from .schemas import ChatRequest, parse_chat_request
+from .prompts import chat_template, fim_format, render_prompt
+from .schemas import REQUEST_KINDS, ChatRequest, parse_body
+from .tools import engine_refusal, output_grammar, sampling_params
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Admission:
     created: int = field(default_factory=lambda: int(time.time()))
     cancelled: bool = False
     billed: int | None = None   # set once the lease is settled
+    prompt_text: str | None = None      # the rendered prompt (None: the client sent token ids)
 
 
 class Tokenizers:
@@ -63,6 +66,8 @@ class Tokenizers:
         self.max_token_chars = max_token_chars(tokenizer)
         self.template_bytes = template_bytes(tokenizer)
         self.control = control_tokens(tokenizer)
+        self.template = chat_template(tokenizer)
+        self.fim = fim_format(tokenizer)
 
     def estimate_prompt(self, messages) -> int | None:
         """The prompt's tokens estimated before rendering, in time that grows with the number
@@ -76,8 +81,8 @@ class Tokenizers:
         fixed, per_message = self.template_bytes
         n = fixed + per_message * len(messages)
         for m in messages:
-            for text in ([m.content] if isinstance(m.content, str) else [part.text for part in m.content]):
-                n += len(text) if text.isascii() else 4 * len(text)
+            text = m.text()
+            n += len(text) if text.isascii() else 4 * len(text)
         return n
 
     def min_tokens(self, text: str) -> int:
@@ -98,13 +103,15 @@ class Tokenizers:
         job.add_done_callback(lambda _: _call_soon(loop, slot.release))
         return await asyncio.wrap_future(job)
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], kw: dict | None = None) -> str:
         """The prompt text. A control token's text inside a message (`<|im_start|>system`
         typed by a user) is broken with a zero-width space first, so that it is tokenized
         as the text it is, never as the control token the template itself writes."""
         if self.control is not None:
-            messages = [{**m, "content": self.control.sub(break_token, m["content"])} for m in messages]
-        return self._with_copy(lambda t: t.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+            messages = [{**m, "content": self.control.sub(break_token, m["content"])}
+                        if isinstance(m.get("content"), str) else m for m in messages]
+        return self._with_copy(lambda t: t.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                               **(kw or {})))
 
     def encode(self, text: str) -> list[int]:
         return self._with_copy(lambda t: list(t(text, add_special_tokens=False)["input_ids"]))
@@ -160,6 +167,7 @@ class Admitter:
         self.tokenize_workers = tokenize_workers
         self.tokenizers: Tokenizers | None = None
         self.max_model_len = 0
+        self._grammar_field: str | None = None
 
     def on_engine_started(self) -> None:
         """Slow (the vocabulary is scanned): run it off the event loop."""
@@ -180,19 +188,19 @@ class Admitter:
             raise QuotaStoreUnavailable(str(exc), retry_after=exc.retry_after) from None
 
     async def admit(self, tenant: Tenant, body: object, *, transport: str, timeout_s: float | None,
-                    request_id: str | None) -> Admission:
+                    request_id: str | None, kind: str = "chat") -> Admission:
         arrival = self.clock()
-        req = parse_chat_request(body)
+        req = parse_body(REQUEST_KINDS[kind], body)
         if req.model not in (None, "", self.model_name, "default"):
             raise BadRequest(f"model: unknown model {req.model!r}; this server serves {self.model_name!r}",
                              param="model", code="model_not_found")
         deadline = self._deadline(tenant, req, timeout_s, arrival)
         lease = await self._reserve(self.quotas.begin(tenant, self._estimate(tenant, req)))
         try:
-            prompt_ids = await self._tokenize(tenant, req)
+            text, prompt_ids = await self._tokenize(tenant, req)
             params, max_tokens = self._params(tenant, req, len(prompt_ids))
             priority = tenant.priority if req.priority is None else max(tenant.priority, req.priority)
-            rid = request_id or f"chatcmpl-{uuid.uuid4().hex}"
+            rid = request_id or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
             try:
                 self.engine.validate(rid, prompt_ids, params, priority=priority, deadline=deadline,
                                      weight=tenant.weight)
@@ -200,20 +208,24 @@ class Admitter:
                 raise Overloaded(f"the engine is overloaded ({exc}); retry later",
                                  retry_after=exc.retry_after) from None
             except ValueError as exc:
-                raise BadRequest(str(exc)) from None
-            await self._reserve(lease.reserve_tokens(len(prompt_ids) + max_tokens))
+                raise engine_refusal(exc, self._grammar_field) from None
+            await self._reserve(lease.reserve_tokens(len(prompt_ids) + req.n * max_tokens))
         except BaseException:
             lease.settle(0)
             raise
         return Admission(rid, tenant, req, prompt_ids, params, priority, deadline, lease, transport, arrival,
-                         self.model_name)
+                         self.model_name, prompt_text=text)
 
     def _estimate(self, tenant: Tenant, req: ChatRequest) -> int:
         """What `reserve_tokens` will ask (prompt + max_tokens) estimated before any work on
         the prompt, for `begin` (the Redis backend takes it in the same round trip). An
         admitted request never holds more than the context, nor a prompt over the tenant's
         max_prompt_tokens. 0: no estimate."""
-        prompt = self.tokenizers.estimate_prompt(req.messages) if self.tokenizers else None
+        messages = getattr(req, "messages", None)
+        if messages is None:
+            prompt = len(req.prompt) if isinstance(req.prompt, list) or req.prompt.isascii() else 4 * len(req.prompt)
+        else:
+            prompt = self.tokenizers.estimate_prompt(messages) if self.tokenizers else None
         if prompt is None:
             return 0
         if tenant.limits.max_prompt_tokens is not None:
@@ -221,7 +233,7 @@ class Admitter:
         max_tokens = req.requested_max_tokens
         if max_tokens is None:
             max_tokens = tenant.limits.max_tokens if tenant.limits.max_tokens is not None else self.default_max_tokens
-        return min(self.max_model_len, prompt + max_tokens)
+        return min(self.max_model_len, prompt + max_tokens) + (req.n - 1) * max_tokens
 
     @staticmethod
     async def _reserve(step):
@@ -232,28 +244,27 @@ class Admitter:
         except QuotaBackendUnavailable as exc:
             raise QuotaStoreUnavailable(str(exc), retry_after=exc.retry_after) from None
 
-    async def _tokenize(self, tenant: Tenant, req: ChatRequest) -> list[int]:
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
+    async def _tokenize(self, tenant: Tenant, req) -> tuple[str | None, list[int]]:
+        """(the rendered prompt or None, its token ids): chat template and tokenizer on the
+        tokenizer threads (gateway/prompts.py), or the ids a completions client sent."""
         tok = self.tokenizers
-        try:
-            text = await tok.run(tenant.name, tok.render, messages)
-        except Exception as exc:        # a template that refuses the conversation (e.g. role order)
-            raise BadRequest(f"messages: the model's chat template rejected them: {exc}", param="messages") from None
-        self._check_prompt(tenant, tok.min_tokens(text), at_least=True)
-        ids = await tok.run(tenant.name, tok.encode, text)
-        self._check_prompt(tenant, len(ids), at_least=False)
-        return ids
+        field = "messages" if hasattr(req, "messages") else "prompt"
+        text, ids = await render_prompt(tok, tenant.name, req)
+        if ids is None:
+            self._check_prompt(tenant, tok.min_tokens(text), at_least=True, field=field)
+            ids = await tok.run(tenant.name, tok.encode, text)
+        self._check_prompt(tenant, len(ids), at_least=False, field=field)
+        return text, ids
 
-    def _check_prompt(self, tenant: Tenant, n: int, *, at_least: bool) -> None:
+    def _check_prompt(self, tenant: Tenant, n: int, *, at_least: bool, field: str = "messages") -> None:
         has = f"has at least {n}" if at_least else f"has {n}"
         cap = tenant.limits.max_prompt_tokens
         if cap is not None and n > cap:
-            raise ContextLengthExceeded(f"messages: the prompt {has} tokens; tenant {tenant.name!r} "
-                                        f"allows at most {cap}", param="messages")
+            raise ContextLengthExceeded(f"{field}: the prompt {has} tokens; tenant {tenant.name!r} "
+                                        f"allows at most {cap}", param=field)
         if n >= self.max_model_len:
-            raise ContextLengthExceeded(f"messages: the prompt {has} tokens but the model's context is "
-                                        f"{self.max_model_len}", param="messages")
+            raise ContextLengthExceeded(f"{field}: the prompt {has} tokens but the model's context is "
+                                        f"{self.max_model_len}", param=field)
 
     def _params(self, tenant: Tenant, req: ChatRequest, n_prompt: int) -> tuple[SamplingParams, int]:
         limits = tenant.limits
@@ -270,12 +281,11 @@ class Admitter:
             max_tokens = asked
         else:
             max_tokens = min(room, cap if cap is not None else self.default_max_tokens)
+            max_tokens = min(max_tokens, getattr(req, "default_max_tokens", max_tokens))    # completions: 16
             if limits.tokens_per_minute is not None:       # a default that the tpm bucket can hold
                 max_tokens = max(1, min(max_tokens, limits.tokens_per_minute - n_prompt))
-        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                top_k=req.top_k, seed=req.seed, stop=tuple(req.stop or ()),
-                                ignore_eos=req.ignore_eos)
-        return params, max_tokens
+        grammar, self._grammar_field = output_grammar(req) if isinstance(req, ChatRequest) else (None, None)
+        return sampling_params(req, max_tokens, grammar, req.num_top_logprobs), max_tokens
 
     @staticmethod
     def _deadline(tenant: Tenant, req: ChatRequest, timeout_s: float | None, arrival: float) -> float | None:

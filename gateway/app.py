@@ -27,6 +27,7 @@ from engine import EngineConfig
 from tenants import Ledger, QuotaBackend, QuotaManager, Registry
 
 from .auth import authenticate, bearer_key
+from .completions import completions
 from .deadline import WriteDeadline
 from .errors import GatewayError, InternalError, TooManyConnections
 from .holds import Holds
@@ -35,6 +36,7 @@ from .limits import Slots
 from .live import StatsHub, interval_class
 from .logs import RequestContext
 from .metrics import GatewayMetrics, metrics_allowed
+from .responses import responses
 from .sse import ClosingEventStream, chat_completions, error_response, list_models
 from .streaming import ChatService
 from .vllm_metrics import register_vllm_metrics
@@ -95,6 +97,7 @@ class GatewaySettings:
     drain_grace_s: float = 30.0
     keepalive_s: float = 15.0
     default_max_tokens: int = 1024          # when neither the request nor the tenant sets one
+    tool_parser: str | None = None          # hermes | llama3_json | mistral; None: from the chat template
     metrics_token: str | None = None        # /metrics for callers presenting it; None: loopback clients only
     allowed_hosts: tuple[str, ...] = ()     # Host names answered (DNS rebinding); (): any (serve sets loopback's)
 
@@ -273,6 +276,8 @@ def create_app(settings: GatewaySettings, *, engine=None, registry: Registry | N
         Route("/metrics", metrics),
         Route("/v1/models", list_models),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/stats", stats_stream),
         WebSocketRoute("/v1/chat/ws", chat_socket),
     ]

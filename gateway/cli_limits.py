@@ -20,6 +20,8 @@ def limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ws-idle-timeout", type=float, default=300.0,
                    help="seconds a WebSocket may stay open with no frame and nothing running")
     p.add_argument("--tokenize-workers", type=int, default=2, help="threads for chat templates and tokenizing")
+    p.add_argument("--tool-parser", choices=("hermes", "llama3_json", "mistral"), default=None,
+                   help="how tool calls are read from the model's output (default: from its chat template)")
     p.add_argument("--limit-concurrency", type=int, default=None,
                    help="uvicorn: connections + tasks past which new ones get 503 (default: no limit)")
     p.add_argument("--timeout-keep-alive", type=float, default=5.0,
@@ -81,7 +83,7 @@ def settings_limits(args: argparse.Namespace) -> dict:
                 max_sockets=args.max_sockets, max_unauthenticated_sockets=args.max_unauthenticated_sockets,
                 max_sockets_per_tenant=args.max_sockets_per_tenant, max_stats_streams_per_tenant=args.max_stats_streams,
                 ws_auth_timeout_s=args.ws_auth_timeout, ws_idle_timeout_s=args.ws_idle_timeout,
-                tokenize_workers=args.tokenize_workers,
+                tokenize_workers=args.tokenize_workers, tool_parser=args.tool_parser,
                 max_unauthenticated_sockets_per_address=args.max_unauthenticated_sockets_per_address,
                 body_timeout_s=args.body_timeout, max_json_values=args.max_json_values,
                 ws_preauth_max_frame_bytes=args.ws_preauth_max_frame_bytes,

@@ -18,11 +18,11 @@ from sse_starlette import EventSourceResponse
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from .admission import Admission
 from .auth import bearer_key
+from .chat_api import Last, chat_body, chat_chunks
 from .errors import BadRequest, BodyTimeout, GatewayError, PayloadTooLarge
 from .schemas import timeout_from_header
-from .streaming import CLIENT_CLOSED, Delta, Done, Failed
+from .streaming import CLIENT_CLOSED, Delta, Failed
 
 
 def error_response(exc: GatewayError, extra_headers: dict | None = None) -> JSONResponse:
@@ -147,6 +147,13 @@ class _Disconnect:
 
 
 async def chat_completions(request: Request) -> Response:
+    return await serve_openai(request, "chat", chat_chunks, chat_body)
+
+
+async def serve_openai(request: Request, kind: str, chunks, whole, convert=None) -> Response:
+    """One OpenAI-style generation endpoint: `kind` of request (admission.REQUEST_KINDS),
+    `chunks(gw, adm, first, events)` the SSE payloads, `whole(gw, adm, deltas, done)` the
+    JSON answer, `convert(body)` the body as admission takes it (Responses -> chat)."""
     gw = request.app.state.gateway
     tenant = gw.authenticate(bearer_key(request.headers.get("authorization")))
     gw.chat.precheck(tenant, "http")        # over its limits: refused before its body costs anything
@@ -157,7 +164,9 @@ async def chat_completions(request: Request) -> Response:
         return Response(status_code=CLIENT_CLOSED)      # nobody is left to read it
     stream = isinstance(body, dict) and body.get("stream") is True     # the parser refuses non-booleans
     timeout_s = timeout_from_header(request.headers.get("x-request-timeout"))
-    adm = await gw.chat.admit(tenant, body, transport="sse" if stream else "http", timeout_s=timeout_s)
+    if convert is not None:
+        body = convert(body)
+    adm = await gw.chat.admit(tenant, body, transport="sse" if stream else "http", timeout_s=timeout_s, kind=kind)
     headers = gw.quotas.headers(tenant)
     events = gw.chat.run(adm)
     watch = _Disconnect(request)
@@ -171,25 +180,21 @@ async def chat_completions(request: Request) -> Response:
         if stream:
             watch.close()       # from here on sse-starlette watches for the hang-up
             handed_off = True
-            return ClosingEventStream(events.aclose, _chunks(adm, first, events), headers=headers, sep="\n",
+            return ClosingEventStream(events.aclose, chunks(gw, adm, first, events), headers=headers, sep="\n",
                                       ping=gw.settings.keepalive_s)
-        text, event = [], first
+        deltas, event = [], first
         while isinstance(event, Delta):
-            text.append(event.text)
+            deltas.append(event)
             event = await watch.next_event(events)
         if event is None:
             return Response(status_code=CLIENT_CLOSED)
         if isinstance(event, Failed):
             return error_response(event.error, headers)
-        return JSONResponse(_completion(adm, "".join(text), event), headers=headers)
+        return JSONResponse(whole(gw, adm, deltas, event), headers=headers)
     finally:
         watch.close()
         if not handed_off:
             await events.aclose()       # settle now, not when the generator is collected
-
-
-class Last(str):
-    """A stream's last payload (`[DONE]`, or the error event that ends it)."""
 
 
 class ClosingEventStream(EventSourceResponse):
@@ -209,7 +214,7 @@ class ClosingEventStream(EventSourceResponse):
         the request) runs after it, and a ping sent meanwhile would follow `[DONE]`."""
         async for item in content:
             yield item
-            if isinstance(item, Last):
+            if isinstance(item, Last) or getattr(item, "last", False):
                 self.active = False             # sse-starlette's ping loop checks it before each ping
 
     async def __call__(self, scope, receive, send) -> None:
@@ -217,50 +222,6 @@ class ClosingEventStream(EventSourceResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.on_close()
-
-
-def _completion(adm: Admission, text: str, done: Done) -> dict:
-    return {"id": adm.request_id, "object": "chat.completion", "created": adm.created, "model": adm.model,
-            "system_fingerprint": None,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": done.finish_reason}],
-            "usage": done.usage.as_dict()}
-
-
-async def _chunks(adm: Admission, first, events):
-    """SSE `data:` payloads: role chunk, content chunks, the finish chunk, the usage chunk
-    (if asked), `[DONE]`; or an error event, which is terminal (no `[DONE]` after it)."""
-    usage_on = adm.request.include_usage
-    head = {"id": adm.request_id, "object": "chat.completion.chunk", "created": adm.created,
-            "model": adm.model, "system_fingerprint": None}
-
-    def chunk(delta: dict, finish: str | None = None, num_tokens: int | None = None) -> str:
-        body = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-        if usage_on:
-            body["usage"] = None
-        if num_tokens is not None:
-            body["num_tokens"] = num_tokens      # a streamgate extension: tokens in this delta
-        return json.dumps(body, ensure_ascii=False)
-
-    try:
-        yield chunk({"role": "assistant", "content": ""})
-        event = first
-        while True:
-            if isinstance(event, Delta):
-                yield chunk({"content": event.text}, num_tokens=event.num_tokens)
-            elif isinstance(event, Done):
-                yield chunk({}, event.finish_reason)
-                if usage_on:
-                    yield json.dumps({**head, "choices": [], "usage": event.usage.as_dict(),
-                                      "timings": event.timings})      # a streamgate extension
-                yield Last("[DONE]")
-                return
-            else:
-                yield Last(json.dumps(event.error.body()))
-                return
-            event = await anext(events)
-    finally:
-        await events.aclose()
 
 
 async def list_models(request: Request) -> Response:

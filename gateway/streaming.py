@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -22,6 +22,7 @@ from engine import EngineOverloaded
 from tenants import QuotaManager, Tenant
 
 from .admission import Admission, Admitter
+from .fanout import choices, engine_ids
 from .errors import (BadRequest, DeadlineExceeded, Draining, GatewayError, InternalError, Overloaded,
                      RateLimited, Unavailable)
 from .live import ItlWindow
@@ -49,6 +50,9 @@ class Usage:
 class Delta:
     text: str
     num_tokens: int     # the deltas' num_tokens add up to usage.completion_tokens
+    index: int = 0      # the choice (request `n`)
+    logprobs: list | None = None        # engine TokenLogprobs of this delta's tokens (when asked)
+    finish_reason: str | None = None    # set on a choice's last delta
 
 
 @dataclass
@@ -56,6 +60,7 @@ class Done:
     finish_reason: str          # stop | length | abort (cancelled by the client)
     usage: Usage
     timings: dict
+    finish_reasons: list = field(default_factory=list)      # per choice (request `n`)
 
 
 @dataclass
@@ -66,20 +71,11 @@ class Failed:
     before_first_token: bool
 
 
-def billed_tokens(out) -> int:
-    """What a request that reached the engine pays: prompt + completion once it produced a
-    token, else the prompt tokens the engine computed for it (0 if it never started)."""
-    if out.num_output_tokens:
-        return out.num_prompt_tokens + out.num_output_tokens
-    return out.num_computed_prompt_tokens
-
-
-def billed_at_least(out, usage: Usage) -> int:
-    """`billed_tokens(out)`, and never less than what the gateway itself saw streamed: a
-    final output made up without the engine's counts (the engine stopping with requests
-    in flight, or failing) would otherwise bill a request that produced tokens 0."""
-    seen = usage.total_tokens if usage.completion_tokens else 0
-    return max(billed_tokens(out), seen)
+def streamed(usage) -> int:
+    """What the gateway itself saw streamed: prompt + completion once a token came. The
+    engine's final counts are billed, never less than this (a final output made up when
+    the engine stops or fails with requests in flight carries no counts)."""
+    return usage.total_tokens if usage.completion_tokens else 0
 
 
 class ChatService:
@@ -127,7 +123,7 @@ class ChatService:
             log.info("chat.refused", tenant=tenant.name, transport=transport, status=exc.status, code=exc.code)
 
     async def admit(self, tenant: Tenant, body: object, *, transport: str, timeout_s: float | None = None,
-                    request_id: str | None = None) -> Admission:
+                    request_id: str | None = None, kind: str = "chat") -> Admission:
         """Validate, tokenize, clamp to the tenant's limits and reserve quota. Raises a
         GatewayError (holding nothing) when the request cannot be served."""
         try:
@@ -139,7 +135,7 @@ class ChatService:
             if not self.ready:
                 raise Overloaded("the model is still loading", retry_after=5.0)
             return await self.admitter.admit(tenant, body, transport=transport, timeout_s=timeout_s,
-                                             request_id=request_id)
+                                             request_id=request_id, kind=kind)
         except GatewayError as exc:
             self._refused(tenant, transport, exc)
             raise
@@ -156,16 +152,15 @@ class ChatService:
         self.metrics.stream_opened(adm.transport)
         try:
             finish, error = "abort", None
+            finishes = ["abort"] * adm.request.n
             if not adm.cancelled:
-                stream = self.engine.generate(adm.request_id, adm.prompt_ids, adm.params, priority=adm.priority,
-                                              tenant=adm.tenant.name, deadline=adm.deadline,
-                                              weight=adm.tenant.weight, validated=True,
-                                              on_final=lambda out: self._settle(adm, billed_at_least(out, usage)))
-                unsent = 0          # tokens of outputs that carried no text yet
+                stream = choices(self.engine, adm, lambda billed: self._settle(adm, max(billed, streamed(usage))))
+                unsent = [0] * adm.request.n        # tokens of outputs that carried no text yet
+                held: list = [None] * adm.request.n     # their logprobs
                 try:
                     async with contextlib.aclosing(stream):
                         queued = True       # the first step of the iteration queues it, or raises
-                        async for out in stream:
+                        async for index, out in stream:
                             if out.new_token_ids:
                                 now = self.clock()
                                 if first is None:
@@ -174,13 +169,18 @@ class ChatService:
                                     self.itl.add(now - last)
                                 last = now
                                 usage.completion_tokens += len(out.new_token_ids)
-                                unsent += len(out.new_token_ids)
+                                unsent[index] += len(out.new_token_ids)
+                                if out.logprobs:
+                                    held[index] = (held[index] or []) + list(out.logprobs)
                             if out.queue_time_s is not None:
                                 queued_s = out.queue_time_s
-                            if out.new_text or (out.finished and unsent):
-                                yield Delta(out.new_text, unsent)
-                                unsent = 0
                             if out.finished:
+                                finishes[index] = out.finish_reason
+                            if out.new_text or (out.finished and (unsent[index] or adm.request.n > 1)):
+                                yield Delta(out.new_text, unsent[index], index, held[index],
+                                            out.finish_reason if out.finished and adm.request.n > 1 else None)
+                                unsent[index], held[index] = 0, None
+                            if out.finished and (finish == "abort" or out.finish_reason not in ("stop", "length")):
                                 finish, error = out.finish_reason, out.error
                 except EngineOverloaded as exc:
                     queued, finish, error = False, "overloaded", exc
@@ -189,6 +189,8 @@ class ChatService:
                 except RuntimeError as exc:                 # the engine thread is gone
                     queued, finish, error = False, "error", exc
             terminal = self._terminal(adm, finish, error, usage, first, queued_s)
+            if isinstance(terminal, Done):
+                terminal.finish_reasons = finishes
             status = terminal.error.status if isinstance(terminal, Failed) else (
                 CLIENT_CLOSED if finish == "abort" else 200)
             outcome = terminal.error.code if isinstance(terminal, Failed) else finish
@@ -239,6 +241,9 @@ class ChatService:
                                      retry_after=error.retry_after))
         if finish == "invalid":
             return failed(BadRequest(str(error)))
+        if finish == "error" and str(error).startswith("grammar:") and usage.completion_tokens == 0:
+            field = "tools" if getattr(adm.request, "forced_tool", None) else "response_format"
+            return failed(BadRequest(f"{field}: {error}", param=field))     # the compile failed or ran too long
         if finish == "error":
             return failed(InternalError(f"the engine failed this request: {error}"))
         return Done(finish, usage, timings)
@@ -255,7 +260,8 @@ class ChatService:
     async def cancel(self, adm: Admission) -> None:
         """Stop a request on the client's behalf; its stream ends with finish_reason 'abort'."""
         adm.cancelled = True
-        await self.engine.abort(adm.request_id)
+        for rid in engine_ids(adm):
+            await self.engine.abort(rid)
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new requests, let running ones finish for up to `grace_s`, then stop the
@@ -266,9 +272,10 @@ class ChatService:
             await asyncio.sleep(0.05)
         if self.active:
             log.warning("drain.aborting", requests=len(self.active))
-            for rid in list(self.active):
+            for rid, adm in list(self.active.items()):
                 self._shutdown_ids.add(rid)
-                await self.engine.abort(rid)
+                for engine_id in engine_ids(adm):
+                    await self.engine.abort(engine_id)
             end = self.clock() + 5.0
             while self.active and self.clock() < end:
                 await asyncio.sleep(0.05)

@@ -25,6 +25,7 @@ from .live import interval_class
 from .schemas import timeout_from_field
 from .sse import parse_json, refuse_lone_surrogates
 from .streaming import Delta, Done
+from .ws_format import WsFrames
 from .ws_socket import Socket, State, _Gone, origin_allowed
 
 log = structlog.get_logger("streamgate.ws")
@@ -195,18 +196,19 @@ class Connection(Socket):
 
     async def _stream(self, cid, adm: Admission) -> None:
         events = self.gw.chat.run(adm)
+        frames = WsFrames(self.gw, adm, cid)
         ended = False
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
                     if isinstance(event, Delta):
-                        await self.send({"type": "chat.delta", "id": cid, "text": event.text,
-                                         "num_tokens": event.num_tokens})
+                        for frame in frames.delta(event):
+                            await self.send(frame)
                         continue
                     ended = True
                     if isinstance(event, Done):
-                        await self.send({"type": "chat.done", "id": cid, "finish_reason": event.finish_reason,
-                                         "usage": event.usage.as_dict(), "timings": event.timings})
+                        for frame in frames.done(event):
+                            await self.send(frame)
                     else:
                         await self.send_error(cid, event.error)
         except _Gone:

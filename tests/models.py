@@ -46,7 +46,7 @@ def build_tiny_model(family: str, out: Path, tokenizer_dir: str) -> str:
     return str(out)
 
 
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=6)
 def load_reference(model_dir: str, device: str = "cpu", dtype: str = "float32"):
     """The HF model, loaded once per (directory, device, dtype): the parity tests only read it."""
     return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa",

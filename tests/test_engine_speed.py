@@ -17,7 +17,7 @@ from engine.kernels import paged_attention_ops
 def test_auto_dtype_is_bf16_only_with_native_bf16(monkeypatch, flags, want):
     """On CPU "auto" picks bf16 only where the CPU has bf16 dot products (AVX512-BF16 or
     AMX-bf16); explicit dtypes are kept."""
-    monkeypatch.setattr(dtypes, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset(flags))
     assert dtypes.resolve_dtype("auto", torch.device("cpu")) == want
     assert dtypes.resolve_dtype("float32", torch.device("cpu")) == torch.float32
     assert dtypes.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16

@@ -9,20 +9,23 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import paged_attention_ops
+from tests.bf16 import assert_tensor_within_noise
 
 ops = paged_attention_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="the paged attention kernel did not build (see the log)")
 
 
-def reference(q, k_pool, v_pool, tables, q_lens, ctx_lens, block_size, scale):
-    """Gather each sequence's context out of the pool and run SDPA with a causal offset (fp32)."""
-    out = torch.empty(q.shape, dtype=torch.float32)
+def reference(q, k_pool, v_pool, tables, q_lens, ctx_lens, block_size, scale, dtype=torch.float32):
+    """Gather each sequence's context out of the pool and run SDPA with a causal offset, in
+    `dtype` (fp32: the exact reference; the pool's own dtype: what torch's attention in that
+    precision makes of the same inputs, the measure of its rounding noise)."""
+    out = torch.empty(q.shape, dtype=dtype)
     row = 0
     for table, q_len, ctx in zip(tables.tolist(), q_lens, ctx_lens):
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)])
-        k = k_pool[slots].float().transpose(0, 1)[None]                 # [1, H_kv, T, D]
-        v = v_pool[slots].float().transpose(0, 1)[None]
-        qs = q[row:row + q_len].float().transpose(0, 1)[None]           # [1, H, q, D]
+        k = k_pool[slots].to(dtype).transpose(0, 1)[None]               # [1, H_kv, T, D]
+        v = v_pool[slots].to(dtype).transpose(0, 1)[None]
+        qs = q[row:row + q_len].to(dtype).transpose(0, 1)[None]         # [1, H, q, D]
         mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]   # [q, T]
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale,
                                            enable_gqa=q.shape[1] != k_pool.shape[1])
@@ -80,8 +83,9 @@ CASES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_matches_torch_reference(case, dtype):
-    """Every query row's output equals gather + SDPA within fp32 rounding (bf16, fp16: the
-    output's own rounding)."""
+    """Every query row's output equals gather + SDPA in fp32 within fp32 rounding; bf16 and
+    fp16 pools by the bf16 contract (tests/bf16.py): within twice what torch's own SDPA in
+    that dtype is off fp32 on the same inputs."""
     q_lens, ctx_lens, heads, kv_heads, head_dim, block_size = CASES[case]
     q, k_pool, v_pool, tables = random_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype, seed=3)
     scale = head_dim ** -0.5
@@ -89,8 +93,11 @@ def test_kernel_matches_torch_reference(case, dtype):
     q_start = torch.tensor([0] + q_lens).cumsum(0)
     ops.paged_attention(q, k_pool, v_pool, tables, q_start, torch.tensor(ctx_lens), block_size, scale, out)
     want = reference(q, k_pool, v_pool, tables, q_lens, ctx_lens, block_size, scale)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2       # bf16: the output itself is rounded to 8 bits
-    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    else:
+        low = reference(q, k_pool, v_pool, tables, q_lens, ctx_lens, block_size, scale, dtype)
+        assert_tensor_within_noise(out, want, low, what=f"{case} {dtype}")
 
 
 def test_kernel_rejects_short_block_table():
@@ -99,3 +106,61 @@ def test_kernel_rejects_short_block_table():
     out = torch.empty(q.shape)
     with pytest.raises(RuntimeError, match="block table too short"):
         ops.paged_attention(q, k_pool, v_pool, tables, torch.tensor([0, 1]), torch.tensor([17]), 16, 0.25, out)
+
+
+# -- layer features: sliding window, logit soft-capping, sinks (paged_attention_ext) -------------
+def reference_ext(q, k_pool, v_pool, tables, q_lens, ctx_lens, block_size, scale, window, softcap, sinks):
+    """transformers' eager attention, written out in fp32: keys in (p - window, p], scores
+    soft-capped, a per-head sink logit in each softmax's denominator."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    group = q.shape[1] // k_pool.shape[1]
+    row = 0
+    for table, q_len, ctx in zip(tables.tolist(), q_lens, ctx_lens):
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)])
+        k = k_pool[slots].float().repeat_interleave(group, 1).transpose(0, 1)     # [H, T, D]
+        v = v_pool[slots].float().repeat_interleave(group, 1).transpose(0, 1)
+        qs = q[row:row + q_len].float().transpose(0, 1)                           # [H, q, D]
+        s = qs @ k.transpose(1, 2) * scale                                        # [H, q, T]
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        pos, keys = torch.arange(ctx - q_len, ctx)[:, None], torch.arange(ctx)[None, :]
+        mask = (keys <= pos) & ((keys > pos - window) if window else True)
+        s = s.masked_fill(~mask, float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks[:, None, None].expand(-1, q_len, 1)], -1)
+        p = torch.softmax(s, -1)[..., :ctx]
+        out[row:row + q_len] = (p @ v).transpose(0, 1)
+        row += q_len
+    return out
+
+
+# The family tests' shapes: head_dim 16 (bf16 query tiles, decode rows on all heads), GQA 4:2,
+# block size 8, chunks of several query tiles.
+CASES["families"] = ([40, 1, 9, 70], [90, 30, 9, 70], 4, 2, 16, 8)
+FEATURES = {"window": (24, 0.0, False), "softcap": (0, 3.0, False), "sinks": (0, 0.0, True),
+            "all": (24, 3.0, True), "window-1": (1, 0.0, False)}
+
+
+@pytest.mark.skipif(ops is None or not hasattr(ops, "paged_attention_ext"), reason="no paged_attention_ext")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("case", ["decode", "mixed", "long", "odd", "many", "wide", "tails-d48", "families"])
+def test_kernel_features_match_eager_reference(case, feature, dtype):
+    """Every path of the kernel (decode rows on all heads, query tiles, bf16 tiles) with a
+    window not a multiple of the block size, soft-capping and sinks equals the eager math;
+    keys before a sequence's first window are never read (NaN there would show)."""
+    q_lens, ctx_lens, heads, kv_heads, head_dim, block_size = CASES[case]
+    window, softcap, with_sinks = FEATURES[feature]
+    q, k_pool, v_pool, tables = random_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype, seed=4)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(9)) * 2 if with_sinks else None
+    want = reference_ext(q, k_pool, v_pool, tables, q_lens, ctx_lens, block_size, 0.3, window, softcap, sinks)
+    if window:
+        for table, q_len, ctx in zip(tables.tolist(), q_lens, ctx_lens):
+            for p in range(max(0, ctx - q_len - window + 1)):        # before the first row's window
+                k_pool[table[p // block_size] * block_size + p % block_size] = float("nan")
+                v_pool[table[p // block_size] * block_size + p % block_size] = float("nan")
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    ops.paged_attention_ext(q, k_pool, v_pool, tables, torch.tensor([0] + q_lens).cumsum(0), torch.tensor(ctx_lens),
+                            block_size, 0.3, window, softcap, sinks, out)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)

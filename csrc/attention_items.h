@@ -1,0 +1,100 @@
+// The paged attention kernel's entry checks and its work items (paged_attention.cpp): a
+// batch's sequences cut into (sequence, KV head, query tile) items, or one item per decode row
+// for all its heads, dealt into one bin per thread.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "attention_decode.h"
+#include "attention_tiles.h"
+
+namespace streamgate::cpu {
+
+constexpr int64_t kQueryTile = 32;   // query rows of one sequence per work item
+
+struct Item {
+  int64_t seq, kv_head, row_begin, row_end;   // rows counted from the sequence's first row
+};                                            // kv_head -1: a decode row, all heads (decode_sequence)
+
+inline void check_inputs(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                         const torch::Tensor& block_tables, const torch::Tensor& q_start,
+                         const torch::Tensor& ctx_lens, const torch::Tensor& out) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3 && out.dim() == 3, "paged_attention: 3-d q/pool/out");
+  TORCH_CHECK(q.stride(2) == 1 && k_pool.stride(2) == 1 && v_pool.stride(2) == 1 && out.stride(2) == 1,
+              "paged_attention: head_dim must be contiguous");
+  TORCH_CHECK(k_pool.strides() == v_pool.strides() && k_pool.sizes() == v_pool.sizes(), "paged_attention: K and V pools differ");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == out.scalar_type(), "paged_attention: one dtype");
+  TORCH_CHECK(q.size(1) % k_pool.size(1) == 0 && q.size(2) == k_pool.size(2), "paged_attention: head shapes");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && block_tables.is_contiguous() && block_tables.dim() == 2,
+              "paged_attention: block_tables int64 [B, W]");
+  TORCH_CHECK(q_start.scalar_type() == torch::kLong && ctx_lens.scalar_type() == torch::kLong &&
+              q_start.is_contiguous() && ctx_lens.is_contiguous(), "paged_attention: q_start/ctx_lens int64");
+  const int64_t num_seqs = ctx_lens.size(0);
+  TORCH_CHECK(q_start.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs, "paged_attention: batch sizes");
+}
+
+inline std::vector<std::vector<Item>> deal_items(const torch::Tensor& q, const torch::Tensor& k_pool,
+                                                 const torch::Tensor& block_tables, const torch::Tensor& q_start,
+                                                 const torch::Tensor& ctx_lens, int64_t block_size) {
+  const int64_t num_seqs = ctx_lens.size(0);
+  const int64_t* starts = q_start.data_ptr<int64_t>();
+  const int64_t* lens = ctx_lens.data_ptr<int64_t>();
+  const int64_t num_kv_heads = k_pool.size(1), group = q.size(1) / num_kv_heads;
+  // With AVX-512, a decode row of few query heads per KV head is one item for all its heads.
+  const bool whole_decode = kDecode512 && group < kRows && q.size(2) % 16 == 0 && q.scalar_type() != at::kDouble;
+  std::vector<Item> items;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t q_len = starts[b + 1] - starts[b];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[b] && starts[b + 1] <= q.size(0), "paged_attention: bad q_start/ctx_lens");
+    TORCH_CHECK((lens[b] + block_size - 1) / block_size <= block_tables.size(1), "paged_attention: block table too short");
+    if (whole_decode && q_len == 1) {
+      items.push_back({b, -1, 0, 1});
+      continue;
+    }
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t r = 0; r < q_len; r += kQueryTile)
+        items.push_back({b, h, r, std::min(q_len, r + kQueryTile)});
+  }
+  // at::parallel_for hands each thread one contiguous range, so items are first dealt into
+  // one bin per thread, longest first, each to the least loaded bin (contexts are ragged).
+  // With enough sequences to go round, a sequence's items (its KV heads) are dealt together and
+  // run back to back: they read the same blocks (the heads of a slot are adjacent in memory),
+  // which then come from cache rather than memory.
+  const int64_t threads = at::get_num_threads();
+  const bool by_seq = num_seqs >= 2 * threads;
+  std::vector<std::pair<int64_t, int64_t>> groups;                      // [first, last) items
+  std::vector<int64_t> cost;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Item& w = items[i];
+    const int64_t q_len = starts[w.seq + 1] - starts[w.seq];
+    const int64_t c = (w.row_end - w.row_begin) * (lens[w.seq] - q_len + w.row_end) * (w.kv_head < 0 ? num_kv_heads : 1);
+    if (by_seq && !groups.empty() && items[groups.back().first].seq == w.seq) {
+      groups.back().second = i + 1;
+      cost.back() += c;
+    } else {
+      groups.emplace_back(i, i + 1);
+      cost.push_back(c);
+    }
+  }
+  std::vector<int64_t> order(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) order[g] = static_cast<int64_t>(g);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  const int64_t num_bins = std::max<int64_t>(1, std::min<int64_t>(threads, groups.size()));
+  std::vector<std::vector<Item>> bins(num_bins);
+  std::vector<int64_t> load(num_bins, 0);
+  for (int64_t g : order) {
+    const int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
+    for (int64_t i = groups[g].first; i < groups[g].second; ++i) bins[b].push_back(items[i]);
+    load[b] += cost[g];
+  }
+  return bins;
+}
+
+}  // namespace streamgate::cpu

@@ -1,0 +1,102 @@
+"""OpenAI's chat completion bodies from pipeline events: the SSE chunks (`chat_chunks`) and
+the whole answer (`chat_body`), with `n` choices, logprobs, reasoning and tool calls."""
+
+from __future__ import annotations
+
+import json
+
+from .chat_format import ChoiceFormat, chat_logprobs, delta_dict, token_text
+from .prompts import chat_template
+from .streaming import Delta, Done
+from .tool_parsers import parser_for_template
+
+
+class Last(str):
+    """A stream's last payload (`[DONE]`, or the error event that ends it)."""
+
+
+def tool_parser(gw) -> str:
+    """`--tool-parser`, else the parser the model's chat template calls for."""
+    chosen = getattr(gw.settings, "tool_parser", None)
+    return chosen or parser_for_template(chat_template(gw.engine.tokenizer))
+
+
+def _formats(gw, adm) -> list[ChoiceFormat]:
+    parser = tool_parser(gw) if adm.request.tools_on else None
+    return [ChoiceFormat(adm, parser) for _ in range(adm.request.n)]
+
+
+def chat_body(gw, adm, deltas: list[Delta], done: Done) -> dict:
+    formats = _formats(gw, adm)
+    tt = token_text(gw) if adm.request.logprobs else None
+    for d in deltas:
+        formats[d.index].feed(d.text)
+        if tt is not None:
+            formats[d.index].logprobs += chat_logprobs(tt, d.logprobs)
+    result = []
+    for i, f in enumerate(formats):
+        f.finish()
+        reason = done.finish_reasons[i] if i < len(done.finish_reasons) else done.finish_reason
+        result.append({"index": i, "message": f.message(),
+                       "logprobs": {"content": f.logprobs, "refusal": None} if tt is not None else None,
+                       "finish_reason": f.finish_reason(reason)})
+    return {"id": adm.request_id, "object": "chat.completion", "created": adm.created, "model": adm.model,
+            "system_fingerprint": None, "choices": result, "usage": done.usage.as_dict()}
+
+
+async def chat_chunks(gw, adm, first, events):
+    """SSE `data:` payloads: a role chunk per choice, content/reasoning/tool-call chunks, each
+    choice's finish chunk, the usage chunk (if asked), `[DONE]`; or an error event, which is
+    terminal (no `[DONE]` after it)."""
+    req = adm.request
+    usage_on = req.include_usage
+    formats = _formats(gw, adm)
+    tt = token_text(gw) if req.logprobs else None
+    finished = [False] * req.n
+    head = {"id": adm.request_id, "object": "chat.completion.chunk", "created": adm.created,
+            "model": adm.model, "system_fingerprint": None}
+
+    def chunk(index: int, delta: dict, finish: str | None = None, num_tokens: int | None = None,
+              logprobs: list | None = None) -> str:
+        lp = {"content": logprobs, "refusal": None} if logprobs is not None else None
+        body = {**head, "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+        if usage_on:
+            body["usage"] = None
+        if num_tokens is not None:
+            body["num_tokens"] = num_tokens      # a streamgate extension: tokens in this delta
+        return json.dumps(body, ensure_ascii=False)
+
+    def finish(i: int, reason: str):
+        finished[i] = True
+        delta = delta_dict(formats[i].finish())
+        return chunk(i, delta, formats[i].finish_reason(reason))
+
+    try:
+        for i in range(req.n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        event = first
+        while True:
+            if isinstance(event, Delta):
+                i = event.index
+                delta = delta_dict(formats[i].feed(event.text))
+                lps = chat_logprobs(tt, event.logprobs) if tt is not None else None
+                if delta or lps or event.num_tokens:
+                    yield chunk(i, delta, num_tokens=event.num_tokens, logprobs=lps)
+                if event.finish_reason is not None:
+                    yield finish(i, event.finish_reason)
+            elif isinstance(event, Done):
+                for i in range(req.n):
+                    if not finished[i]:
+                        reason = event.finish_reasons[i] if i < len(event.finish_reasons) else event.finish_reason
+                        yield finish(i, reason)
+                if usage_on:
+                    yield json.dumps({**head, "choices": [], "usage": event.usage.as_dict(),
+                                      "timings": event.timings})      # a streamgate extension
+                yield Last("[DONE]")
+                return
+            else:
+                yield Last(json.dumps(event.error.body()))
+                return
+            event = await anext(events)
+    finally:
+        await events.aclose()
