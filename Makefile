@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.streamgate-installed
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: setup browser redis run test test-fast bench gpu-check clean
+.PHONY: setup browser redis run test test-fast test-alt-python bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,12 @@ redis:
 
 test: setup browser redis
 	$(PY) -m pytest -q
+	$(MAKE) test-alt-python
+
+# The gateway tests that need no torch, also on Python 3.13 or 3.12 where one is installed
+# (asyncio differs there); Debian 12 has none, so elsewhere this says it skipped.
+test-alt-python: setup redis
+	MAIN_PY=$(PY) bash scripts/test_alt_python.sh
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
@@ -56,4 +62,4 @@ gpu-check: setup
 	bash scripts/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-alt .pytest_cache

@@ -68,7 +68,9 @@ max_tokens = 1024
 def attack_params(args, url: str, key_a: str) -> dict:
     return {"url": url, "key": key_a, "prompt_mb": args.prompt_mb, "frames": args.frames,
             "frame_kib": args.frame_kib, "streams": args.stats_streams, "sockets": args.sockets,
-            "body_mib": args.body_mib, "depth": args.depth, "hold_s": args.hold, "timeout_s": args.attack_timeout}
+            "body_mib": args.body_mib, "depth": args.depth, "hold_s": args.hold, "timeout_s": args.attack_timeout,
+            "head_requests": args.head_requests, "bomb_frames": args.bomb_frames, "stuck_streams": args.stuck_streams,
+            "upgrades": args.upgrades, "parse_requests": args.parse_requests}
 
 
 class LogWatch:
@@ -123,7 +125,31 @@ async def run_attack(name: str, params: dict, url: str, key_b: str, settle_s: fl
             result = {"outcome": f"the attacker exited {proc.returncode}: {tail[0][:200]}"}
     probe = probe or asyncio.ensure_future(probe_ws(url, key_b))
     await asyncio.sleep(settle_s)
-    return {"t0": t0, "t1": time.monotonic(), "attacker": result, "b_ws": await probe}
+    t1 = time.monotonic()
+    return {"t0": t0, "t1": t1, "attacker": result, "b_ws": await probe, "idle_after_s": await idle_after(url, t1)}
+
+
+async def idle_after(url: str, since: float, wait_s: float = 15.0) -> float | None:
+    """Seconds after `since` until the gateway's gauges are back to idle (no WebSocket open,
+    at most B's own stream), read from /metrics; None if not within `wait_s`."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while time.monotonic() - since < wait_s:
+            try:
+                text = (await client.get(f"{url}/metrics")).text
+            except httpx.HTTPError:
+                text = ""
+            values = {}
+            for line in text.splitlines():
+                name = line.split("{")[0].split(" ")[0]
+                if name in ("streamgate_gateway_open_streams", "streamgate_gateway_open_websockets"):
+                    values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            if values and values.get("streamgate_gateway_open_websockets", 0) == 0 and \
+                    values.get("streamgate_gateway_open_streams", 0) <= 1:
+                return round(time.monotonic() - since, 2)
+            await asyncio.sleep(0.2)
+    return None
 
 
 async def run_phases(args, names: list[str], url: str, key_a: str, key_b: str, pid: int | None,
@@ -182,6 +208,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--sockets", type=int, default=1024, help="keyless_ws: sockets opened with no key")
     g.add_argument("--body-mib", type=int, default=200, help="chunked_body: body size (MiB)")
     g.add_argument("--depth", type=int, default=100_000, help="deep_json: nesting depth")
+    g.add_argument("--head-requests", type=int, default=5000, help="head_flood: HEAD /v1/stats requests")
+    g.add_argument("--bomb-frames", type=int, default=50, help="deflate_bomb: inflating frames sent without a key")
+    g.add_argument("--stuck-streams", type=int, default=32, help="stuck_readers: SSE streams that are never read")
+    g.add_argument("--upgrades", type=int, default=2000, help="keyed_upgrades: upgrades with A's key")
+    g.add_argument("--parse-requests", type=int, default=200, help="overquota_parse: ~1 MB bodies over quota")
+    p.add_argument("--write-timeout", type=float, default=3.0,
+                   help="the started server's --write-timeout (stuck_readers: streams no one reads are cut after it)")
     p.add_argument("--out", default="bench/results/isolation.json")
     args = p.parse_args(argv)
     args.attacks = [a for a in args.attacks.split(",") if a]
@@ -223,7 +256,7 @@ def run_group(args, names: list[str], tmp: Path) -> tuple[dict, bool]:
 
 
 def server_flags(args) -> list[str]:
-    return ["--model", args.model, *shlex.split(args.server_args)]
+    return ["--model", args.model, "--write-timeout", str(args.write_timeout), *shlex.split(args.server_args)]
 
 
 def command_line(argv: list[str]) -> str:

@@ -20,6 +20,7 @@ import resource
 import sys
 import time
 
+from .isolation_attacks_more import MORE
 from .isolation_client import MiB, connect, error_code, raw_post, request_outcomes, send_all
 from .workload import _WORDS
 
@@ -216,7 +217,7 @@ async def lone_surrogate(p: dict) -> dict:
 
 
 ATTACKS = {f.__name__: f for f in (big_prompt, big_frames, stats_flood, keyless_ws, chunked_body, deep_json,
-                                   lone_surrogate)}
+                                   lone_surrogate, *MORE)}
 
 
 def main() -> int:

@@ -17,6 +17,7 @@ def check_targets(phases: dict) -> dict:
         out[name] = {t: "n/a" if v is None or lim is None else ("PASS" if v <= lim else "MISS")
                      for t, (v, lim) in checks.items()}
         out[name]["ws"] = "PASS" if ph["b_ws"]["connected"] else "MISS"
+        out[name]["idle"] = "PASS" if ph.get("idle_after_s") is not None else "MISS"
     return {"gap_limit_ms": gap_limit, "attacks": out}
 
 
@@ -54,7 +55,7 @@ def report(phases: dict, targets: dict) -> list[str]:
             lines.append(f"{'':15} B got errors: {', '.join(ph['b_errors'])}")
     lines.append("")
     lines.append(f"targets: B gap <= {_fmt(targets['gap_limit_ms'], ' ms')} (max(250 ms, 3x baseline)), "
-                 f"/health <= 100 ms, RSS growth <= 100 MB, B's WebSocket connects")
+                 f"/health <= 100 ms, RSS growth <= 100 MB, B's WebSocket connects, gauges idle within 15 s")
     for name, checks in targets["attacks"].items():
         lines.append(f"{name:15} " + "  ".join(f"{t} {v}" for t, v in checks.items()))
     return lines

@@ -111,7 +111,8 @@ class AsyncEngine:
             await asyncio.to_thread(self.engine.close)       # tensor-parallel ranks: bounded
         if self._loader is not None:
             self._loader.shutdown(wait=False)
-        self._dispatch([RequestOutput(rid, [], "", True, "abort", error="engine stopped")
+        self._dispatch([RequestOutput(rid, [], "", True, "abort", error="engine stopped",
+                                      num_computed_prompt_tokens=self._computed.get(rid, 0))
                         for rid in list(self._collectors)], None)
 
     @property
@@ -289,5 +290,6 @@ class AsyncEngine:
                 collector.put(out)
 
     def _fail_all(self, message: str) -> None:
-        self._dispatch([RequestOutput(rid, [], "", True, "error", error=message)
+        self._dispatch([RequestOutput(rid, [], "", True, "error", error=message,
+                                      num_computed_prompt_tokens=self._computed.get(rid, 0))
                         for rid in list(self._collectors)], None)

@@ -19,6 +19,7 @@ so another sequence can still reuse it until it is evicted.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -31,6 +32,16 @@ FREED = -1      # a block_table entry whose block fell out of the sliding window
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@functools.lru_cache(maxsize=1024)
+def tenant_salt(tenant: str | None) -> bytes:
+    """The parent of a sequence's first block: its tenant's salt, so that no tenant's
+    blocks match another's (one tenant could otherwise learn, from its time to first token
+    and the hit rate, whether another recently sent a prefix). None (no tenant): b""."""
+    if tenant is None:
+        return b""
+    return hashlib.blake2b(tenant.encode("utf-8", "surrogatepass"), digest_size=16, person=b"sg-tenant").digest()
 
 
 def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
@@ -87,7 +98,7 @@ class BlockManager:
         cache: the model must compute at least one position to produce logits."""
         if not self.enable_prefix_caching:
             return [], []
-        bs, ids, hashes, parent = self.block_size, [], [], b""
+        bs, ids, hashes, parent = self.block_size, [], [], tenant_salt(seq.tenant)
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.token_ids(i * bs, (i + 1) * bs)
             h = block_hash(parent, tokens)
@@ -164,7 +175,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs if self.enable_prefix_caching else 0):
             tokens = seq.token_ids(i * bs, (i + 1) * bs)
-            parent = seq.block_hashes[-1] if seq.block_hashes else b""
+            parent = seq.block_hashes[-1] if seq.block_hashes else tenant_salt(seq.tenant)
             h = block_hash(parent, tokens)
             seq.block_hashes.append(h)
             if seq.block_table[i] == FREED:                 # re-hashed after a swap: the chain only

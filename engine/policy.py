@@ -16,7 +16,7 @@ more urgent sequence for a less urgent one" compares.
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 
 from .config import EngineConfig
@@ -87,10 +87,19 @@ class PriorityPolicy(Policy):
 
     def __init__(self, config: EngineConfig):
         super().__init__(config)
-        self.last_arrival: dict[int, float] = {}             # class -> its latest arrival time
+        # The most urgent class that arrived within ARRIVAL_MEMORY_S, as a sliding-window
+        # minimum: (arrival, class), classes strictly increasing from front to back. An entry
+        # is dropped once a newer arrival of an equal or more urgent class makes it moot, or
+        # once it is older than the window, so the deque holds at most one entry per class
+        # seen in the window however many a client invents (the priority field is the
+        # client's), and each check is O(1).
+        self.recent: deque[tuple[float, int]] = deque()
 
     def on_add(self, seq: Sequence, backlogged: Callable[[], set[str | None]]) -> None:
-        self.last_arrival[seq.priority] = max(self.last_arrival.get(seq.priority, -INF), seq.arrival_time)
+        at = max(seq.arrival_time, self.recent[-1][0]) if self.recent else seq.arrival_time
+        while self.recent and self.recent[-1][1] >= seq.priority:
+            self.recent.pop()
+        self.recent.append((at, seq.priority))
 
     def effective_priority(self, seq: Sequence, now: float) -> float:
         return seq.priority - self.config.aging_rate * max(0.0, now - seq.arrival_time)
@@ -113,7 +122,9 @@ class PriorityPolicy(Policy):
         chunks while interactive traffic is about (not only while it is queued: most of
         its arrivals find none of their class there). A batch-only server is not slowed."""
         cap = self.config.yielding_prompt_tokens
-        recent = any(c < seq.priority and now - t <= self.ARRIVAL_MEMORY_S for c, t in self.last_arrival.items())
+        while self.recent and now - self.recent[0][0] > self.ARRIVAL_MEMORY_S:
+            self.recent.popleft()
+        recent = bool(self.recent) and self.recent[0][1] < seq.priority
         return cap if cap and recent else None
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from engine import EngineOverloaded, SamplingParams
 from tenants import Lease, QuotaBackend, QuotaBackendUnavailable, QuotaExceeded, Tenant
 
+from .control_tokens import break_token, control_tokens
 from .errors import BadRequest, ContextLengthExceeded, Overloaded, QuotaStoreUnavailable, RateLimited
 from .prompts import chat_template, fim_format, render_prompt
 from .schemas import REQUEST_KINDS, ChatRequest, parse_body
@@ -64,6 +65,7 @@ class Tokenizers:
         self.tenant_slots: dict[str, asyncio.Semaphore] = {}
         self.max_token_chars = max_token_chars(tokenizer)
         self.template_bytes = template_bytes(tokenizer)
+        self.control = control_tokens(tokenizer)
         self.template = chat_template(tokenizer)
         self.fim = fim_format(tokenizer)
 
@@ -102,6 +104,12 @@ class Tokenizers:
         return await asyncio.wrap_future(job)
 
     def render(self, messages: list[dict], kw: dict | None = None) -> str:
+        """The prompt text. A control token's text inside a message (`<|im_start|>system`
+        typed by a user) is broken with a zero-width space first, so that it is tokenized
+        as the text it is, never as the control token the template itself writes."""
+        if self.control is not None:
+            messages = [{**m, "content": self.control.sub(break_token, m["content"])}
+                        if isinstance(m.get("content"), str) else m for m in messages]
         return self._with_copy(lambda t: t.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                                                **(kw or {})))
 
@@ -166,6 +174,18 @@ class Admitter:
         # The gateway's own copies: the engine thread decodes with its tokenizer.
         self.tokenizers = Tokenizers(self.engine.tokenizer, workers=self.tokenize_workers)
         self.max_model_len = self.engine.max_model_len
+
+    def precheck(self, tenant: Tenant) -> None:
+        """The quota's refusal, if it would refuse now, as a GatewayError (nothing taken)."""
+        precheck = getattr(self.quotas, "precheck", None)
+        if precheck is None:
+            return
+        try:
+            precheck(tenant)
+        except QuotaExceeded as exc:
+            raise RateLimited(str(exc), reason=exc.reason, retry_after=exc.retry_after, headers=exc.headers) from None
+        except QuotaBackendUnavailable as exc:
+            raise QuotaStoreUnavailable(str(exc), retry_after=exc.retry_after) from None
 
     async def admit(self, tenant: Tenant, body: object, *, transport: str, timeout_s: float | None,
                     request_id: str | None, kind: str = "chat") -> Admission:

@@ -28,11 +28,14 @@ from tenants import Ledger, QuotaBackend, QuotaManager, Registry
 
 from .auth import authenticate, bearer_key
 from .completions import completions
+from .deadline import WriteDeadline
 from .errors import GatewayError, InternalError, TooManyConnections
+from .holds import Holds
+from .hosts import HostAllowlist
 from .limits import Slots
 from .live import StatsHub, interval_class
 from .logs import RequestContext
-from .metrics import GatewayMetrics
+from .metrics import GatewayMetrics, metrics_allowed
 from .responses import responses
 from .sse import ClosingEventStream, chat_completions, error_response, list_models
 from .streaming import ChatService
@@ -86,11 +89,17 @@ class GatewaySettings:
     max_stats_streams_per_tenant: int = 4   # GET /v1/stats streams + WebSocket subscriptions
     ws_auth_timeout_s: float = 5.0          # a socket must authenticate within this or is closed 1008
     ws_idle_timeout_s: float = 300.0        # no frame and nothing running for this long: closed 1000
+    ws_preauth_max_frame_bytes: int = 4096  # a frame before auth (auth, ping) past this: closed 1009
+    ws_preauth_frame_rate: float = 10.0     # frames per second a socket may send before auth (1008 past it) ...
+    ws_preauth_frame_burst: int = 20        # ... and at once
+    write_timeout_s: float = 30.0           # a send to a client blocked this long aborts the connection
     tokenize_workers: int = 2               # threads rendering chat templates and tokenizing
     drain_grace_s: float = 30.0
     keepalive_s: float = 15.0
     default_max_tokens: int = 1024          # when neither the request nor the tenant sets one
     tool_parser: str | None = None          # hermes | llama3_json | mistral; None: from the chat template
+    metrics_token: str | None = None        # /metrics for callers presenting it; None: loopback clients only
+    allowed_hosts: tuple[str, ...] = ()     # Host names answered (DNS rebinding); (): any (serve sets loopback's)
 
 
 class Gateway:
@@ -124,15 +133,38 @@ class Gateway:
         self.drain_started = asyncio.Event()
         self.load_error: BaseException | None = None
 
+    def held(self) -> dict:
+        """Everything requests and sockets hold, by registry; each value is empty or 0
+        when the gateway is idle (tests assert it after every gateway test: tests/idle.py).
+        Call on the event loop."""
+        def values(gauge) -> dict:
+            return {s.labels.get("transport", ""): s.value for m in gauge.collect() for s in m.samples if s.value}
+        return {"chat.active": len(self.chat.active), "stats.subscribers": len(self.stats.subscribers),
+                "stats_slots": dict(self.stats_slots.counts), "sockets": dict(self.sockets.counts),
+                "pending_sockets": len(self.pending_sockets),
+                "pending_by_address": dict(self.pending_by_address.counts),
+                "quota.in_flight": {t: n for t in self.registry.tenants if (n := self.quotas.in_flight(t))},
+                "open_streams": values(self.metrics.open_streams),
+                "open_websockets": sum(values(self.metrics.websockets).values()),
+                "billing.unwritten": getattr(getattr(self.quotas, "billing", None), "unwritten", 0)}
+
     def unauthenticated_full(self, address: str) -> bool:
         """Whether `address` holds its share of the sockets still authenticating (checked
         by the HTTP protocol before a keyless upgrade: gateway/protocols.py)."""
         return self.pending_by_address[address] >= self.settings.max_unauthenticated_sockets_per_address
 
-    def known_key(self, authorization: bytes) -> bool:
-        """Whether an Authorization header carries a valid key (a SHA-256 and a lookup:
-        cheap enough to run in the HTTP protocol before an upgrade)."""
-        return self.registry.authenticate(bearer_key(authorization.decode("latin-1"))) is not None
+    def known_key(self, authorization: bytes) -> str | None:
+        """The tenant whose valid key an Authorization header carries, or None (a SHA-256
+        and a lookup: cheap enough to run in the HTTP protocol before an upgrade)."""
+        try:
+            tenant = self.registry.authenticate(bearer_key(authorization.decode("latin-1")))
+        except UnicodeEncodeError:
+            return None
+        return None if tenant is None else tenant.name
+
+    def tenant_sockets_full(self, tenant: str) -> bool:
+        """Whether `tenant` holds all its WebSocket places (checked before an upgrade)."""
+        return self.sockets[f"tenant:{tenant}"] >= self.settings.max_sockets_per_tenant
 
     def authenticate(self, key: str | None):
         return authenticate(self.registry, key)
@@ -166,10 +198,12 @@ class Gateway:
 
 async def health(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
+    # The exception's text stays in the server's log (engine.load_failed, the engine's own):
+    # /health answers anyone, and a message can carry paths or input.
     if gw.load_error is not None:
-        return JSONResponse({"status": "error", "detail": f"model failed to load: {gw.load_error}"}, 503)
+        return JSONResponse({"status": "error", "detail": "the model failed to load; see the server log"}, 503)
     if gw.engine.error is not None:
-        return JSONResponse({"status": "error", "detail": f"the engine failed: {gw.engine.error!r}"}, 503)
+        return JSONResponse({"status": "error", "detail": "the engine failed; see the server log"}, 503)
     if gw.chat.draining:
         return JSONResponse({"status": "draining"}, 503)
     if not gw.chat.ready:
@@ -179,6 +213,10 @@ async def health(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
+    if not metrics_allowed(request, gw.settings.metrics_token):
+        return JSONResponse({"error": {"message": "metrics need the metrics token (Authorization: Bearer ...) "
+                                                  "or a client on this host", "type": "authentication_error",
+                                       "param": None, "code": "metrics_forbidden"}}, 403)
     registries = [gw.engine.metrics_registry] if gw.chat.ready else []
     return Response(gw.metrics.render(*registries), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -195,19 +233,16 @@ async def stats_stream(request: Request) -> Response:
     cap = gw.settings.max_stats_streams_per_tenant
     if not gw.stats_slots.take(tenant.name, cap):
         raise TooManyConnections(f"tenant {tenant.name!r} has {cap} stats streams open; close one first")
+    holds = Holds()         # released by the response whatever happens (HEAD: the body never starts)
+    holds.take(lambda: gw.stats_slots.give(tenant.name))
     sub = gw.stats.subscribe(interval_class(interval_ms))
+    holds.take(lambda: gw.stats.unsubscribe(sub))
 
     async def events():
-        try:
-            while not gw.chat.draining:
-                yield await sub.next()
-        finally:
-            gw.stats.unsubscribe(sub)
+        while not gw.chat.draining:
+            yield await sub.next()
 
-    async def give_back() -> None:
-        gw.stats_slots.give(tenant.name)
-
-    return ClosingEventStream(give_back, events(), sep="\n", ping=gw.settings.keepalive_s)
+    return ClosingEventStream(holds.release, events(), sep="\n", ping=gw.settings.keepalive_s)
 
 
 async def _gateway_error(request: Request, exc: GatewayError) -> Response:
@@ -251,5 +286,8 @@ def create_app(settings: GatewaySettings, *, engine=None, registry: Registry | N
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={GatewayError: _gateway_error,
                                                                            Exception: _unexpected_error})
     app.state.gateway = gw
+    app.add_middleware(WriteDeadline, timeout_s=settings.write_timeout_s)
     app.add_middleware(RequestContext)
+    if settings.allowed_hosts:
+        app.add_middleware(HostAllowlist, hosts=settings.allowed_hosts)
     return app

@@ -21,7 +21,12 @@ def bearer_key(authorization: str | None) -> str | None:
 def authenticate(registry: Registry, key: str | None) -> Tenant:
     if not key:
         raise AuthError("missing API key: send 'Authorization: Bearer <key>' (or an auth message on a WebSocket)")
-    tenant = registry.authenticate(key)
+    if not key.isascii() and not key.isprintable():
+        raise AuthError("invalid API key")          # e.g. a lone surrogate: no key has one
+    try:
+        tenant = registry.authenticate(key)
+    except UnicodeEncodeError:
+        raise AuthError("invalid API key") from None
     if tenant is None:
         raise AuthError("invalid API key")
     return tenant

@@ -19,6 +19,9 @@ import os
 import sys
 import time
 
+from .cli_limits import limit_args as _limit_args
+from .cli_limits import server_limits, settings_limits
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a local HF dir or a hub id")
@@ -150,15 +153,7 @@ def serve(args: argparse.Namespace) -> int:
         settings = GatewaySettings(engine=engine, tenants_file=args.tenants, ledger_path=args.ledger,
                                    redis_url=args.redis or None, redis_lease_ttl_s=args.redis_lease_ttl,
                                    allowed_origins=tuple(args.allow_origin), drain_grace_s=args.drain_grace,
-                                   max_frame_bytes=args.max_frame_bytes, max_body_bytes=args.max_body_bytes,
-                                   max_sockets=args.max_sockets,
-                                   max_unauthenticated_sockets=args.max_unauthenticated_sockets,
-                                   max_sockets_per_tenant=args.max_sockets_per_tenant,
-                                   max_stats_streams_per_tenant=args.max_stats_streams,
-                                   ws_auth_timeout_s=args.ws_auth_timeout, ws_idle_timeout_s=args.ws_idle_timeout,
-                                   tokenize_workers=args.tokenize_workers, tool_parser=args.tool_parser,
-                                   max_unauthenticated_sockets_per_address=args.max_unauthenticated_sockets_per_address,
-                                   body_timeout_s=args.body_timeout, max_json_values=args.max_json_values)
+                                   **settings_limits(args))
         app = create_app(settings)
     except (ValueError, TenantConfigError) as exc:
         print(f"streamgate: {exc}", file=sys.stderr)
@@ -168,53 +163,6 @@ def serve(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     run_server(app, args.host, args.port, **server_limits(args))
     return 0
-
-
-def _limit_args(p: argparse.ArgumentParser) -> None:
-    """What one client may cost the server (docs/PROTOCOL.md, "Limits")."""
-    p.add_argument("--max-frame-bytes", type=int, default=1 << 20, help="largest WebSocket frame (close 1009)")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest HTTP request body (413)")
-    p.add_argument("--max-sockets", type=int, default=1024, help="authenticated WebSockets, all tenants")
-    p.add_argument("--max-unauthenticated-sockets", type=int, default=64,
-                   help="WebSockets still authenticating (a separate pool)")
-    p.add_argument("--max-sockets-per-tenant", type=int, default=64)
-    p.add_argument("--max-stats-streams", type=int, default=4, help="stats streams per tenant (SSE + WebSocket)")
-    p.add_argument("--ws-auth-timeout", type=float, default=5.0, help="seconds a WebSocket has to authenticate")
-    p.add_argument("--ws-idle-timeout", type=float, default=300.0,
-                   help="seconds a WebSocket may stay open with no frame and nothing running")
-    p.add_argument("--tokenize-workers", type=int, default=2, help="threads for chat templates and tokenizing")
-    p.add_argument("--tool-parser", choices=("hermes", "llama3_json", "mistral"), default=None,
-                   help="how tool calls are read from the model's output (default: from its chat template)")
-    p.add_argument("--limit-concurrency", type=int, default=None,
-                   help="uvicorn: connections + tasks past which new ones get 503 (default: no limit)")
-    p.add_argument("--timeout-keep-alive", type=float, default=5.0,
-                   help="uvicorn: seconds an idle keep-alive HTTP connection stays open")
-    p.add_argument("--timeout-headers", type=float, default=10.0,
-                   help="seconds a connection has to send a request's headers (slow or silent clients)")
-    p.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds a client has to send a request's whole body (408 past it)")
-    p.add_argument("--max-json-values", type=int, default=100_000,
-                   help="commas and brackets a body or frame may hold (bounds JSON decoding time)")
-    p.add_argument("--max-unauthenticated-sockets-per-address", type=int, default=16,
-                   help="WebSockets still authenticating from one client address (429 before the upgrade)")
-    p.add_argument("--ws-keyless-rate", type=float, default=10.0,
-                   help="WebSocket upgrades without a key per client address and second (0: no limit)")
-    p.add_argument("--ws-keyless-burst", type=int, default=16, help="... and at once")
-    p.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
-                   help="uvicorn's event loop (auto: uvloop where installed)")
-    p.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],
-                   help="uvicorn's HTTP parser (auto: httptools where installed)")
-    p.add_argument("--backlog", type=int, default=2048, help="the listen queue (connections not yet accepted)")
-    p.add_argument("--switch-interval-ms", type=float, default=None,
-                   help="the interpreter's GIL switch interval (default: Python's 5 ms)")
-
-
-def server_limits(args: argparse.Namespace) -> dict:
-    """The `_limit_args` flags that configure uvicorn (gateway.server.serve's keywords)."""
-    return {"max_frame_bytes": args.max_frame_bytes, "limit_concurrency": args.limit_concurrency,
-            "timeout_keep_alive": args.timeout_keep_alive, "timeout_headers": args.timeout_headers,
-            "loop": args.loop, "http": args.http, "backlog": args.backlog, "ws_keyless_rate": args.ws_keyless_rate,
-            "ws_keyless_burst": args.ws_keyless_burst, "switch_interval_ms": args.switch_interval_ms}
 
 
 def keys(args: argparse.Namespace) -> int:

@@ -5,7 +5,12 @@
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .auth import bearer_key
 
 PREFIX = "streamgate_gateway"
 
@@ -42,3 +47,16 @@ class GatewayMetrics:
 
     def render(self, *registries: CollectorRegistry) -> bytes:
         return b"".join(generate_latest(r) for r in (*registries, self.registry))
+
+
+def metrics_allowed(request, token: str | None) -> bool:
+    """/metrics names every tenant with its traffic and refusals: with `metrics_token` set,
+    only a caller presenting it; without, only a client on this host (loopback)."""
+    if token:
+        given = bearer_key(request.headers.get("authorization")) or ""
+        return hmac.compare_digest(given.encode("utf-8", "replace"), token.encode())
+    host = request.client.host if request.client else ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

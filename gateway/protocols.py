@@ -16,22 +16,41 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .limits import AddressRate
 
+# The scope key under which the app finds its connection's transport, to abort it when a
+# write passes its deadline (gateway/sse.py `deadline_send`, gateway/ws_socket.py).
+TRANSPORT_KEY = "streamgate.transport"
 
-def _too_many_upgrades() -> bytes:
-    body = json.dumps({"error": {"message": "too many WebSocket connections without a key from this address; "
-                                           "send 'Authorization: Bearer <key>' or retry later",
+
+def abort_transport(scope) -> bool:
+    """Drop the connection now, its unsent buffer too (`close()` would wait for a reader
+    that never comes); False if the scope carries no transport (another server)."""
+    transport = scope.get(TRANSPORT_KEY)
+    if transport is None:
+        return False
+    transport.abort()
+    return True
+
+
+def _too_many_upgrades(message: str = "too many WebSocket connections without a key from this address; "
+                                      "send 'Authorization: Bearer <key>' or retry later") -> bytes:
+    body = json.dumps({"error": {"message": message,
                                  "type": "rate_limit_error", "param": None, "code": "too_many_connections"}})
     return (f"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             f"retry-after: 1\r\nconnection: close\r\n\r\n{body}").encode()
 
 
 TOO_MANY_UPGRADES = _too_many_upgrades()
+TOO_MANY_CONNECTIONS = _too_many_upgrades("too many open connections from this address; close some or retry later")
+TOO_MANY_KEYED_UPGRADES = _too_many_upgrades(
+    "too many WebSocket connections for this key: its tenant's sockets are all open or it is "
+    "opening them too fast; close one or retry later")
 
 
 class Defended:
@@ -42,18 +61,53 @@ class Defended:
     of its next request). `keyless_upgrades`: the shared per-address rate (None: off);
     `address_full(address)`: whether the address already holds its share of sockets
     still authenticating (the gateway's count; None: not checked here);
-    `known_key(authorization)`: whether an Authorization header carries a valid key, so
-    that a made-up header does not buy a full handshake (None: any header counts)."""
+    `known_key(authorization)`: the tenant whose valid key an Authorization header
+    carries, or None, so that a made-up header does not buy a full handshake (None: any
+    header counts); for a valid key, `tenant_full(tenant)` (its socket places are all
+    taken) and `keyed_upgrades` (a rate per tenant) refuse the upgrade with a 429 too."""
 
     header_timeout = 10.0
     keyless_upgrades: AddressRate | None = None
     address_full: Callable[[str], bool] | None = None
-    known_key: Callable[[bytes], bool] | None = None
+    known_key: Callable[[bytes], str | None] | None = None
+    keyed_upgrades: AddressRate | None = None
+    tenant_full: Callable[[str], bool] | None = None
+    max_per_address = 0                 # open HTTP connections from one address (0: no cap)
+    per_address: Counter | None = None  # shared by every connection of one server
     _header_timer: asyncio.TimerHandle | None = None
+    _counted: str | None = None
+
+    @property
+    def scope(self):
+        return self.__dict__.get("_scope")
+
+    @scope.setter
+    def scope(self, value) -> None:
+        """Every request scope the protocol builds carries its transport (TRANSPORT_KEY)."""
+        if isinstance(value, dict) and getattr(self, "transport", None) is not None:
+            value[TRANSPORT_KEY] = self.transport
+        self.__dict__["_scope"] = value
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        if self.max_per_address and self.per_address is not None:
+            address = self.client[0] if self.client else ""
+            self._counted = address
+            self.per_address[address] += 1
+            if self.per_address[address] > self.max_per_address:
+                transport.write(TOO_MANY_CONNECTIONS)
+                transport.close()
+                return
         self._arm()
+
+    def _uncount(self) -> None:
+        """Give back this connection's place under its address (closed, or now a WebSocket,
+        which the gateway's own socket pools count)."""
+        address, self._counted = self._counted, None
+        if address is not None:
+            self.per_address[address] -= 1
+            if self.per_address[address] <= 0:
+                del self.per_address[address]
 
     def data_received(self, data: bytes) -> None:
         if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
@@ -66,7 +120,16 @@ class Defended:
     def handle_websocket_upgrade(self, *event) -> None:
         self._disarm()                  # the transport now belongs to the WebSocket protocol (or is closed)
         authorization = next((value for name, value in self.headers if name == b"authorization"), None)
-        keyed = authorization is not None and (self.known_key is None or self.known_key(authorization))
+        tenant = None if authorization is None or self.known_key is None else self.known_key(authorization)
+        keyed = authorization is not None and (self.known_key is None or tenant is not None)
+        if tenant is not None:
+            # A valid key buys a handshake only while its tenant has a socket place left and
+            # opens sockets at a bounded rate (the app's own cap would refuse only after it).
+            if (self.tenant_full is not None and self.tenant_full(tenant)) or \
+                    (self.keyed_upgrades is not None and not self.keyed_upgrades.admit(tenant)):
+                self.transport.write(TOO_MANY_KEYED_UPGRADES)
+                self.transport.close()
+                return
         if not keyed:
             address = self.client[0] if self.client else ""
             if (self.address_full is not None and self.address_full(address)) or \
@@ -75,9 +138,14 @@ class Defended:
                 self.transport.close()
                 return
         super().handle_websocket_upgrade(*event)
+        self._uncount()
+        upgraded = self.transport.get_protocol()
+        if isinstance(getattr(upgraded, "scope", None), dict):     # its task has not run yet
+            upgraded.scope[TRANSPORT_KEY] = self.transport
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self._uncount()
         super().connection_lost(exc)
 
     def _arm(self) -> None:
@@ -105,7 +173,9 @@ def _httptools_protocol() -> type | None:
 
 def protocol_class(http: str, *, header_timeout: float, keyless_rate: float, keyless_burst: int,
                    address_full: Callable[[str], bool] | None = None,
-                   known_key: Callable[[bytes], bool] | None = None, clock=time.monotonic) -> type:
+                   known_key: Callable[[bytes], str | None] | None = None, keyed_rate: float = 0.0,
+                   keyed_burst: int = 0, tenant_full: Callable[[str], bool] | None = None,
+                   max_per_address: int = 0, clock=time.monotonic) -> type:
     """The protocol class uvicorn instantiates per connection. `http`: "h11", "httptools"
     or "auto" (httptools where it is installed, as uvicorn chooses). `keyless_rate` (per
     second) and `keyless_burst`: WebSocket upgrades without a key per client address;
@@ -118,7 +188,10 @@ def protocol_class(http: str, *, header_timeout: float, keyless_rate: float, key
     elif http != "h11":
         raise ValueError(f"--http: unknown {http!r} (auto, h11, httptools)")
     gate = AddressRate(keyless_rate, keyless_burst, clock=clock) if keyless_rate > 0 else None
+    keyed = AddressRate(keyed_rate, keyed_burst, clock=clock) if keyed_rate > 0 else None
     return type(f"Defended{base.__name__}", (Defended, base),
                 {"header_timeout": header_timeout, "keyless_upgrades": gate,
                  "address_full": None if address_full is None else staticmethod(address_full),
-                 "known_key": None if known_key is None else staticmethod(known_key)})
+                 "known_key": None if known_key is None else staticmethod(known_key), "keyed_upgrades": keyed,
+                 "tenant_full": None if tenant_full is None else staticmethod(tenant_full),
+                 "max_per_address": max_per_address, "per_address": Counter()})

@@ -19,6 +19,10 @@ from .errors import BadRequest
 from .schema_parts import Message, ResponseFormat, StreamOptions, TextPart, Tool, ToolChoice  # noqa: F401
 
 MAX_DEADLINE_MS = 86_400_000        # one day
+# Each message costs validation on the event loop and chat-template rendering, which holds
+# the GIL, per message whatever its length: 25k empty messages (0.8 MB) stalled every
+# stream for seconds. Checked before validation.
+MAX_MESSAGES = 1024
 MAX_N = 16                          # choices per request (each is an engine request)
 MAX_TOP_LOGPROBS = 20               # as OpenAI
 MAX_LOGIT_BIAS = 300                # entries, as OpenAI
@@ -249,6 +253,9 @@ def parse_body(model: type[BaseModel], body: object):
     """Validate a decoded JSON body as `model`; raise BadRequest naming the first bad field."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    messages = body.get("messages")
+    if isinstance(messages, list) and len(messages) > MAX_MESSAGES:      # before validating them all
+        raise BadRequest(f"messages: at most {MAX_MESSAGES} messages (got {len(messages)})", param="messages")
     try:
         return model.model_validate(body)
     except ValidationError as exc:

@@ -60,22 +60,35 @@ def config(app, host: str, port: int, *, max_frame_bytes: int, log_config=None, 
            limit_concurrency: int | None = None, timeout_keep_alive: float = 5, timeout_headers: float = 10,
            ws_ping_interval: float | None = 20.0, ws_ping_timeout: float | None = 20.0, loop: str = "auto",
            http: str = "auto", backlog: int = 2048, ws_keyless_rate: float = 10.0,
-           ws_keyless_burst: int = 16) -> uvicorn.Config:
+           ws_keyless_burst: int = 16, ws_keyed_rate: float = 20.0, ws_keyed_burst: int = 40,
+           ws_compression_max_bytes: int = 0, max_connections_per_address: int = 256) -> uvicorn.Config:
     """uvicorn's settings for the gateway. `limit_concurrency`: connections + tasks past
     which uvicorn answers 503 at once; `timeout_keep_alive`: seconds an idle keep-alive
     connection stays open; `timeout_headers`: seconds to send a request head;
     `ws_ping_*`: protocol pings that close dead WebSockets; `loop` / `http`: uvicorn's
     event loop (auto, asyncio, uvloop) and HTTP parser (auto, h11, httptools);
     `backlog`: the listen queue; `ws_keyless_*`: WebSocket upgrades without a key per
-    client address and second, and at once (gateway/protocols.py; rate 0: no limit)."""
+    client address and second, and at once (gateway/protocols.py; rate 0: no limit);
+    `ws_keyed_*`: WebSocket upgrades with a valid key per tenant and second, and at once;
+    `max_connections_per_address`: open HTTP connections from one client address past
+    which a new one gets a static 429 from the protocol (0: no cap; behind a proxy every
+    client shares its address);
+    `ws_compression_max_bytes`: 0 (default) never negotiates permessage-deflate, so every
+    byte limit counts the bytes processed; above 0 it is negotiated and no message may
+    inflate past this many bytes (nor past `max_frame_bytes`: websockets enforces its
+    max_size on the decompressed message)."""
     gateway = getattr(app.state, "gateway", None)
     protocol = protocol_class(http, header_timeout=timeout_headers, keyless_rate=ws_keyless_rate,
                               keyless_burst=ws_keyless_burst,
                               address_full=None if gateway is None else gateway.unauthenticated_full,
-                              known_key=None if gateway is None else gateway.known_key)
+                              known_key=None if gateway is None else gateway.known_key,
+                              keyed_rate=ws_keyed_rate, keyed_burst=ws_keyed_burst,
+                              tenant_full=None if gateway is None else gateway.tenant_sockets_full,
+                              max_per_address=max_connections_per_address)
     extra = {} if log_level is None else {"log_level": log_level}
+    inflated = min(max_frame_bytes, ws_compression_max_bytes) if ws_compression_max_bytes > 0 else max_frame_bytes
     return uvicorn.Config(app, host=host, port=port, loop=loop, http=protocol, ws="websockets-sansio",
-                          ws_max_size=max_frame_bytes, log_config=log_config, timeout_graceful_shutdown=5,
+                          ws_max_size=inflated, ws_per_message_deflate=ws_compression_max_bytes > 0, log_config=log_config, timeout_graceful_shutdown=5,
                           limit_concurrency=limit_concurrency, timeout_keep_alive=timeout_keep_alive,
                           ws_ping_interval=ws_ping_interval, ws_ping_timeout=ws_ping_timeout, backlog=backlog,
                           **extra)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
+
 
 from sse_starlette import EventSourceResponse
 from starlette.requests import ClientDisconnect, Request
@@ -27,22 +29,61 @@ def error_response(exc: GatewayError, extra_headers: dict | None = None) -> JSON
     return JSONResponse(exc.body(), status_code=exc.status, headers={**(extra_headers or {}), **exc.headers})
 
 
-def parse_json(data: bytes | str, max_values: int) -> object:
+def parse_json(data: bytes | str, max_values: int, *, check_unicode: bool = True) -> object:
     """Decode a JSON body or frame; any failure (including nesting too deep for the
     decoder) is a 400 `invalid_json`. Decoding holds the GIL for its whole run (a thread
     would stall the event loop just the same) and costs ~0.1 µs per value: 1 MiB of
     `[0,0,...]` takes ~60 ms of CPU, 1 MiB of prose ~1 ms. So a document with more than
     `max_values` commas and opening brackets (counted anywhere, strings included: an
-    upper bound on its values, ~2 ms per MiB to count) is refused before decoding."""
+    upper bound on its values, ~2 ms per MiB to count) is refused before decoding. A
+    string holding a lone surrogate is a 400 `invalid_unicode` naming it (`check_unicode`;
+    a WebSocket checks its request bodies itself, to answer with the request's id)."""
     sep, opens = (b",", (b"[", b"{")) if isinstance(data, bytes) else (",", ("[", "{"))
     values = data.count(sep) + data.count(opens[0]) + data.count(opens[1])
     if values > max_values:
         raise BadRequest(f"the JSON document has {values} commas and brackets; the limit is {max_values}",
                          code="too_many_json_values")
     try:
-        return json.loads(data)
+        doc = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise BadRequest("the request body is not valid JSON", code="invalid_json") from None
+    if check_unicode and _SURROGATE_ESCAPE.search(data if isinstance(data, str) else data.decode("latin-1")):
+        refuse_lone_surrogates(doc)         # only then walk it (bounded by max_values)
+    return doc
+
+
+def refuse_lone_surrogates(doc) -> None:
+    """A 400 naming the first string that holds a lone surrogate (no tokenizer, log line or
+    frame can carry one)."""
+    path = lone_surrogate_at(doc)
+    if path is not None:
+        raise BadRequest(f"{path or 'body'}: a lone UTF-16 surrogate (\\ud800-\\udfff escape) is not text; "
+                         "send valid Unicode", param=path or None, code="invalid_unicode")
+
+
+# A \uD800-\uDFFF escape: where JSON can smuggle a lone surrogate (raw UTF-8 cannot carry one).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def lone_surrogate_at(doc) -> str | None:
+    """The dotted path (`messages.0.content`) of the first string holding a lone
+    surrogate ('' for the document itself), or None."""
+    stack: list[tuple[object, str]] = [(doc, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode()
+                except UnicodeEncodeError:
+                    return path
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((k, path))
+                stack.append((v, f"{path}.{k}" if path else str(k)))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value))
+    return None
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
@@ -115,6 +156,7 @@ async def serve_openai(request: Request, kind: str, chunks, whole, convert=None)
     JSON answer, `convert(body)` the body as admission takes it (Responses -> chat)."""
     gw = request.app.state.gateway
     tenant = gw.authenticate(bearer_key(request.headers.get("authorization")))
+    gw.chat.precheck(tenant, "http")        # over its limits: refused before its body costs anything
     try:
         body = parse_json(await read_body(request, gw.settings.max_body_bytes, gw.settings.body_timeout_s),
                           gw.settings.max_json_values)
@@ -158,7 +200,10 @@ async def serve_openai(request: Request, kind: str, chunks, whole, convert=None)
 class ClosingEventStream(EventSourceResponse):
     """An SSE response that runs `on_close` (async) however it ends, even if it was
     cancelled before its body was first iterated (then the body generator's own `finally`
-    never runs): chat streams close their pipeline, stats streams give their slot back."""
+    never runs) or never iterated at all (HEAD): chat streams close their pipeline, stats
+    streams give back their subscription and place (gateway/holds.py). A client that stops
+    reading is cut off by the write deadline (gateway/deadline.py); the stream then ends
+    here like any hang-up."""
 
     def __init__(self, on_close, content, **kw):
         super().__init__(self._quiet_after_last(content), **kw)

@@ -71,6 +71,13 @@ class Failed:
     before_first_token: bool
 
 
+def streamed(usage) -> int:
+    """What the gateway itself saw streamed: prompt + completion once a token came. The
+    engine's final counts are billed, never less than this (a final output made up when
+    the engine stops or fails with requests in flight carries no counts)."""
+    return usage.total_tokens if usage.completion_tokens else 0
+
+
 class ChatService:
     def __init__(self, engine, quotas: QuotaManager, metrics, *, model_name: str,
                  default_max_tokens: int = 1024, clock=time.monotonic, tokenize_workers: int = 2):
@@ -98,6 +105,23 @@ class ChatService:
     def max_model_len(self) -> int:
         return self.admitter.max_model_len
 
+    def precheck(self, tenant: Tenant, transport: str) -> None:
+        """Refuse, before any work on the body (reading, decoding, validating), a tenant
+        its quota would refuse anyway; raises the GatewayError admit() would."""
+        try:
+            self.admitter.precheck(tenant)
+        except GatewayError as exc:
+            self._refused(tenant, transport, exc)
+            raise
+
+    def _refused(self, tenant: Tenant, transport: str, exc: GatewayError) -> None:
+        self.metrics.request_done(tenant.name, transport, exc.status)
+        if isinstance(exc, RateLimited):
+            self.metrics.rate_limited(tenant.name, exc.reason)      # counted; not one log line each
+            log.debug("chat.refused", tenant=tenant.name, transport=transport, status=exc.status, code=exc.code)
+        else:
+            log.info("chat.refused", tenant=tenant.name, transport=transport, status=exc.status, code=exc.code)
+
     async def admit(self, tenant: Tenant, body: object, *, transport: str, timeout_s: float | None = None,
                     request_id: str | None = None, kind: str = "chat") -> Admission:
         """Validate, tokenize, clamp to the tenant's limits and reserve quota. Raises a
@@ -113,10 +137,7 @@ class ChatService:
             return await self.admitter.admit(tenant, body, transport=transport, timeout_s=timeout_s,
                                              request_id=request_id, kind=kind)
         except GatewayError as exc:
-            self.metrics.request_done(tenant.name, transport, exc.status)
-            if isinstance(exc, RateLimited):
-                self.metrics.rate_limited(tenant.name, exc.reason)
-            log.info("chat.refused", tenant=tenant.name, transport=transport, status=exc.status, code=exc.code)
+            self._refused(tenant, transport, exc)
             raise
 
     # -- generation --------------------------------------------------------------------------
@@ -133,7 +154,7 @@ class ChatService:
             finish, error = "abort", None
             finishes = ["abort"] * adm.request.n
             if not adm.cancelled:
-                stream = choices(self.engine, adm, lambda billed: self._settle(adm, billed))
+                stream = choices(self.engine, adm, lambda billed: self._settle(adm, max(billed, streamed(usage))))
                 unsent = [0] * adm.request.n        # tokens of outputs that carried no text yet
                 held: list = [None] * adm.request.n     # their logprobs
                 try:

@@ -20,9 +20,10 @@ from .admission import Admission
 from .auth import bearer_key
 from .errors import (BadRequest, Draining, GatewayError, InternalError, PayloadTooLarge, PolicyViolation,
                      RateLimited, TooManyConnections)
+from .limits import AddressRate
 from .live import interval_class
 from .schemas import timeout_from_field
-from .sse import parse_json
+from .sse import parse_json, refuse_lone_surrogates
 from .streaming import Delta, Done
 from .ws_format import WsFrames
 from .ws_socket import Socket, State, _Gone, origin_allowed
@@ -48,6 +49,7 @@ class Connection(Socket):
         self.streams: dict[str, tuple[Admission, asyncio.Task]] = {}
         self.admitting = 0          # chat.requests being admitted (their prompt is being tokenized)
         self.stats_task: asyncio.Task | None = None
+        self.stats_sub = None           # live.Subscriber of stats_task
 
     async def serve(self) -> None:
         settings = self.gw.settings
@@ -95,6 +97,8 @@ class Connection(Socket):
     async def _receive_loop(self) -> None:
         settings, loop = self.gw.settings, asyncio.get_running_loop()
         auth_by = loop.time() + settings.ws_auth_timeout_s
+        # Before auth a socket costs the server and names no one: small frames, few of them.
+        preauth = AddressRate(settings.ws_preauth_frame_rate, settings.ws_preauth_frame_burst, clock=loop.time)
         while self.state is not State.CLOSED:
             authenticating = self.state is State.AUTHENTICATING
             wait = auth_by - loop.time() if authenticating else settings.ws_idle_timeout_s
@@ -120,11 +124,19 @@ class Connection(Socket):
                 continue
             if len(text) > settings.max_frame_bytes and len(text.encode()) > settings.max_frame_bytes:
                 return await self.close(PayloadTooLarge(f"frame larger than {settings.max_frame_bytes} bytes"))
+            if self.state is State.AUTHENTICATING:
+                if len(text) > settings.ws_preauth_max_frame_bytes or \
+                        len(text.encode()) > settings.ws_preauth_max_frame_bytes:
+                    return await self.close(PayloadTooLarge(
+                        f"a frame before authentication may be at most {settings.ws_preauth_max_frame_bytes} bytes"))
+                if not preauth.admit(""):
+                    return await self.close(PolicyViolation(
+                        f"more than {settings.ws_preauth_frame_rate:g} frames per second before authenticating"))
             await self._handle(text)
 
     async def _handle(self, text: str) -> None:
         try:
-            msg = parse_json(text, self.gw.settings.max_json_values)
+            msg = parse_json(text, self.gw.settings.max_json_values, check_unicode=False)
         except BadRequest as exc:
             if exc.code != "invalid_json":
                 return await self.send_error(None, exc)
@@ -171,6 +183,7 @@ class Connection(Socket):
         body = {k: v for k, v in msg.items() if k not in ("type", "id", "stream", "stream_options", "timeout_s")}
         self.admitting += 1
         try:
+            refuse_lone_surrogates(body)
             timeout_s = timeout_from_field(msg.get("timeout_s"))
             adm = await self.gw.chat.admit(self.tenant, body, transport="ws", timeout_s=timeout_s)
         except GatewayError as exc:
@@ -209,28 +222,35 @@ class Connection(Socket):
             self.streams.pop(_key(cid), None)
 
     async def _subscribe(self, interval_ms) -> None:
-        """One subscription per socket; it holds one of the tenant's stats places."""
+        """One subscription per socket; it holds one of the tenant's stats places. The
+        subscription is released here and in `_unsubscribe`, never in the push task's
+        `finally`: a task cancelled before it first runs (Python >= 3.12 runs pipelined
+        frames without yielding in between) never reaches its `try`."""
         if self.stats_task is not None:
-            self.stats_task.cancel()        # a new interval: the place is kept
+            self._stop_push()               # a new interval: the place is kept
         elif not self.gw.stats_slots.take(self.tenant.name, self.gw.settings.max_stats_streams_per_tenant):
             return await self.send_error(None, TooManyConnections(
                 f"tenant {self.tenant.name!r} has {self.gw.settings.max_stats_streams_per_tenant} stats streams open"))
         sub = self.gw.stats.subscribe(interval_class(interval_ms))
 
         async def push() -> None:
-            try:
-                with contextlib.suppress(_Gone):
-                    while True:
-                        await self.send_text(await sub.next())
-            finally:
-                self.gw.stats.unsubscribe(sub)
+            with contextlib.suppress(_Gone):
+                while True:
+                    await self.send_text(await sub.next())
 
+        self.stats_sub = sub
         self.stats_task = asyncio.ensure_future(push())
+
+    def _stop_push(self) -> None:
+        self.stats_task.cancel()
+        self.stats_task = None
+        if self.stats_sub is not None:
+            self.gw.stats.unsubscribe(self.stats_sub)
+            self.stats_sub = None
 
     def _unsubscribe(self) -> None:
         if self.stats_task is not None:
-            self.stats_task.cancel()
-            self.stats_task = None
+            self._stop_push()
             self.gw.stats_slots.give(self.tenant.name)
 
     async def _close_when_drained(self) -> None:

@@ -13,7 +13,6 @@ authenticated ones. Close codes come from the error classes (gateway/errors.py).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import json
 from urllib.parse import urlsplit
@@ -23,6 +22,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from .auth import authenticate
 from .errors import WS_NORMAL_CLOSURE, AuthError, GatewayError, TooManyConnections
+from .protocols import abort_transport
 
 log = structlog.get_logger("streamgate.ws")
 
@@ -134,13 +134,27 @@ class Socket:
         await self.send_text(text)
 
     async def send_text(self, text: str) -> None:
+        """Raises _Gone if the socket is closed, or was aborted because this send stayed
+        blocked for `write_timeout_s` (the client stopped reading)."""
         async with self._send_lock:
             if self.ws.application_state is not WebSocketState.CONNECTED:
                 raise _Gone()
+            # A timer, not wait_for: no task per frame. Aborting makes the blocked send raise.
+            timer = asyncio.get_running_loop().call_later(self.gw.settings.write_timeout_s, self.abort)
             try:
                 await self.ws.send_text(text)
             except (WebSocketDisconnect, RuntimeError, OSError) as exc:
                 raise _Gone() from exc
+            finally:
+                timer.cancel()
+
+    def abort(self) -> None:
+        """Drop the connection at once (a stuck write): the receive loop then sees the
+        disconnect and `serve` releases everything the socket holds."""
+        log.info("ws.write_deadline", timeout_s=self.gw.settings.write_timeout_s)
+        if self.state is not State.CLOSED:
+            self._to(State.CLOSED)
+        abort_transport(self.ws.scope)
 
     async def send_error(self, cid, exc: GatewayError) -> None:
         error = exc.body()["error"]
@@ -158,8 +172,13 @@ class Socket:
         log.info("ws.close", code=code, reason=reason)
         async with self._send_lock:
             if self.ws.application_state is WebSocketState.CONNECTED:
-                with contextlib.suppress(RuntimeError, OSError):
-                    await self.ws.close(code=code, reason=reason.encode()[:120].decode(errors="ignore"))
+                try:
+                    await asyncio.wait_for(self.ws.close(code=code, reason=reason.encode()[:120].decode(errors="ignore")),
+                                           self.gw.settings.write_timeout_s)
+                except asyncio.TimeoutError:
+                    abort_transport(self.ws.scope)
+                except (RuntimeError, OSError):
+                    pass
 
 
 _evictions: set[asyncio.Task] = set()

@@ -39,13 +39,16 @@ class Outbox:
         if str(path) != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._conn = sqlite3.connect(str(path), check_same_thread=False)
+        self._conn = sqlite3.connect(str(path), check_same_thread=False, timeout=5.0)
         with self._lock, self._conn:
             # WAL + NORMAL: a commit survives the process being killed (kill -9), as the
             # embedded ledger does; only a power loss can drop the last commits.
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.execute(SCHEMA)
+        # After set-up nothing waits for a lock (the event loop calls this): a locked file
+        # is an immediate sqlite3.Error, and the caller keeps the settlement in memory.
+        self._conn.execute("PRAGMA busy_timeout=0")
 
     def add(self, s: Settlement) -> None:
         with self._lock, self._conn:

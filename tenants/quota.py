@@ -20,44 +20,30 @@ what was used is billed.
 
 from __future__ import annotations
 
+import logging
 import math
+import sqlite3
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Protocol
 
+from .billing import Billing
 from .buckets import EPS, TokenBucket, format_duration, resize
+from .lease import Lease, QuotaBackendUnavailable, QuotaExceeded
 from .ledger import Ledger
 from .models import Tenant
 
 CONCURRENCY_RETRY_S = 1.0
 
-
-class QuotaExceeded(Exception):
-    """A limit refused the request; `retry_after` is None when a retry can never succeed."""
-
-    def __init__(self, reason: str, message: str, retry_after: float | None,
-                 headers: dict[str, str]):
-        super().__init__(message)
-        self.reason = reason
-        self.retry_after = retry_after
-        self.headers = headers
-
-
-class QuotaBackendUnavailable(Exception):
-    """The shared quota store cannot be reached: the request is refused (fail closed) and
-    may be retried after `retry_after` seconds (503 `quota_backend_unavailable`)."""
-
-    def __init__(self, message: str, retry_after: float = 1.0):
-        super().__init__(message)
-        self.retry_after = retry_after
+log = logging.getLogger("streamgate.quota")
 
 
 class QuotaBackend(Protocol):
     """What the gateway needs from a quota backend; it never knows which one it has."""
 
     async def begin(self, tenant: Tenant, estimate: int = 0) -> Lease: ...
+    def precheck(self, tenant: Tenant) -> None: ...     # raises what begin would, taking nothing
     def headers(self, tenant: Tenant) -> dict[str, str]: ...
     def in_flight(self, tenant_name: str) -> int: ...
     async def start(self) -> None: ...
@@ -87,64 +73,25 @@ class _State:
         self.daily_reserved = 0
 
 
-class Lease:
-    """One admitted request's hold on its tenant's quotas; settle it exactly once.
-    `manager` is the backend: `_reserve_more(lease, tokens)`, `_trim(lease, keep)` and
-    `_release(lease, used)`."""
-
-    def __init__(self, manager, tenant: Tenant, reserved_tokens: int, lease_id: str | None = None):
-        self.id = lease_id or uuid.uuid4().hex  # the Redis backend's settle id
-        self.tenant = tenant.name
-        self._tenant = tenant
-        self.reserved_tokens = reserved_tokens
-        self._manager = manager
-        self._lock = threading.Lock()
-        self._settled = False
-
-    @property
-    def settled(self) -> bool:
-        return self._settled
-
-    async def reserve_tokens(self, tokens: int) -> None:
-        """Make this lease hold `tokens` in all from tokens_per_minute and daily_tokens, or
-        raise QuotaExceeded changing nothing (the lease keeps its slot: settle it). What
-        `begin` prepaid counts: no wait when it covers `tokens` (the excess goes back)."""
-        if tokens < 0:
-            raise ValueError(f"tokens must be >= 0 (got {tokens})")
-        if self._settled:
-            raise RuntimeError("the lease is already settled")
-        if tokens > self.reserved_tokens:
-            await self._manager._reserve_more(self, tokens - self.reserved_tokens)
-        elif tokens < self.reserved_tokens:
-            self._manager._trim(self, tokens)
-
-    def settle(self, used_tokens: int) -> bool:
-        """Release the lease and bill `used_tokens`; True the first time, then False."""
-        if used_tokens < 0:
-            raise ValueError(f"used_tokens must be >= 0 (got {used_tokens})")
-        with self._lock:
-            if self._settled:
-                return False
-            self._settled = True
-        self._manager._release(self, used_tokens)
-        return True
-
-    def __repr__(self) -> str:
-        return f"Lease({self.tenant!r}, reserved_tokens={self.reserved_tokens}, settled={self._settled})"
-
-
 class QuotaManager:
     def __init__(self, ledger: Ledger, clock: Callable[[], float] = time.monotonic):
         self.ledger = ledger
         self.clock = clock
         self._lock = threading.Lock()
         self._states: dict[str, _State] = {}
+        self._unwritten: dict[str, tuple[Lease, int]] = {}     # lease id -> (lease, used): holds kept
+        self.billing = Billing(ledger, self._written)
+        for rec in self.billing.replay():        # a previous run's unwritten usage: its tenants wait for it
+            log.warning("billing: %d tokens of tenant %r from %s are not in the ledger yet", rec.tokens,
+                        rec.tenant, rec.day)
 
     async def start(self) -> None:
-        """Nothing runs in the background here; present for the QuotaBackend interface."""
+        """Nothing runs in the background here but billing retries (tenants.billing)."""
 
     async def stop(self) -> None:
-        """Nothing to stop; the ledger is closed by its owner."""
+        """Stop retrying unwritten usage (it stays spilled for the next start); the ledger
+        is closed by its owner."""
+        self.billing.close()
 
     def reserve(self, tenant: Tenant, tokens: int) -> Lease:
         """Take one request and `tokens` from every limit, or raise QuotaExceeded taking nothing."""
@@ -153,6 +100,7 @@ class QuotaManager:
         with self._lock:
             now = self.clock()
             st = self._state(tenant, now)
+            self._check_billed(tenant)
             self._check_request(tenant, st, now)
             self._check_tokens(tenant, st, now, tokens)
             self._take_request(st)
@@ -167,9 +115,24 @@ class QuotaManager:
         with self._lock:
             now = self.clock()
             st = self._state(tenant, now)
+            self._check_billed(tenant)
             self._check_request(tenant, st, now)
             self._take_request(st)
             return Lease(self, tenant, 0)
+
+    def precheck(self, tenant: Tenant) -> None:
+        """What `begin` would refuse right now, taking nothing (raises like it): the gateway
+        asks before it reads and parses a body, so a tenant over its limits costs nothing."""
+        with self._lock:
+            now = self.clock()
+            self._check_billed(tenant)
+            self._check_request(tenant, self._state(tenant, now), now)
+
+    def _check_billed(self, tenant: Tenant) -> None:
+        """Billing fails closed: a tenant whose usage could not be written yet gets no new work."""
+        if self.billing.blocked(tenant.name):
+            raise QuotaBackendUnavailable(f"tenant {tenant.name!r}: usage of earlier requests is not recorded "
+                                          "yet (the ledger cannot be written); retry later", retry_after=2.0)
 
     async def _reserve_more(self, lease: Lease, tokens: int) -> None:
         with self._lock:
@@ -211,7 +174,11 @@ class QuotaManager:
             raise self._refuse(st, now, "tokens_per_minute", f"this request reserves {tokens} tokens but {left}",
                                retry)
         if lim.daily_tokens is not None:
-            used = self.ledger.used_today(tenant.name)
+            try:
+                used = self.ledger.used_today(tenant.name)
+            except sqlite3.Error as exc:       # never waits (busy timeout 0): fail closed
+                raise QuotaBackendUnavailable(f"the usage ledger cannot be read ({type(exc).__name__}); "
+                                              "retry later") from None
             if used + st.daily_reserved + tokens > lim.daily_tokens:
                 fits = tokens <= lim.daily_tokens
                 left = max(0, lim.daily_tokens - used - st.daily_reserved)
@@ -233,17 +200,31 @@ class QuotaManager:
         st.daily_reserved += tokens
 
     def _release(self, lease: Lease, used_tokens: int) -> None:
-        """Give back the slot and unused tokens, drop the daily hold, bill the ledger."""
+        """Bill the ledger, then give back the slot and unused tokens and drop the daily
+        hold; if the usage cannot be written now, all of that waits until it is."""
         with self._lock:
-            st = self._states[lease.tenant]
-            st.in_flight -= 1
-            st.daily_reserved -= lease.reserved_tokens
-            if st.tokens is not None:
-                bucket, now = st.tokens, self.clock()
-                # Refund at most what was taken; an overrun is charged, down to empty.
-                bucket.tokens = max(0.0, min(bucket.capacity, bucket.available(now)
-                                             + lease.reserved_tokens - used_tokens))
-            self.ledger.add(lease.tenant, used_tokens)
+            if not self.billing.record(lease.tenant, used_tokens, lease.id):
+                self._unwritten[lease.id] = (lease, used_tokens)
+                return
+            self._give_back(lease, used_tokens)
+
+    def _written(self, rec) -> None:
+        """A usage record the ledger refused at first is written now (billing thread)."""
+        with self._lock:
+            held = self._unwritten.pop(rec.lease_id, None)
+            if held is not None:
+                self._give_back(*held)
+
+    def _give_back(self, lease: Lease, used_tokens: int) -> None:
+        """With self._lock held."""
+        st = self._states[lease.tenant]
+        st.in_flight -= 1
+        st.daily_reserved -= lease.reserved_tokens
+        if st.tokens is not None:
+            bucket, now = st.tokens, self.clock()
+            # Refund at most what was taken; an overrun is charged, down to empty.
+            bucket.tokens = max(0.0, min(bucket.capacity, bucket.available(now)
+                                         + lease.reserved_tokens - used_tokens))
 
     def headers(self, tenant: Tenant) -> dict[str, str]:
         """OpenAI-style x-ratelimit-* headers; limits that are unlimited are omitted."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sqlite3
 import uuid
 from collections import defaultdict
 
@@ -37,6 +38,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .models import Tenant
 from .outbox import Outbox, Settlement
+from .redis_outbox import SettlementSender
 from .quota import Lease, QuotaBackendUnavailable
 from .redis_scripts import (BEGIN, RENEW, SETTLE, TOKENS, TRIM, headers_from_levels, limit_arg, refusal,
                             reply_float)
@@ -46,18 +48,19 @@ log = logging.getLogger(__name__)
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 FAILED = (RedisError, OSError)      # unreachable, or refused (OOM, READONLY, a script error)
 RETRY_UNAVAILABLE_S = 1.0
-SEND_BATCH = 256
 PREPAY_HEADROOM = 2.0
 
 
-class RedisQuotas:
+class RedisQuotas(SettlementSender):
     def __init__(self, url: str, outbox_path: str | os.PathLike = ":memory:", *,
                  lease_ttl: float = 10.0, prefix: str = "sg", timeout: float = 1.0,
                  prepay_headroom: float = PREPAY_HEADROOM):
         # One immediate retry reconnects a pooled socket that Redis closed (a restart);
-        # more would only delay the 503 while Redis is down.
+        # more would only delay the 503 while Redis is down. Never on a timeout: the script
+        # may have run with only its reply late, and TOKENS is not idempotent (BEGIN is,
+        # by lease id, SETTLE and TRIM are).
         self.redis = Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                    retry=Retry(NoBackoff(), 1))
+                                    retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
         self.outbox = Outbox(outbox_path)
         self.lease_ttl = lease_ttl
         self.prefix = prefix
@@ -69,6 +72,8 @@ class RedisQuotas:
         self._trim_script = self.redis.register_script(TRIM)
         self._leases: dict[str, tuple[Lease, int]] = {}  # live leases here: id -> (lease, tpm)
         self._trims: dict[str, Settlement] = {}           # id -> tokens to keep, not yet sent
+        self._unwritten: dict[str, Settlement] = {}       # settlements the outbox refused, not yet in Redis
+        self._unwritten_by_tenant: defaultdict[str, int] = defaultdict(int)
         self._headers: dict[str, dict[str, str]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -76,7 +81,7 @@ class RedisQuotas:
 
     def keys(self, tenant: str) -> dict[str, str]:
         tag = f"{{{self.prefix}:{tenant}}}"
-        return {k: f"{tag}:{k}" for k in ("q", "leases", "held", "billed", "expired")}
+        return {k: f"{tag}:{k}" for k in ("q", "leases", "held", "billed", "expired", "settled")}
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -105,15 +110,22 @@ class RedisQuotas:
 
     # -- admission -------------------------------------------------------------------
 
+    def precheck(self, tenant: Tenant) -> None:
+        """Only what is known here without a round trip: usage not yet durable refuses."""
+        if self._unwritten_by_tenant[tenant.name]:
+            raise QuotaBackendUnavailable(f"tenant {tenant.name!r}: usage of earlier requests is not recorded yet "
+                                          "(the outbox cannot be written); retry later", retry_after=2.0)
+
     async def begin(self, tenant: Tenant, estimate: int = 0) -> Lease:
         """Take a concurrency lease and one request in one round trip (and `estimate`
         tokens, prepaid, when they fit with headroom), or raise QuotaExceeded taking
         nothing; QuotaBackendUnavailable when Redis is unreachable or refuses."""
+        self.precheck(tenant)
         lim, k = tenant.limits, self.keys(tenant.name)
         lease_id, tpm = uuid.uuid4().hex, limit_arg(lim.tokens_per_minute)
         try:
             prepaid = await self._run(
-                tenant, 0, self._begin, [k["q"], k["leases"], k["held"], k["billed"], k["expired"]],
+                tenant, 0, self._begin, [k["q"], k["leases"], k["held"], k["billed"], k["expired"], k["settled"]],
                 [limit_arg(lim.requests_per_minute), tpm, limit_arg(lim.max_concurrent), limit_arg(lim.daily_tokens),
                  lease_id, int(self.lease_ttl * 1000), max(0, estimate), self.prepay_headroom])
         except asyncio.CancelledError:
@@ -195,66 +207,20 @@ class RedisQuotas:
         self._enqueue(Settlement(lease.id, lease.tenant, used_tokens, tpm))
 
     def _enqueue(self, settlement: Settlement) -> None:
-        self.outbox.add(settlement)
+        """Durable in the outbox, or (it cannot be written: locked, disk full) kept in memory
+        and sent from there; until then its tenant is refused new work (billing fails closed)."""
+        try:
+            self.outbox.add(settlement)
+        except sqlite3.Error as exc:
+            log.error("quota outbox: cannot write a settlement (%s: %s); tenant %r is refused new work "
+                      "until Redis has it", exc.__class__.__name__, exc, settlement.tenant)
+            self._unwritten[settlement.lease_id] = settlement
+            self._unwritten_by_tenant[settlement.tenant] += 1
         self._wake_sender()
 
     def _wake_sender(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake.set)
-
-    async def _send_settlements(self) -> None:
-        """Runs until stopped, whatever Redis answers: a failure (unreachable, OOM, a
-        read-only replica, a script error) keeps the settlements in the outbox and retries
-        with backoff; each kind of failure is logged once until a send succeeds again."""
-        backoff, logged = 0.05, set()
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            try:
-                more = await self._send_batch()
-            except FAILED as exc:
-                if exc.__class__ not in logged:     # ConnectionError, OutOfMemoryError, ReadOnlyError, ...
-                    logged.add(exc.__class__)
-                    log.warning("quota outbox: Redis failed (%s: %s); %d settlements kept, retrying "
-                                "with backoff up to 2 s", exc.__class__.__name__, exc, len(self.outbox))
-                await asyncio.sleep(backoff)
-                backoff, more = min(2 * backoff, 2.0), True
-            else:
-                if logged:
-                    log.warning("quota outbox: Redis accepts settlements again")
-                backoff, logged = 0.05, set()
-            if more:
-                self._wake.set()
-
-    async def _send_batch(self) -> bool:
-        """Send the waiting trims and the oldest pending settlements in one round trip;
-        True if more wait. A settlement Redis refused stays in the outbox (the others go):
-        its error is raised after the round trip. A trim is sent once: if it fails, the
-        settlement gives the excess back instead."""
-        trims, self._trims = self._trims, {}
-        batch = self.outbox.pending(SEND_BATCH)
-        if not batch and not trims:
-            return False
-        calls = []
-        for t in trims.values():
-            k = self.keys(t.tenant)
-            calls.append((self._trim_script, [k["q"], k["held"]], [t.lease_id, t.used, t.tpm]))
-        for s in batch:
-            k = self.keys(s.tenant)
-            calls.append((self._settle, [k["q"], k["leases"], k["held"], k["billed"], k["expired"]],
-                          [s.lease_id, s.used, s.tpm]))
-        results = await self._evalsha_many(calls)
-        settled = results[len(trims):]
-        self.outbox.remove([s.lease_id for s, r in zip(batch, settled) if not isinstance(r, Exception)])
-        for r in results:
-            if isinstance(r, Exception):
-                raise r
-        return len(batch) == SEND_BATCH
-
-    async def flush(self) -> None:
-        """Send every pending settlement now (the background sender does this by itself)."""
-        while await self._send_batch():
-            pass
 
     # -- heartbeat -------------------------------------------------------------------
 

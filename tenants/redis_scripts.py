@@ -12,6 +12,10 @@ Keys of one tenant share the hash tag `{sg:<tenant>}` (one Redis Cluster slot):
     billed   hash  UTC day number -> tokens billed that day
     expired  zset  lease id -> when its heartbeat was found stopped (kept a day), so that
                    its late settlement (replayed from an outbox) is still billed, once
+    settled  zset  lease id -> when a settlement found no lease to settle (kept an hour): a
+                   BEGIN that arrives after its own settlement (the caller gave up, and the
+                   settlement overtook it on another pooled connection) takes nothing
+BEGIN is idempotent by lease id: sent again (a lost reply), it returns what the first took.
 A settlement bills its lease if the lease is in `held` or `expired`, and removes it from
 there in the same script: sent twice, the second finds it in neither and does nothing.
 Memory is in proportion to the leases in flight and recently expired, not to traffic.
@@ -44,7 +48,7 @@ local function num(x)
 end
 """
 
-# KEYS: q, leases, held, billed, expired
+# KEYS: q, leases, held, billed, expired, settled
 # ARGV: rpm, tpm, max_concurrent, daily_tokens (-1 = unlimited), lease id, ttl ms,
 #       estimate (tokens), headroom
 # Takes a concurrency lease and one request, or nothing. With the lease it also takes
@@ -76,6 +80,13 @@ end
 
 local req = level(rpm, 'rt', 'rts')
 local tok = level(tpm, 'tt', 'tts')
+local prior = redis.call('HGET', KEYS[3], id)
+if prior then       -- this lease id was taken already: the same answer, nothing taken again
+  return {1, '', '', '', num(req), num(tok), tonumber(prior)}
+end
+if redis.call('ZSCORE', KEYS[6], id) then   -- settled before it began: take nothing
+  return {0, 'lease_expired', num(1.0), num(0), num(req), num(tok), 0}
+end
 local running = redis.call('ZCARD', KEYS[2])
 if max_concurrent >= 0 and running >= max_concurrent then
   return {0, 'max_concurrent', num(1.0), num(running), num(req), num(tok), 0}
@@ -167,15 +178,20 @@ end
 return 1
 """
 
-# KEYS: q, leases, held, billed, expired
+# KEYS: q, leases, held, billed, expired, settled
 # ARGV: lease id, used tokens, tpm (-1 = unlimited)
 # Returns 1 when this call settled the lease, 0 when it was settled before.
 SETTLE = _PRELUDE + """
 local id, used, tpm = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local held = redis.call('HGET', KEYS[3], id)
 if not held then
-  -- An expired lease already gave back its slot and hold: only bill it. Neither: settled.
-  if redis.call('ZREM', KEYS[5], id) == 0 then return 0 end
+  -- An expired lease already gave back its slot and hold: only bill it. Neither: settled,
+  -- or its BEGIN has not arrived yet: remember the id so that BEGIN takes nothing.
+  if redis.call('ZREM', KEYS[5], id) == 0 then
+    redis.call('ZADD', KEYS[6], now, id)
+    redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now - 3600)
+    return 0
+  end
 else
   held = tonumber(held)
   redis.call('HDEL', KEYS[3], id)

@@ -111,6 +111,10 @@ def serve(model_dir: str, tmp_path, *, registry: Registry | None = None, quotas:
     live = LiveServer(app, **(uvicorn_limits or {})).start(ready=ready)
     try:
         yield live
+        if live.thread.is_alive() and not live.server.should_exit:
+            from tests.idle import assert_idle
+
+            assert_idle(live)       # every counter and registry back to idle (tests/idle.py)
     finally:
         if live.thread.is_alive():
             live.stop()

@@ -17,7 +17,8 @@ from bench.isolation_victim import Victim
 
 SMALL = ["--b-max-tokens", "32", "--baseline", "1", "--hold", "0.5", "--settle", "0.3", "--attack-timeout", "60",
          "--prompt-mb", "0.2", "--frames", "2", "--frame-kib", "64", "--stats-streams", "12", "--sockets", "24",
-         "--body-mib", "3", "--depth", "20000", "--shared-server"]
+         "--body-mib", "3", "--depth", "20000", "--head-requests", "60", "--bomb-frames", "3", "--stuck-streams", "4",
+         "--upgrades", "30", "--parse-requests", "6", "--write-timeout", "1", "--shared-server"]
 
 
 def test_isolation_bench_measures_every_attack(tiny_model, tmp_path):
@@ -25,7 +26,7 @@ def test_isolation_bench_measures_every_attack(tiny_model, tmp_path):
     the server's RSS, a WebSocket probe), what A got back, and a PASS/MISS per target."""
     out = tmp_path / "iso.json"
     proc = subprocess.run([sys.executable, "-m", "bench.isolation", "--model", tiny_model("llama"), "--out", str(out),
-                           *SMALL], capture_output=True, text=True, timeout=240)
+                           *SMALL], capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     phases = res["phases"]
@@ -48,13 +49,22 @@ def test_isolation_bench_measures_every_attack(tiny_model, tmp_path):
     assert sum(phases["stats_flood"]["attacker"]["statuses"].values()) == 12
     keyless = phases["keyless_ws"]["attacker"]
     assert keyless["opened"] + sum(keyless["failed"].values()) == 24
+    assert sum(phases["head_flood"]["attacker"]["statuses"].values()) == 60
+    assert sum(phases["keyed_upgrades"]["attacker"]["results"].values()) == 30
+    assert phases["deflate_bomb"]["attacker"]["extensions"] == []          # compression is off by default
+    over = phases["overquota_parse"]["attacker"]["statuses"]
+    assert over == {"429 requests_per_minute": 6}, over                     # refused from the headers
+    stuck = phases["stuck_readers"]["attacker"]
+    assert stuck["held"] >= 1 and "still open" not in stuck["ends"], stuck    # none held after the write timeout
+    for name in ATTACKS:
+        assert phases[name]["idle_after_s"] is not None, name               # every gauge back to idle
     frames = phases["big_frames"]["attacker"]
     assert len(frames["answers"]) == 2 or frames["close_code"] is not None
     targets = res["targets"]
     assert targets["gap_limit_ms"] == max(250.0, 3 * base["gap_max_ms"])
     assert set(targets["attacks"]) == set(ATTACKS)
     for checks in targets["attacks"].values():
-        assert set(checks) == {"gap", "health", "rss", "ws"} and set(checks.values()) <= {"PASS", "MISS"}
+        assert set(checks) == {"gap", "health", "rss", "ws", "idle"} and set(checks.values()) <= {"PASS", "MISS"}
     for name in ATTACKS:
         assert any(line.startswith(name) and ("PASS" in line or "MISS" in line) for line in proc.stdout.splitlines())
 
@@ -80,11 +90,14 @@ def test_window_counts_gaps_that_overlap_it():
 
 def test_targets_use_the_baseline_or_250_ms():
     """The gap limit is max(250 ms, 3x B's baseline gap); each target is PASS or MISS."""
-    phase = {"gap_max_ms": 400.0, "health_max_ms": 50.0, "rss_growth_mb": 150.0, "b_ws": {"connected": False}}
+    phase = {"gap_max_ms": 400.0, "health_max_ms": 50.0, "rss_growth_mb": 150.0, "b_ws": {"connected": False},
+             "idle_after_s": 0.4}
     for base, verdict in ((100.0, "MISS"), (200.0, "PASS")):
         t = check_targets({"baseline": {"gap_max_ms": base}, "x": phase})
         assert t["gap_limit_ms"] == max(250.0, 3 * base)
-        assert t["attacks"]["x"] == {"gap": verdict, "health": "PASS", "rss": "MISS", "ws": "MISS"}
+        assert t["attacks"]["x"] == {"gap": verdict, "health": "PASS", "rss": "MISS", "ws": "MISS", "idle": "PASS"}
+    assert check_targets({"baseline": {"gap_max_ms": 100.0}, "x": {**phase, "idle_after_s": None}}
+                         )["attacks"]["x"]["idle"] == "MISS"
 
 
 def test_only_loopback_servers_are_attacked():

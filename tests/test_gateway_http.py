@@ -9,10 +9,13 @@ import httpx
 import openai
 import pytest
 
+from tests.idle import idle_after  # noqa: F401 - fixture
 from tests.live import KEYS, serve, tenants
 
 MESSAGES = [{"role": "user", "content": "Tell me about paged attention."}]
 
+
+pytestmark = pytest.mark.usefixtures("idle_after")     # every test leaves the server idle
 
 @pytest.fixture(scope="module")
 def live(tiny_model, tmp_path_factory):

@@ -13,11 +13,14 @@ import httpx
 import pytest
 import websockets
 
+from tests.idle import idle_after  # noqa: F401 - fixture
 from tests.live import KEYS, serve, tenants, wait_until
 
 HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
 AUTH = {"Authorization": f"Bearer {KEYS['acme']}"}
 
+
+pytestmark = pytest.mark.usefixtures("idle_after")     # every test leaves the server idle
 
 @pytest.fixture(scope="module")
 def live(tiny_model, tmp_path_factory):
@@ -168,7 +171,8 @@ async def test_bad_ids_and_deep_json_leave_the_socket_usable(live):
             done = msg
     assert [e["error"]["param"] for e in errors[:2]] == ["id", "id"] and errors[0]["id"] is None
     assert errors[2]["error"]["code"] == "invalid_json"
-    assert errors[3]["id"] == "m" and errors[3]["error"]["code"] == "model_not_found"
+    assert errors[3]["id"] == "m" and errors[3]["error"]["code"] == "invalid_unicode"
+    assert errors[3]["error"]["param"] == "model"
     assert done["id"] == "ok" and done["usage"]["completion_tokens"] > 0
     for bad in (True, 1e6, "soon"):
         await ws.send(json.dumps({"type": "chat.request", "id": "t", "messages": HELLO, "timeout_s": bad}))

@@ -9,10 +9,13 @@ import json
 import pytest
 import websockets
 
+from tests.idle import idle_after  # noqa: F401 - fixture
 from tests.live import KEYS, serve, tenants, wait_until
 
 HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
 
+
+pytestmark = pytest.mark.usefixtures("idle_after")     # every test leaves the server idle
 
 @pytest.fixture(scope="module")
 def live(tiny_model, tmp_path_factory):
