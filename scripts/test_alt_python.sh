@@ -3,11 +3,15 @@
 # redis-server) on a second interpreter, because asyncio's behaviour differs between
 # versions (on 3.12+ a task cancelled before its first step never runs its body: issue 25).
 #
-# The interpreter is the first of ALT_PYTHONS on PATH. Debian 12 ships only Python 3.11,
-# and PyPI has no interpreter package that does not download its build from elsewhere, so
-# a machine without one (pyenv, a newer Debian) skips this run, saying so.
+# The interpreter is the first of ALT_PYTHONS that runs: pyenv's builds of 3.13 and 3.12 where
+# the machine has them (the development and CI machines' image does, beside its 3.11; pyenv's
+# shims refuse versions not selected, so their binaries are named directly), else python3.13
+# or python3.12 on PATH. Debian 12 ships only Python 3.11, and PyPI has no interpreter package
+# that does not download its build from elsewhere, so a machine with neither skips this run,
+# saying so.
 set -euo pipefail
-ALT_PYTHONS=${ALT_PYTHONS:-"python3.13 python3.12"}
+pyenv_root=${PYENV_ROOT:-$HOME/.pyenv}
+ALT_PYTHONS=${ALT_PYTHONS:-"$(ls -d "$pyenv_root"/versions/3.13*/bin/python3.13 "$pyenv_root"/versions/3.12*/bin/python3.12 2>/dev/null | tr '\n' ' ') python3.13 python3.12"}
 ALT_VENV=${ALT_VENV:-.venv-alt}
 MAIN_PY=${MAIN_PY:-.venv/bin/python}
 TESTS=(tests/test_gateway_hardening.py tests/test_ledger_fails_closed.py tests/test_gateway_stats.py
