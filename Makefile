@@ -46,8 +46,9 @@ test: setup browser redis
 	$(PY) -m pytest -q
 	$(MAKE) test-alt-python
 
-# The gateway tests that need no torch, also on Python 3.13 or 3.12 where one is installed
-# (asyncio differs there); Debian 12 has none, so elsewhere this says it skipped.
+# The gateway tests that need no torch, also on Python 3.12 or 3.13 (asyncio differs there):
+# pyenv's builds where the machine has them (this image does), else python3.1x on PATH;
+# a machine with neither says it skipped.
 test-alt-python: setup redis
 	MAIN_PY=$(PY) bash scripts/test_alt_python.sh
 
