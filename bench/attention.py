@@ -35,10 +35,9 @@ def main(argv=None) -> int:
     import torch
 
     from engine.attention import AttentionMetadata, KernelBatch, paged_attention
-    from engine.config import EngineConfig
     from engine.kernels import paged_attention_op
     from engine.kv_cache import PagedKVCache
-    from engine.model_runner import ModelRunner
+    from engine.attention_torch import build_torch_groups
 
     torch.set_num_threads(args.threads)
     if paged_attention_op() is None:                                # also registers torch.ops.streamgate
@@ -59,9 +58,7 @@ def main(argv=None) -> int:
         tables.append(perm[:w])
         perm = perm[w:]
 
-    # The torch backend's metadata comes from the model runner's own builder.
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.config, runner.device = EngineConfig(block_size=bs), torch.device("cpu")
+    # The torch backend's metadata comes from its own builder (engine/attention_torch.py).
     width = max(len(t) for t in tables)
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
 
@@ -82,9 +79,10 @@ def main(argv=None) -> int:
         rows = args.seqs * n
         torch_meta = AttentionMetadata(cache, torch.zeros(rows, dtype=torch.long), [], [])
         if n == 1:
-            runner._torch_groups(torch_meta, list(range(args.seqs)), tables, lens, [])
+            build_torch_groups(torch_meta, bs, torch.device("cpu"), list(range(args.seqs)), tables, lens, [])
         else:
-            runner._torch_groups(torch_meta, [], [], [], [(i * n, lens[i] - n, n, t) for i, t in enumerate(tables)])
+            build_torch_groups(torch_meta, bs, torch.device("cpu"), [], [], [],
+                               [(i * n, lens[i] - n, n, t) for i, t in enumerate(tables)])
         kernel_meta = AttentionMetadata(cache, torch_meta.slot_mapping, [], [],
                                         KernelBatch(padded, torch.arange(args.seqs + 1) * n, torch.tensor(lens)))
         query = torch.randn(1, heads, rows, dim, dtype=dtype)

@@ -47,3 +47,15 @@ def test_gemm_benchmark_prints_every_layer_and_form():
     assert [(r[0], r[1]) for r in rows] == [(name, m) for name in ("q/k/v", "o", "gate/up", "down", "lm_head")
                                            for m in ("1", "3")]
     assert all(float(v) > 0 for r in rows for v in r[3:6])            # MKL fp32 and both bf16 forms ran
+
+
+def test_attention_benchmark_runs_both_backends(capsys):
+    """bench.attention builds the torch backend's metadata with the engine's own builder and
+    times both backends on decode rows and a chunk over context; the outputs agree."""
+    from bench.attention import main
+
+    assert main(["--seqs", "2", "--min-ctx", "40", "--max-ctx", "60", "--chunk", "1,8", "--reps", "1",
+                 "--threads", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows[1:]] == ["1", "8"], rows
+    assert all(float(r[4]) < 1e-3 for r in rows[1:]), rows                    # fp32: the same outputs
