@@ -228,4 +228,5 @@ async def list_models(request: Request) -> Response:
     gw = request.app.state.gateway
     gw.authenticate(bearer_key(request.headers.get("authorization")))
     return JSONResponse({"object": "list", "data": [
-        {"id": gw.chat.model_name, "object": "model", "created": gw.started_at, "owned_by": "streamgate"}]})
+        {"id": gw.chat.model_name, "object": "model", "created": gw.started_at, "owned_by": "streamgate",
+         "max_model_len": gw.chat.max_model_len}]})     # as vLLM reports it: the longest prompt + output

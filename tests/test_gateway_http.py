@@ -109,6 +109,8 @@ def test_models_health_and_metrics(live):
     assert httpx.get(f"{live.url}/v1/models").status_code == 401
     models = client(live).models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    # the engine's context (the model's 2,048 positions, or less where the KV pool is smaller)
+    assert 1 < models.data[0].model_extra["max_model_len"] <= 2048
     assert httpx.get(f"{live.url}/health").json()["status"] == "ok"
     client(live).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
     text = httpx.get(f"{live.url}/metrics").text
