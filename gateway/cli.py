@@ -3,12 +3,9 @@
     streamgate serve [--tenants FILE] [...]     serve chat over HTTP/SSE and WebSocket
     streamgate keys new TENANT                  print a fresh API key and its tenants-file line
     streamgate chat "Why is the sky blue?"      stream an answer to the terminal
-    streamgate bench offline [...]              the offline throughput benchmark
-    streamgate bench scheduling smoothness      decode smoothness / preemption cost
-    streamgate bench profile_decode             where a decode step's time goes
-    streamgate bench gateway_overhead           in-process vs through the gateway (SSE, WS)
-    streamgate bench serve --workload mixed     the serving benchmark (load generator, plots)
-    streamgate bench isolation                  one tenant attacks, another streams (issue 10)
+
+The benchmarks have their own command, `streamgate-bench NAME [...]` (bench/__main__.py);
+`streamgate bench NAME` still runs it, with a deprecation line, in a process of its own.
 """
 
 from __future__ import annotations
@@ -177,10 +174,13 @@ def keys(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace, rest: list[str]) -> int:
-    import importlib
+    """The old spelling of `streamgate-bench NAME`, kept one release: the benchmark runs in its
+    own process, so the gateway never imports bench/."""
+    import subprocess
 
-    module = importlib.import_module(f"bench.{args.which}")    # argparse limited the choices
-    return module.main(rest) or 0
+    logging.getLogger("streamgate").warning("`streamgate bench %s` is deprecated: use `streamgate-bench %s`",
+                                            args.which, args.which)
+    return subprocess.call([sys.executable, "-m", "bench", args.which, *rest])
 
 
 def main(argv: list[str] | None = None) -> int:

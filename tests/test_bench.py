@@ -59,3 +59,24 @@ def test_attention_benchmark_runs_both_backends(capsys):
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
     assert [r[0] for r in rows[1:]] == ["1", "8"], rows
     assert all(float(r[4]) < 1e-3 for r in rows[1:]), rows                    # fp32: the same outputs
+
+
+def test_benchmarks_have_their_own_entry_point_and_the_gateway_never_imports_them():
+    """`python -m bench NAME` (the `streamgate-bench` script) runs a benchmark; no module of
+    gateway/ imports bench (the old `streamgate bench` spelling runs it in another process)."""
+    import ast
+    from pathlib import Path
+
+    from bench.__main__ import benchmarks
+
+    assert {"offline", "attention", "isolation", "roofline"} <= set(benchmarks())
+    assert "workload" not in benchmarks()                                   # a helper module, not a benchmark
+    ok = subprocess.run([sys.executable, "-m", "bench", "gemm", "--help"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "--rows" in ok.stdout, ok.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "-m", "bench", "nonesuch"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "benchmarks: " in bad.stderr
+    for path in Path("gateway").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "bench" or n.startswith("bench.") for n in names), f"{path} imports {names}"
