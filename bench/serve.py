@@ -104,11 +104,10 @@ stop_server = server.stop
 
 def engine_config(model: str, flags: list[str]):
     """EngineConfig from `streamgate serve` engine flags (for --driver inprocess)."""
-    from gateway.cli import _engine_args, _scheduling_args, engine_config_from_args
+    from engine.config_cli import add_engine_args, engine_config_from_args
 
     p = argparse.ArgumentParser(prog="engine flags")
-    _engine_args(p)
-    _scheduling_args(p)
+    add_engine_args(p)
     return engine_config_from_args(p.parse_args(["--model", model, *flags]))
 
 

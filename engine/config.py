@@ -1,149 +1,94 @@
-"""Engine and sampling configuration: frozen, validated at construction or admission."""
+"""Engine and sampling configuration: frozen, validated at construction or admission.
+
+EngineConfig composes one section per concern (engine/config_sections.py): ModelConfig,
+CacheConfig, SchedulerConfig, ForwardConfig, ParallelConfig. Its flat keywords and attributes
+(`EngineConfig(model=..., max_num_seqs=...)`, `config.max_num_seqs`) are DESIGN.md's engine
+contract, kept as an adapter: each flat name is exactly one section's field."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import Field, dataclass, fields, replace
+from operator import attrgetter
 
+from .config_fields import _is_int, _is_num, fail
+from .config_sections import (ATTENTION_BACKENDS, BATCHING, DTYPES, POLICIES, PREEMPTION_MODES, QUANTIZATIONS,
+                              CacheConfig, ForwardConfig, ModelConfig, ParallelConfig, SchedulerConfig)
 from .grammar import Grammar
 
-POLICIES = ("fcfs", "priority", "cost", "fair")
-BATCHING = ("continuous", "static")
-PREEMPTION_MODES = ("auto", "recompute", "swap")
-DTYPES = ("float32", "bfloat16", "float16", "auto")   # "auto": see dtypes.resolve_dtype
-ATTENTION_BACKENDS = ("auto", "kernel", "torch")
-QUANTIZATIONS = (None, "int8")                        # weight-only, engine/quantization.py
 MAX_LOGPROBS = 20                       # OpenAI's top_logprobs limit
 
+SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig,
+            "forward_config": ForwardConfig, "parallel_config": ParallelConfig}
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, init=False)
 class EngineConfig:
-    """Everything the engine needs to start. Invalid values raise ValueError naming the field."""
+    """Everything the engine needs to start. Invalid values raise ValueError naming the field.
 
-    model: str = "default"
-    device: str = "cpu"
-    dtype: str = "float32"
-    block_size: int = 16
-    num_kv_blocks: int | None = None      # None: sized from kv_cache_memory_gb
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None      # None: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    policy: str = "fcfs"
-    preemption_mode: str = "auto"
-    num_swap_blocks: int = 0
-    kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
-    watermark: float = 0.01               # share of KV blocks kept free at admission
-    chunked_prefill: bool = True          # False: prefill-first, unchunked (for comparison)
-    batching: str = "continuous"          # "static": request-level batches (for comparison)
-    aging_rate: float = 0.1               # priority classes gained per second of waiting
-    preempt_for_priority: bool | None = None  # None: on for "priority" and "fair" (seat share)
-    swap_min_tokens: int = 256            # auto mode: swap sequences at least this long
-    max_queued_requests: int = 4096       # beyond this add_request raises EngineOverloaded
-    max_queued_tokens: int = 4 * 1024 * 1024
-    starvation_threshold_s: float = 30.0  # waiting longer than this counts as starving
-    seed: int = 0
-    # -- engine speed (issue 14, branch `speed`) --
-    attention_backend: str = "auto"       # "kernel": C++ paged attention (CPU), "torch": gather + SDPA,
-                                          # "auto": the kernel on CPU where it builds, else torch
-    packed_linear: bool | None = None     # packed linear layers; None: on for eager fp32 on CPU (§8.12, §8.13)
-    fused_layers: bool | None = None      # fused Llama forward (fused_llama.py); None: on where packed linears are
-    compile: bool = False                 # torch.compile the model (dynamic batch size; opt-in: see docs/BENCHMARKS.md §8.3)
-    cuda_graphs: bool = True              # with compile on CUDA: decode steps replay CUDA graphs per batch bucket
-    adaptive_threads: bool = True         # CPU eager: steps of <= 4 tokens on 1 thread or all, whichever measures faster (threads.py)
-    # -- scheduling: fair seats and the adaptive token budget (issues 11 and 14) -----------
-    # With a target, steps may grow past max_num_batched_tokens while they stay this long
-    # (measured) and, while streams decode, within 2x their decode-only step; up to
-    # max_step_tokens. Off by default: batch composition then never depends on wall-clock
-    # time, and on CPU it gains a burst's TTFT 0-2 % (docs/BENCHMARKS.md §9.7).
-    itl_target_ms: float | None = None
-    max_step_tokens: int = 4096
-    seat_quantum_steps: int = 2           # steps a sequence runs after (re)admission before it may lose its seat
-    max_seat_preemptions: int = 2         # times a sequence may lose its seat to an arrival
-    fair_burst_tokens: int = 1024         # fair: service a light tenant may bank for its bursts (policy.py)
-    # priority: a less urgent class's prompts wait a step rather than join the step that admits a
-    # more urgent class's prompt, whose first token would wait for them (Policy.may_share_step;
-    # measured under fair too, where it did not pay: docs/BENCHMARKS.md §9.14)
-    isolate_prompts: bool = True
-    # Prompts that yield compute at most this many tokens a step, together, so an arrival that
-    # they yield to waits for a short step, not a 512-token prefill (Policy.prompt_cap;
-    # docs/BENCHMARKS.md §9.15). priority: less urgent classes' while a more urgent class
-    # has arrived within the last minute; fair: a tenant's served ahead of another tenant
-    # that has. 0: off.
-    yielding_prompt_tokens: int = 64
-    # -- tensor parallelism (issue 13): N ranks, one per device; see docs/ENGINE.md ------------
-    tensor_parallel_size: int = 1         # 1: one process, no torch.distributed
-    tp_timeout_s: float = 30.0            # a collective (or a silent rank) failing past this fails the engine
-    # -- int8 weight-only linears (issue 29, engine/quantization.py): None or "int8"; CPU, eager, one process
-    quantization: str | None = None
+    `EngineConfig(max_num_seqs=8, policy="fair")` and `EngineConfig(scheduler_config=...)` both
+    work (a flat keyword overrides its section's field); `dataclasses.replace(config, device=...)`
+    too. Every section field reads flat: `config.max_num_seqs`."""
 
-    def __post_init__(self) -> None:
-        def need(ok: bool, name: str, msg: str) -> None:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    forward_config: ForwardConfig
+    parallel_config: ParallelConfig
+
+    def __init__(self, **kw: object) -> None:
+        unknown = sorted(set(kw) - set(SECTIONS) - set(_SECTION_OF))
+        if unknown:
+            raise TypeError(f"EngineConfig got an unexpected keyword argument {unknown[0]!r}")
+        for attr, cls in SECTIONS.items():
+            section = kw.get(attr) or cls()
+            if not isinstance(section, cls):
+                raise TypeError(f"EngineConfig.{attr} must be a {cls.__name__} (got {type(section).__name__})")
+            own = {name: kw[name] for name in kw if _SECTION_OF.get(name) == attr}
+            object.__setattr__(self, attr, replace(section, **own) if own else section)
+        self._check_across()
+
+    def _check_across(self) -> None:
+        """Relations between fields of different sections."""
+        def need(ok: bool, name: str, says: str) -> None:
             if not ok:
-                raise ValueError(f"EngineConfig.{name}: {msg} (got {getattr(self, name)!r})")
+                fail(name, getattr(self, name), says)
 
-        need(isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string")
-        need(self.device == "cpu" or self.device.startswith("cuda"), "device", "must be 'cpu' or 'cuda[:N]'")
-        need(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}")
-        need(_is_int(self.block_size) and self.block_size > 0, "block_size", "must be a positive int")
-        need(self.num_kv_blocks is None or (_is_int(self.num_kv_blocks) and self.num_kv_blocks > 0),
-             "num_kv_blocks", "must be None or a positive int")
-        need(_is_int(self.max_num_seqs) and self.max_num_seqs > 0, "max_num_seqs", "must be a positive int")
-        need(_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= self.max_num_seqs,
-             "max_num_batched_tokens", "must be an int >= max_num_seqs (every running sequence needs its decode token)")
-        need(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len > 1),
-             "max_model_len", "must be None or an int > 1")
-        need(self.policy in POLICIES, "policy", f"must be one of {POLICIES}")
-        need(self.batching in BATCHING, "batching", f"must be one of {BATCHING}")
-        need(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"must be one of {PREEMPTION_MODES}")
-        need(_is_int(self.num_swap_blocks) and self.num_swap_blocks >= 0, "num_swap_blocks", "must be an int >= 0")
-        need(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "must be > 0")
-        need(0.0 <= self.watermark < 1.0, "watermark", "must be in [0, 1)")
-        need(self.aging_rate >= 0, "aging_rate", "must be >= 0")
-        need(_is_int(self.swap_min_tokens) and self.swap_min_tokens >= 0, "swap_min_tokens", "must be an int >= 0")
-        need(_is_int(self.max_queued_requests) and self.max_queued_requests > 0, "max_queued_requests", "must be > 0")
-        need(_is_int(self.max_queued_tokens) and self.max_queued_tokens > 0, "max_queued_tokens", "must be > 0")
-        need(self.starvation_threshold_s > 0, "starvation_threshold_s", "must be > 0")
-        need(self.itl_target_ms is None or (isinstance(self.itl_target_ms, (int, float)) and self.itl_target_ms > 0),
-             "itl_target_ms", "must be None or > 0")
-        need(_is_int(self.max_step_tokens) and self.max_step_tokens >= self.max_num_batched_tokens, "max_step_tokens",
-             "must be an int >= max_num_batched_tokens")
-        need(_is_int(self.seat_quantum_steps) and self.seat_quantum_steps >= 0, "seat_quantum_steps", "must be an int >= 0")
-        need(_is_int(self.max_seat_preemptions) and self.max_seat_preemptions >= 0, "max_seat_preemptions",
-             "must be an int >= 0")
-        need(_is_int(self.fair_burst_tokens) and self.fair_burst_tokens >= 0, "fair_burst_tokens", "must be an int >= 0")
-        need(isinstance(self.isolate_prompts, bool), "isolate_prompts", "must be a bool")
-        need(_is_int(self.yielding_prompt_tokens) and self.yielding_prompt_tokens >= 0,
-             "yielding_prompt_tokens", "must be an int >= 0")
         need(self.preemption_mode != "swap" or self.num_swap_blocks > 0, "num_swap_blocks",
              "must be > 0 when preemption_mode is 'swap'")
-        # -- engine speed (issue 14) --
-        need(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"must be one of {ATTENTION_BACKENDS}")
         need(self.attention_backend != "kernel" or self.device == "cpu", "attention_backend",
              "'kernel' is the CPU kernel; use 'auto' or 'torch' on CUDA")
-        need(isinstance(self.compile, bool), "compile", "must be a bool")
-        need(self.packed_linear in (None, True, False), "packed_linear", "must be None, True or False")
-        need(self.fused_layers in (None, True, False), "fused_layers", "must be None, True or False")
-        need(isinstance(self.cuda_graphs, bool), "cuda_graphs", "must be a bool")
-        need(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
-             "must be an int >= 1")
         need(self.tensor_parallel_size == 1 or not self.compile, "compile",
              "is not supported with tensor_parallel_size > 1")
         need(self.tensor_parallel_size == 1 or self.device in ("cpu", "cuda"), "device",
              "must be 'cpu' or 'cuda' with tensor_parallel_size > 1 (rank r uses cuda:r)")
-        need(isinstance(self.tp_timeout_s, (int, float)) and self.tp_timeout_s > 0, "tp_timeout_s", "must be > 0")
-        need(self.quantization in QUANTIZATIONS, "quantization", f"must be one of {QUANTIZATIONS}")
         need(self.quantization is None or (self.device == "cpu" and not self.compile and self.tensor_parallel_size == 1),
              "quantization", "int8 runs on CPU, eager (compile off), with tensor_parallel_size 1")
         if not self.chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
                  "must be >= max_model_len when chunked_prefill is off (a whole prompt runs in one step)")
 
+    @staticmethod
+    def knobs() -> Iterator[tuple[str, Field]]:
+        """(section attribute, field) for every flat field, in section order."""
+        for attr, cls in SECTIONS.items():
+            for f in fields(cls):
+                yield attr, f
+
+    def flat(self) -> dict[str, object]:
+        """{field: value} for every flat field (for logs and benchmark results)."""
+        return {f.name: getattr(self, f.name) for _, f in self.knobs()}
+
     @property
     def priority_preemption(self) -> bool:
-        if self.preempt_for_priority is None:
-            return self.policy in ("priority", "fair")
-        return self.preempt_for_priority
+        return self.scheduler_config.priority_preemption
+
+
+_SECTION_OF = {f.name: attr for attr, f in EngineConfig.knobs()}
+assert len(_SECTION_OF) == sum(len(fields(c)) for c in SECTIONS.values()), "a field name in two sections"
+for _name, _attr in _SECTION_OF.items():
+    assert not hasattr(EngineConfig, _name), f"EngineConfig.{_name} is taken"
+    setattr(EngineConfig, _name, property(attrgetter(f"{_attr}.{_name}")))
 
 
 @dataclass(frozen=True)
@@ -239,17 +184,11 @@ class SamplingParams:
 
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: object) -> bool:
-    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
-
-
 def _short(x: object) -> str:
     r = repr(x)
     return r if len(r) <= 120 else r[:117] + "..."
 
 
-__all__ = ["EngineConfig", "SamplingParams", "POLICIES", "PREEMPTION_MODES", "DTYPES"]
+__all__ = ["EngineConfig", "SamplingParams", "SECTIONS", "ModelConfig", "CacheConfig", "SchedulerConfig",
+           "ForwardConfig", "ParallelConfig", "POLICIES", "PREEMPTION_MODES", "DTYPES", "BATCHING",
+           "ATTENTION_BACKENDS", "QUANTIZATIONS"]

@@ -7,8 +7,9 @@ import argparse
 import os
 
 
-def limit_args(p: argparse.ArgumentParser) -> None:
-    """What one client may cost the server (docs/PROTOCOL.md, "Limits")."""
+def limit_args(parser: argparse.ArgumentParser) -> None:
+    """What one client may cost the server (docs/PROTOCOL.md, "Limits"), one `--help` group."""
+    p = parser.add_argument_group("limits", 'what one client may cost the server (docs/PROTOCOL.md, "Limits")')
     p.add_argument("--max-frame-bytes", type=int, default=1 << 20, help="largest WebSocket frame (close 1009)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest HTTP request body (413)")
     p.add_argument("--max-sockets", type=int, default=1024, help="authenticated WebSockets, all tenants")

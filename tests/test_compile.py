@@ -69,12 +69,11 @@ def test_cuda_graphs_option_is_validated_and_parsed():
     """cuda_graphs must be a bool (the error names the field); `--no-cuda-graphs` turns it off."""
     import argparse
 
-    from gateway.cli import _engine_args, _scheduling_args, engine_config_from_args
+    from engine.config_cli import add_engine_args, engine_config_from_args
 
     with pytest.raises(ValueError, match="EngineConfig.cuda_graphs"):
         EngineConfig(model="default", cuda_graphs="no")
     p = argparse.ArgumentParser()
-    _engine_args(p)
-    _scheduling_args(p)
+    add_engine_args(p)
     assert engine_config_from_args(p.parse_args(["--compile"])).cuda_graphs is True
     assert engine_config_from_args(p.parse_args(["--compile", "--no-cuda-graphs"])).cuda_graphs is False

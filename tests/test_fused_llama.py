@@ -102,11 +102,10 @@ def test_serve_flags_reach_the_engine_config():
     """`--no-packed-linear` / `--no-fused-layers` turn the options off; by default both are auto."""
     import argparse
 
-    from gateway.cli import _engine_args, _scheduling_args, engine_config_from_args
+    from engine.config_cli import add_engine_args, engine_config_from_args
 
     p = argparse.ArgumentParser()
-    _engine_args(p)
-    _scheduling_args(p)
+    add_engine_args(p)
     default = engine_config_from_args(p.parse_args([]))
     assert default.packed_linear is None and default.fused_layers is None
     off = engine_config_from_args(p.parse_args(["--no-packed-linear", "--no-fused-layers"]))

@@ -141,11 +141,10 @@ def test_quantization_flag_reaches_the_engine_config():
     """`--quantization int8` on serve/chat sets EngineConfig.quantization; absent, it is None."""
     import argparse
 
-    from gateway.cli import _engine_args, _scheduling_args, engine_config_from_args
+    from engine.config_cli import add_engine_args, engine_config_from_args
 
     p = argparse.ArgumentParser()
-    _engine_args(p)
-    _scheduling_args(p)
+    add_engine_args(p)
     assert engine_config_from_args(p.parse_args([])).quantization is None
     assert engine_config_from_args(p.parse_args(["--quantization", "int8"])).quantization == "int8"
     with pytest.raises(SystemExit):
