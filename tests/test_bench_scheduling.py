@@ -1,4 +1,4 @@
-"""bench.scheduling: the cost-model traces drive the real Scheduler and AdaptiveBudget
+"""bench.engine.scheduling: the cost-model traces drive the real Scheduler and AdaptiveBudget
 (deterministic: a fake clock), and the in-process traces run end to end on the tiny model."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import scheduling
+from bench.engine import scheduling
 
 # DESIGN.md's probed step costs (SmolLM2 fp32 on the old host) and a 3x faster prefill.
 COSTS = ["0.060,0.005,0.0021", "0.040,0.004,0.0007"]

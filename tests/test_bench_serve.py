@@ -1,4 +1,4 @@
-"""The serving benchmark end to end on a tiny model: `python -m bench.serve` starts its own
+"""The serving benchmark end to end on a tiny model: `python -m bench.serving.serve` starts its own
 gateway, replays a tiny workload over the WebSocket and writes its JSON and plots."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ long = true
 def _run(tmp_path, model: str, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     (tmp_path / "tiny.toml").write_text(TINY)
     out = tmp_path / "out.json"
-    cmd = [sys.executable, "-m", "bench.serve", "--workload", str(tmp_path / "tiny.toml"), "--model", model,
+    cmd = [sys.executable, "-m", "bench.serving.serve", "--workload", str(tmp_path / "tiny.toml"), "--model", model,
            "--json-out", str(out), "--plots-dir", str(tmp_path / "plots"), "--time-limit", "60", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Workload files become fixed request lists (bench/loadgen.py)."""
+"""Workload files become fixed request lists (bench/serving/loadgen.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from bench.loadgen import Req, Workload, WorkloadError, load_workload, make_requests
-from bench.replay import replay
+from bench.serving.loadgen import Req, Workload, WorkloadError, load_workload, make_requests
+from bench.serving.replay import replay
 
 SHIPPED = ("mixed", "two_tenants", "priority", "closed_loop", "two_tenants_weighted_closed")
 

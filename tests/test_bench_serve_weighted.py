@@ -1,5 +1,5 @@
 """Weighted service as VTC counts it, over the window in which every tenant had work
-outstanding (bench/weighted.py), and the cost-model replay of a closed loop (bench/trace.py),
+outstanding (bench/serving/weighted.py), and the cost-model replay of a closed loop (bench/serving/trace.py),
 on constructed records and requests."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from bench import servestats
-from bench.loadgen import Req, Workload, load_workload, make_requests
-from bench.trace import replay_model
-from bench.weighted import backlogged_until, weighted_service
+from bench.serving import servestats
+from bench.serving.loadgen import Req, Workload, load_workload, make_requests
+from bench.serving.trace import replay_model
+from bench.serving.weighted import backlogged_until, weighted_service
 from engine.config import EngineConfig
 
 

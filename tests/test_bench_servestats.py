@@ -1,4 +1,4 @@
-"""The serving benchmark's statistics on synthetic timings (bench/servestats.py)."""
+"""The serving benchmark's statistics on synthetic timings (bench/serving/servestats.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench import servestats as ss
+from bench.serving import servestats as ss
 
 
 def rec(tenant="t", send=0.0, deltas=((0.1, 1),), end=None, tokens=None, error=None, long=False, queue=None):

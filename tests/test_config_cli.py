@@ -116,3 +116,16 @@ def test_flat_keywords_sections_replace_and_pickle_agree():
     assert pickle.loads(pickle.dumps(flat)) == flat and hash(flat) == hash(composed)
     assert flat.flat()["policy"] == "fair" and set(flat.flat()) == FIELDS
     assert flat.priority_preemption is True
+
+
+@pytest.mark.parametrize("name,fields", [("engine.offline", ("model", "dtype", "attention_backend", "cuda_graphs")),
+                                         ("serving.serve", ("model",))])
+def test_benchmarks_take_the_generated_engine_flags(name, fields):
+    """A benchmark's engine flags are add_engine_args's: the field's flag, help and default."""
+    out = subprocess.run([sys.executable, "-m", "bench", name, "--help"], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert "\nengine: model:\n" in out
+    knobs = {f.name: f for _, f in EngineConfig.knobs()}
+    for name in fields:
+        words = knobs[name].metadata["help"].split()[:3]
+        assert flag(name) in out and " ".join(words) in " ".join(out.split()), name

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from .weighted import describe
+from bench.serving.weighted import describe
 
 QUANTILES = (50, 90, 99)
 

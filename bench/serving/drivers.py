@@ -6,7 +6,7 @@ A driver has `open(reqs)`, `send(req, record, t0)`, `sample_stats(samples, t0)` 
 the server answers: a 429/503/504 or a failure mid-stream is recorded as `error` (the
 error code) and `status`. Every delta is timestamped when its frame or line arrives.
 A delta counts `num_tokens` tokens if the server says so (a streamgate extension, see
-bench/serve.py), else one: a client that lags gets merged deltas, one gap each.
+bench/serving/serve.py), else one: a client that lags gets merged deltas, one gap each.
 """
 
 from __future__ import annotations
@@ -261,8 +261,8 @@ def run_hf_offline(model_dir: str, reqs, kv_tokens: int, max_batch_tokens: int, 
     the offline baseline. Returns wall time and output tokens (no per-token timings)."""
     from transformers import AutoTokenizer
 
-    from .baselines import load_hf_model, run_hf_cb
-    from .workload import Request
+    from bench.engine.baselines import load_hf_model, run_hf_cb
+    from bench.workload import Request
 
     tok = AutoTokenizer.from_pretrained(model_dir)
 

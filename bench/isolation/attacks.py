@@ -2,7 +2,7 @@
 work an attack needs (a thousand handshakes, three hundred streams) never delays the
 timestamps taken on tenant B's stream.
 
-    python -m bench.isolation_attacks NAME '{"url": "http://127.0.0.1:PORT", "key": "sg-...", ...}'
+    python -m bench.isolation.attacks NAME '{"url": "http://127.0.0.1:PORT", "key": "sg-...", ...}'
 
 Prints JSON lines on stdout: `{"start": t}` when it begins sending, `{"ready": t}` once the
 attack is in place (sockets open, streams held, request sent), then `{"result": {...}}`.
@@ -20,9 +20,9 @@ import resource
 import sys
 import time
 
-from .isolation_attacks_more import MORE
-from .isolation_client import MiB, connect, error_code, raw_post, request_outcomes, send_all
-from .workload import _WORDS
+from bench.isolation.attacks_more import MORE
+from bench.isolation.client import MiB, connect, error_code, raw_post, request_outcomes, send_all
+from bench.workload import _WORDS
 
 TEXT = (" ".join(_WORDS) + " ") * 8          # ordinary English words: they tokenize like a real prompt
 

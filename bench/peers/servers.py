@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from . import server
+from bench import server
 
 KINDS = ("streamgate", "vllm", "hf")
 DEFAULT_SERVERS = ("streamgate-fp32=streamgate:--dtype float32", "streamgate-bf16=streamgate:--dtype bfloat16",

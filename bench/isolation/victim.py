@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from .isolation_client import connect
+from bench.isolation.client import connect
 
 POLL_S = 0.1                 # /health and RSS sampling period
 HEALTH_TIMEOUT_S = 30.0

@@ -8,10 +8,10 @@ outside client at 1, 8 and 32 concurrent streams of synthetic 256-token prompts 
     python -m bench.peers --server sg=streamgate:"--dtype bfloat16" \\
         --server vllm-bf16=vllm:"--dtype bfloat16" --concurrency 1,8,32 --peer vllm-bf16
 
-Each server is started on 127.0.0.1 (`bench.peers_servers`), warmed up with one short
+Each server is started on 127.0.0.1 (`bench.peers.servers`), warmed up with one short
 request, measured at each concurrency (GuideLLM's concurrent profile, or `--client
 loadgen`), and stopped before the next starts. vLLM and `transformers serve` run from
-their own venvs (`--vllm-python`, `--hf-python`; `python -m bench.peers_setup` makes them
+their own venvs (`--vllm-python`, `--hf-python`; `python -m bench.peers.setup` makes them
 under /work/peers); a server whose venv is missing is skipped with a note. Output: a
 table on stdout with ratios against `--peer`, and JSON + markdown in `--out-dir`. The
 machine should be otherwise idle: the 1-minute load average is recorded before each
@@ -29,8 +29,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from . import peers_clients, peers_report, peers_servers
-from .peers_clients import Load
+from bench.peers import clients as peers_clients
+from bench.peers import report as peers_report
+from bench.peers import servers as peers_servers
+from bench.peers.clients import Load
+from engine.config_cli import add_engine_args
 
 PEERS_DIR = Path(os.environ.get("STREAMGATE_PEERS_DIR", "/work/peers"))
 
@@ -63,7 +66,7 @@ def available(spec: peers_servers.ServerSpec, args) -> str | None:
     """Why a server cannot run here (its program is missing), else None."""
     python = peer_python(args).get(spec.kind)
     if python and not Path(python).exists():
-        return f"{python} not found (python -m bench.peers_setup installs it)"
+        return f"{python} not found (python -m bench.peers.setup installs it)"
     return None
 
 
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server", action="append", default=None,
                    help="NAME=KIND[:FLAGS], KIND in streamgate|vllm|hf (repeatable; default: "
                         + ", ".join(peers_servers.DEFAULT_SERVERS) + ")")
-    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a local HF dir")
+    add_engine_args(p, only=("model",))
     p.add_argument("--client", default="guidellm", choices=["guidellm", "loadgen"])
     p.add_argument("--guidellm", default=os.environ.get("GUIDELLM", str(PEERS_DIR / "guidellm/bin/guidellm")))
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", str(PEERS_DIR / "vllm/bin/python")))

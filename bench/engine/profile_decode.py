@@ -1,14 +1,14 @@
 """Where the engine's time goes: torch.profiler over SmolLM2 steps.
 
-    python -m bench.profile_decode [--seqs 32] [--min-ctx 200] [--max-ctx 1000] [--steps 3]
+    python -m bench.engine.profile_decode [--seqs 32] [--min-ctx 200] [--max-ctx 1000] [--steps 3]
                                    [--dtype auto] [--attention-backend auto|kernel|torch]
-    python -m bench.profile_decode --offline [--num-requests 16] [--max-prompt 512] [--max-output 32] [--compile]
-    python -m bench.profile_decode --serving [--num-requests 64] [--max-prompt 512] [--max-output 64]
-    python -m bench.profile_decode --forwards [--seqs 1,8,32] [--steps 20]
+    python -m bench.engine.profile_decode --offline [--num-requests 16] [--max-prompt 512] [--max-output 32] [--compile]
+    python -m bench.engine.profile_decode --serving [--num-requests 64] [--max-prompt 512] [--max-output 64]
+    python -m bench.engine.profile_decode --forwards [--seqs 1,8,32] [--steps 20]
 
 Default: prefills `--seqs` prompts of random length in [min-ctx, max-ctx], then profiles
 `--steps` pure decode steps and prints the operators by self CPU time. `--offline`: runs
-bench.offline's engine workload (same generator and engine settings) to completion under the
+bench.engine.offline's engine workload (same generator and engine settings) to completion under the
 profiler and also prints the time by kind (linear layers, attention, gather, ...) and the
 share spent outside the model forward. `--serving`: requests arrive one per step (decode
 batches of 1..32 beside chunked prefill) on an eager and a compiled engine stepping in turn (the
@@ -27,6 +27,8 @@ import random
 import time
 from collections import Counter
 
+from engine.config_cli import add_engine_args
+
 # aten operator -> the kind of work it is, for the --offline summary.
 KINDS = {"aten::mm": "linear layers", "aten::addmm": "linear layers", "mkldnn::_linear_pointwise": "linear layers",
          "streamgate::linear": "linear layers",
@@ -44,15 +46,12 @@ def main(argv=None) -> int:
     ap.add_argument("--min-ctx", type=int, default=200)
     ap.add_argument("--max-ctx", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--attention-backend", default="auto", choices=["auto", "kernel", "torch"])
-    ap.add_argument("--offline", action="store_true", help="profile bench.offline's engine workload instead")
+    add_engine_args(ap, only=("device", "dtype", "attention_backend", "compile"))
+    ap.add_argument("--offline", action="store_true", help="profile bench.engine.offline's engine workload instead")
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--max-output", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    ap.add_argument("--compile", action="store_true", help="--offline: profile the compiled engine")
     ap.add_argument("--serving", action="store_true", help="eager vs compiled on staggered arrivals (see above)")
     ap.add_argument("--forwards", action="store_true", help="decode steps: MKL vs packed linears vs fused forward")
     args = ap.parse_args(argv)
@@ -94,11 +93,11 @@ def main(argv=None) -> int:
 
 
 def profile_offline(args, activities) -> int:
-    """bench.offline's engine run (its workload, KV budget and step budget) under the profiler."""
+    """bench.engine.offline's engine run (its workload, KV budget and step budget) under the profiler."""
     from torch.profiler import profile
     from transformers import AutoTokenizer
 
-    from bench.offline import BLOCK_SIZE
+    from bench.engine.offline import BLOCK_SIZE
     from bench.workload import make_workload
     from engine import EngineConfig, LLMEngine, SamplingParams
     from engine.models import resolve_model

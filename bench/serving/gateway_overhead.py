@@ -1,7 +1,7 @@
 """Gateway overhead: one request trace driven in-process through `AsyncEngine`, then through
 the gateway over SSE and over WebSocket (a `streamgate serve` subprocess on loopback).
 
-    python -m bench.gateway_overhead [--requests 64] [--rate 4] [--max-tokens 96] [--idle 16]
+    python -m bench.serving.gateway_overhead [--requests 64] [--rate 4] [--max-tokens 96] [--idle 16]
                                      [--redis [URL]]
 
 Every request decodes greedily for exactly its max_tokens (`ignore_eos`), so each mode does
@@ -33,8 +33,9 @@ from pathlib import Path
 
 import httpx
 
-from . import server
-from .workload import _text
+from bench import server
+from bench.workload import _text
+from engine.config_cli import add_engine_args
 
 MODES = ("inprocess", "sse", "ws")
 
@@ -218,7 +219,7 @@ def _redis(url: str | None, tmp: Path):
     if url != "local":
         yield url
         return
-    from .redis_server import RedisServer
+    from bench.redis_server import RedisServer
 
     (tmp / "redis").mkdir()
     redis_server = RedisServer(tmp / "redis", appendfsync="everysec")
@@ -245,7 +246,7 @@ def report(results: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default")
+    add_engine_args(p, only=("model",))
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second (0: all at once)")
     p.add_argument("--max-tokens", type=int, default=96)

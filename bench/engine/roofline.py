@@ -1,6 +1,6 @@
 """This host's roofline for a model: what its matmuls and memory allow, and each workload's bound.
 
-    python -m bench.roofline [--model default] [--dtype bfloat16|float32|int8] [--threads N]
+    python -m bench.engine.roofline [--model default] [--dtype bfloat16|float32|int8] [--threads N]
                              [--reps 20] [--measured 1=29.8,8=138.1,32=234.8]
 
 Measures bf16 and fp32 matmul throughput (`F.linear` through oneDNN/MKL, and in bf16 oneDNN on

@@ -1,14 +1,14 @@
 """Where a tenant's time to first token goes: a serving workload replayed in-process with
 every engine step recorded (issue 11's "understand it with a trace").
 
-    python -m bench.trace --workload two_tenants --tenant polite --compare 'fair,fcfs'
-    python -m bench.trace --workload priority --tenant interactive --compare priority --slowest 8
+    python -m bench.serving.trace --workload two_tenants --tenant polite --compare 'fair,fcfs'
+    python -m bench.serving.trace --workload priority --tenant interactive --compare priority --slowest 8
 
 For each of the tenant's slowest requests (by TTFT) it splits the time from arrival to
 the first token into: waiting (in the queue, no seat) and prefill (from the step that
 first scheduled it to the one that sampled its first token: how many steps, the chunk
 sizes, the step times, how many preemptions it took). The same workload file, seed and
-flags as `bench.serve`, with `--driver inprocess` (no gateway, no HTTP): the numbers are the
+flags as `bench.serving.serve`, with `--driver inprocess` (no gateway, no HTTP): the numbers are the
 engine's own. The full per-step log goes to --json-out.
 
 `--costs a,b,c` replays the same requests on the real `Scheduler` with a fake clock and a
@@ -29,11 +29,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from .drivers import InprocDriver
-from .loadgen import load_workload, make_requests
-from .serve import drive, engine_config, parse_presets
-from .servestats import percentile
-from .weighted import describe, weighted_service
+from bench.serving.drivers import InprocDriver
+from bench.serving.loadgen import load_workload, make_requests
+from bench.serving.serve import drive, engine_config, parse_presets
+from bench.serving.servestats import percentile
+from bench.serving.weighted import describe, weighted_service
+from engine.config_cli import add_engine_args
 
 
 class TracingDriver(InprocDriver):
@@ -156,11 +157,11 @@ def replay_model(reqs, prompts: dict[str, list[int]], config, costs, wl) -> tupl
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench.trace", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="bench.serving.trace", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="two_tenants")
     p.add_argument("--tenant", default="polite", help="whose requests to break down")
-    p.add_argument("--compare", default="fair", help="presets as in bench.serve")
-    p.add_argument("--model", default="default")
+    p.add_argument("--compare", default="fair", help="presets as in bench.serving.serve")
+    add_engine_args(p, only=("model",))
     p.add_argument("--engine-args", default="")
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--duration", type=float, default=None)

@@ -1,6 +1,6 @@
 """SmolLM2's linear layers alone, in every form the engine can run them, side by side.
 
-    python -m bench.gemm [--rows 1,2,4,8,32,256] [--threads 2] [--reps 50]
+    python -m bench.engine.gemm [--rows 1,2,4,8,32,256] [--threads 2] [--reps 50]
 
 For each layer shape (fused q/k/v, o, fused gate/up, down, lm_head) and row count: the C++
 kernel on fp32 weights packed for it (`streamgate::linear`), MKL's fp32 `F.linear`, torch's

@@ -1,9 +1,9 @@
 """What constrained decoding costs (issue 27): the per-step work constrained rows add, decode
 steps with 0, 1 and all streams under a JSON schema, and grammar compile times.
 
-    python -m bench.grammar [--model default] [--rows 32] [--reps 50]
+    python -m bench.engine.grammar [--model default] [--rows 32] [--reps 50]
                             [--decode] [--streams 8,32] [--steps 40] [--rounds 2] [--dtype auto]
-    python -m bench.grammar --n [--rounds 2]     # n=4 against 4 separate requests
+    python -m bench.engine.grammar --n [--rounds 2]     # n=4 against 4 separate requests
 
 Default (no model forward, on one torch thread, so a shared host's load disturbs it least):
 32 sampling rows of the model's vocabulary, after 30 constrained tokens each; the median time
@@ -31,6 +31,7 @@ from engine import EngineConfig, Grammar, LLMEngine, SamplingParams
 from engine.grammar_runtime import GrammarRuntime
 from engine.sampler import sample_step
 from engine.sequence import Sequence
+from engine.config_cli import add_engine_args
 
 LONG = {"type": "array", "minItems": 200, "items": {
     "type": "object", "additionalProperties": False, "required": ["name", "n", "kind"],
@@ -163,8 +164,7 @@ def n_choices(engine: LLMEngine, prompt_len: int, max_tokens: int, rounds: int) 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--dtype", default="auto")
+    add_engine_args(ap, only=("model", "dtype"), defaults={"dtype": "auto"})
     ap.add_argument("--streams", default="8,32")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=2)

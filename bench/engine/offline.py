@@ -1,7 +1,7 @@
 """Offline throughput benchmark: all requests submitted at once, run to completion.
 
-    python -m bench.offline                                  # 64 requests, all systems
-    python -m bench.offline --num-requests 8 --max-prompt 128 --max-output 32   # smoke run
+    python -m bench.engine.offline                                  # 64 requests, all systems
+    python -m bench.engine.offline --num-requests 8 --max-prompt 128 --max-output 32   # smoke run
 
 Systems: `engine` (streamgate's LLMEngine), `hf-static` (HF `generate` in padded batches of
 8) and `hf-cb` (HF's continuous batching, the manager behind `generate_batch`). Each system
@@ -29,6 +29,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from bench.workload import make_workload, summarize
+from engine.config_cli import add_engine_args
 
 SYSTEMS = ("engine", "hf-static", "hf-cb")
 BLOCK_SIZE = 16  # engine KV block size (tokens)
@@ -142,7 +143,7 @@ def run_system(args) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from bench import baselines
+    from bench.engine import baselines
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
@@ -150,7 +151,7 @@ def run_system(args) -> dict:
     requests = _workload(AutoTokenizer.from_pretrained(model_dir), args)
     if args.system == "engine":
         result = run_engine(model_dir, requests, args.kv_tokens, args.max_num_seqs, args.max_batched_tokens,
-                            args.device, args.dtype, args.attention_backend, args.compile, not args.no_cuda_graphs)
+                            args.device, args.dtype, args.attention_backend, args.compile, args.cuda_graphs)
     elif args.device != "cpu":
         raise SystemExit(f"{args.system} runs on the CPU only; use --systems engine with --device {args.device}")
     else:
@@ -178,12 +179,12 @@ def _workload(tokenizer, args) -> list:
 def _spawn(system: str, args, tmp: Path) -> dict:
     """Run one system in a child process and read back its JSON result (or its failure)."""
     out = tmp / f"{system}.json"
-    cmd = [sys.executable, "-m", "bench.offline", "--system", system, "--json-out", str(out)]
+    cmd = [sys.executable, "-m", "bench.engine.offline", "--system", system, "--json-out", str(out)]
     for flag in ("num_requests", "seed", "max_prompt", "max_output", "threads", "model", "model_dir",
                  "max_num_seqs", "max_batched_tokens", "kv_tokens", "device", "dtype", "attention_backend"):
         if getattr(args, flag) is not None:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-    cmd += [flag for flag, on in (("--compile", args.compile), ("--no-cuda-graphs", args.no_cuda_graphs)) if on]
+    cmd += [flag for flag, on in (("--compile", args.compile), ("--no-cuda-graphs", not args.cuda_graphs)) if on]
     print(f"== {system} ...", file=sys.stderr, flush=True)
     rc = subprocess.run(cmd).returncode
     if out.exists():
@@ -252,18 +253,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-prompt", type=int, default=1024)
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in each system")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="engine max_num_seqs; HF CB max requests per batch")
+    add_engine_args(p, only=("model", "device", "dtype", "attention_backend", "compile", "cuda_graphs", "max_num_seqs"))
     p.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step (engine and HF CB)")
     p.add_argument("--kv-tokens", type=int, default=24576, help="KV cache capacity in tokens (engine and HF CB)")
-    p.add_argument("--model", default="default", help="model name given to engine.models.resolve_model")
     p.add_argument("--model-dir", help="local HF model directory (skips resolve_model)")
-    p.add_argument("--device", default="cpu", help="engine device (the HF baselines run on the CPU)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
-                   help="every system's dtype (the HF baselines' too)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "kernel", "torch"],
-                   help="engine attention backend (engine system only)")
-    p.add_argument("--compile", action="store_true", help="engine with torch.compile (engine system only)")
-    p.add_argument("--no-cuda-graphs", action="store_true", help="with --compile on CUDA: no CUDA graphs for decode")
     p.add_argument("--json-out", default="bench/results/offline.json")
     p.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)  # child mode: run one system
     args = p.parse_args(argv)

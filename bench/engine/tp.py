@@ -1,7 +1,7 @@
 """Tensor parallelism: TP=1 against TP=N step times, and the communication share of a step.
 
-    python -m bench.tp                                          # CPU: TP=1 (1 and 2 threads), TP=2
-    python -m bench.tp --device cuda --dtype bfloat16 --tp 1,2,4 --layers 16   # GPUs, NCCL
+    python -m bench.engine.tp                                          # CPU: TP=1 (1 and 2 threads), TP=2
+    python -m bench.engine.tp --device cuda --dtype bfloat16 --tp 1,2,4 --layers 16   # GPUs, NCCL
 
 SmolLM2-135M has 9 query and 3 KV heads: it divides by neither 2 nor 4, so by default the
 benchmark builds a random Llama of realistic width (TinyLlama-1.1B's layer: hidden 2048,
@@ -30,6 +30,7 @@ import time
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.config_cli import add_engine_args
 
 
 def build_model(out: str, args: argparse.Namespace) -> str:
@@ -112,8 +113,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", default=None, help="comma-separated runs N or N@T: N ranks sharing T CPU threads "
                    "(default on CPU: 1@1,1@2,2@2; on CUDA: 1,2)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    add_engine_args(p, only=("device", "dtype"))
     p.add_argument("--model", default=None, help="a local model directory (default: a random Llama, below)")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--intermediate", type=int, default=5632)

@@ -1,16 +1,16 @@
 """Serving benchmark: replay a workload file against streamgate and report latency,
 throughput, goodput and per-tenant service (issue 6).
 
-    python -m bench.serve --workload mixed                        # start a server, drive it over WS
-    python -m bench.serve --workload mixed --compare static,continuous,chunked
-    python -m bench.serve --workload mixed --rates 0.25,0.5,1,2   # one run per offered rate
-    python -m bench.serve --workload two_tenants --compare fcfs,fair
-    python -m bench.serve --workload two_tenants --only-tenant polite      # its unloaded baseline
-    python -m bench.serve --workload mixed --driver inprocess --offline    # engine, all requests at once
-    python -m bench.serve --workload mixed --driver hf                     # HF continuous batching, offline
-    python -m bench.serve --workload mixed --url http://host:8000 --api-key sg-...   # a running server
+    python -m bench.serving.serve --workload mixed                        # start a server, drive it over WS
+    python -m bench.serving.serve --workload mixed --compare static,continuous,chunked
+    python -m bench.serving.serve --workload mixed --rates 0.25,0.5,1,2   # one run per offered rate
+    python -m bench.serving.serve --workload two_tenants --compare fcfs,fair
+    python -m bench.serving.serve --workload two_tenants --only-tenant polite      # its unloaded baseline
+    python -m bench.serving.serve --workload mixed --driver inprocess --offline    # engine, all requests at once
+    python -m bench.serving.serve --workload mixed --driver hf                     # HF continuous batching, offline
+    python -m bench.serving.serve --workload mixed --url http://host:8000 --api-key sg-...   # a running server
 
-Workloads are TOML files in bench/workloads/ (format: bench/loadgen.py). By default each
+Workloads are TOML files in bench/serving/workloads/ (format: bench/serving/loadgen.py). By default each
 run starts its own `python -m gateway.cli serve` on 127.0.0.1 with a generated tenants
 file; `--url` drives any server instead (the only way to reach beyond loopback). Presets
 for `--compare`: static (--batching static), continuous (--no-chunked-prefill, prefill
@@ -27,7 +27,7 @@ Output: a progress line on stderr, a table on stdout, JSON (--json-out, default
 bench/results/serve-<workload>.json) and PNG plots (--plots-dir). Each delta counts one
 token unless the server sends `num_tokens` with it (see drivers.py). Per tenant, the
 weighted service as the fair policy counts it, while every tenant is backlogged, by the
-server's own counters and by the client's records (bench/weighted.py).
+server's own counters and by the client's records (bench/serving/weighted.py).
 """
 
 from __future__ import annotations
@@ -44,10 +44,12 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from . import server, servestats, weighted
-from .drivers import InprocDriver, SseDriver, WsDriver, run_hf_offline
-from .loadgen import Req, WorkloadError, load_workload, make_requests
-from .replay import new_record, replay
+from bench import server
+from bench.serving import servestats, weighted
+from bench.serving.drivers import InprocDriver, SseDriver, WsDriver, run_hf_offline
+from bench.serving.loadgen import Req, WorkloadError, load_workload, make_requests
+from bench.serving.replay import new_record, replay
+from engine.config_cli import add_engine_args
 
 PRESETS = {
     "static": ["--batching", "static"],
@@ -198,7 +200,7 @@ def verdicts(runs: list[dict], ttft_line_ms: float = 2000.0) -> list[str]:
 
 
 def write_plots(runs: list[dict], plots_dir: Path, tag: str, sweep: bool) -> list[Path]:
-    from . import plots
+    from bench.serving import plots
 
     timed = [r for r in runs if r["requests"]]
     safe = lambda s: re.sub(r"[^A-Za-z0-9_.@-]+", "_", s)  # noqa: E731
@@ -213,11 +215,11 @@ def write_plots(runs: list[dict], plots_dir: Path, tag: str, sweep: bool) -> lis
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="streamgate bench serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", default="mixed", help="name in bench/workloads/ or a TOML path")
+    p.add_argument("--workload", default="mixed", help="name in bench/serving/workloads/ or a TOML path")
     p.add_argument("--driver", default="ws", choices=["ws", "sse", "inprocess", "hf"])
     p.add_argument("--url", default=None, help="drive this running server instead of starting one")
     p.add_argument("--api-key", default=None, help="with --url: key for tenants without api_key")
-    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a local HF dir")
+    add_engine_args(p, only=("model",))
     p.add_argument("--compare", default=None, help="presets, e.g. static,continuous,chunked or fcfs,fair")
     p.add_argument("--engine-args", default="", help="extra `streamgate serve` engine flags for every run")
     p.add_argument("--rate", type=float, default=None, help="total request rate (scales every tenant's)")

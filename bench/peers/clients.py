@@ -25,11 +25,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import peers_report, servestats
-from .drivers import SseDriver
-from .loadgen import Req, Workload
-from .replay import replay
-from .workload import _text
+from bench.peers import report as peers_report
+from bench.serving import servestats
+from bench.serving.drivers import SseDriver
+from bench.serving.loadgen import Req, Workload
+from bench.serving.replay import replay
+from bench.workload import _text
 
 
 @dataclass(frozen=True)

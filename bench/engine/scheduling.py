@@ -1,9 +1,9 @@
 """Scheduler benchmarks on SmolLM2 (issue: scheduler under pressure).
 
-    python -m bench.scheduling smoothness   # 16 decoding streams while 4 ~2k-token prompts arrive
-    python -m bench.scheduling preemption   # cost of a preemption per 1k tokens: recompute vs swap
-    python -m bench.scheduling burst        # 32 streams start at once: fixed budget vs ITL targets
-    python -m bench.scheduling model        # the same two traces on a cost model (no torch, seconds)
+    python -m bench.engine.scheduling smoothness   # 16 decoding streams while 4 ~2k-token prompts arrive
+    python -m bench.engine.scheduling preemption   # cost of a preemption per 1k tokens: recompute vs swap
+    python -m bench.engine.scheduling burst        # 32 streams start at once: fixed budget vs ITL targets
+    python -m bench.engine.scheduling model        # the same two traces on a cost model (no torch, seconds)
 
 `smoothness` runs the same trace, in-process: chunked prefill with decode first (a fixed
 budget of 256, and the adaptive budget at `--itl-target-ms`) and prefill-first unchunked
@@ -30,6 +30,8 @@ import random
 import statistics
 import time
 from pathlib import Path
+
+from engine.config_cli import add_engine_args
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -255,8 +257,7 @@ def main(argv=None) -> int:
     ap.add_argument("--targets", default="none,1000,1500,2500", help="burst: 'none' (fixed 512) or ITL targets in ms")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default="default", help="the engine's model: 'default' (SmolLM2) or a directory")
-    ap.add_argument("--dtype", default="float32", help="the engine's (auto: bf16 where the CPU has bf16 dot products)")
+    add_engine_args(ap, only=("model", "dtype"))
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
     res = {"smoothness": smoothness, "preemption": preemption, "burst": burst, "model": model}[args.which](args)

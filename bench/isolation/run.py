@@ -11,7 +11,7 @@ By default it starts its own `streamgate serve` on 127.0.0.1 with two tenants: `
 600 requests/min); a fresh server for each attack (the first one also runs the baseline),
 or one for all with `--shared-server`. B streams `--b-max-tokens`-token answers over SSE, one after another,
 for the whole run. First B runs alone (the baseline), then each attack runs in a process
-of its own (bench/isolation_attacks.py) while B keeps streaming. Per phase it reports B's
+of its own (bench/isolation/attacks.py) while B keeps streaming. Per phase it reports B's
 largest and median inter-chunk gap (one timeline across B's requests, so a stall between
 two requests counts too), the slowest /health answer (polled every 100 ms on a fresh
 connection), the server's peak RSS growth (VmRSS from /proc), whether B could open a
@@ -37,10 +37,11 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from . import server
-from .isolation_attacks import ATTACKS
-from .isolation_report import check_targets, report
-from .isolation_victim import Victim, probe_ws
+from bench import server
+from bench.isolation.attacks import ATTACKS
+from bench.isolation.report import check_targets, report
+from bench.isolation.victim import Victim, probe_ws
+from engine.config_cli import add_engine_args
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -96,11 +97,11 @@ class LogWatch:
 async def run_attack(name: str, params: dict, url: str, key_b: str, settle_s: float, timeout_s: float) -> dict:
     """Run one attack in its own process; probe B's WebSocket once the attack is in place.
     The window runs from the attack's start until `settle_s` after it ended."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
                                                                       os.environ.get("PYTHONPATH")]))}
     t0 = time.monotonic()
     with tempfile.TemporaryFile() as err:
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.isolation_attacks", name,
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.isolation.attacks", name,
                                                     json.dumps(params), stdout=asyncio.subprocess.PIPE,
                                                     stderr=err, env=env)
         probe, result = None, None
@@ -184,7 +185,7 @@ async def run_phases(args, names: list[str], url: str, key_a: str, key_b: str, p
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default")
+    add_engine_args(p, only=("model",))
     p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated subset of: {', '.join(ATTACKS)}")
     p.add_argument("--server-args", default="", help="extra `streamgate serve` flags, one string")
     p.add_argument("--url", default=None, help="a running server on loopback instead of starting one")

@@ -1,11 +1,11 @@
 """One tenant's TTFT under load against its unloaded value, pooled over several seeds of a
 workload (issue 11's p99 targets, measured on enough requests to mean a p99).
 
-    python -m bench.pooled --workload two_tenants --tenant polite --seeds 1-5 --compare fair
-    python -m bench.pooled --workload priority --tenant interactive --seeds 1-5 \\
-        --compare 'priority,prio-noiso=--policy priority --isolate-prompts off'
+    python -m bench.serving.pooled --workload two_tenants --tenant polite --seeds 1-5 --compare fair
+    python -m bench.serving.pooled --workload priority --tenant interactive --seeds 1-5 \\
+        --compare 'priority,prio-noiso=--policy priority --no-isolate-prompts'
 
-A single `bench.serve` run of `two_tenants` sends the polite tenant about a dozen requests,
+A single `bench.serving.serve` run of `two_tenants` sends the polite tenant about a dozen requests,
 so its "p99" is its slowest request, and how slow that one is depends mostly on where
 the seed put the tenant's bursts. Here each seed's arrivals are replayed against a fresh
 server once with the tenant alone (its unloaded baseline) and once per preset, one after
@@ -13,7 +13,7 @@ another per seed (so a slow spell of a shared host hits every system), and the t
 TTFTs are pooled per system over all seeds. It reports the pooled p50 / p90 / p99 as
 multiples of the pooled unloaded ones, each system's output tokens/s (mean over seeds)
 and preemptions per request, and each seed's own p99 multiple beside them.
-Presets and flags are `bench.serve`'s; JSON with every record goes to --json-out.
+Presets and flags are `bench.serving.serve`'s; JSON with every record goes to --json-out.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .loadgen import load_workload, make_requests
-from .serve import parse_presets, run_once
-from .servestats import percentile, request_metrics
+from bench.serving.loadgen import load_workload, make_requests
+from bench.serving.serve import parse_presets, run_once
+from bench.serving.servestats import percentile, request_metrics
+from engine.config_cli import add_engine_args
 
 QS = (50, 90, 99)
 
@@ -71,13 +72,13 @@ def summarize(pooled: dict[str, list[float]], per_seed: dict[str, list[float]], 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench.pooled", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="bench.serving.pooled", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="two_tenants")
     p.add_argument("--tenant", default="polite", help="whose TTFT is measured, loaded and alone")
     p.add_argument("--seeds", default="1-5", help="'1-5' or '1,3,7'")
-    p.add_argument("--compare", default="fair", help="presets as in bench.serve")
+    p.add_argument("--compare", default="fair", help="presets as in bench.serving.serve")
     p.add_argument("--driver", default="ws", choices=["ws", "sse", "inprocess"])
-    p.add_argument("--model", default="default")
+    add_engine_args(p, only=("model",))
     p.add_argument("--engine-args", default="")
     p.add_argument("--time-limit", type=float, default=600.0)
     p.add_argument("--json-out", default=None)

@@ -1,6 +1,6 @@
 """Serving workloads: a small TOML file → a fixed list of chat requests → a timed replay.
 
-A workload file (see `bench/workloads/*.toml`; the same file and seed always give the same
+A workload file (see `bench/serving/workloads/*.toml`; the same file and seed always give the same
 requests, prompts included):
 
     name = "mixed"
@@ -49,7 +49,7 @@ import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .workload import _text
+from bench.workload import _text
 
 WORKLOADS_DIR = Path(__file__).resolve().parent / "workloads"
 
@@ -153,7 +153,7 @@ def _mixes(where: str, raw) -> tuple[Mix, ...]:
 
 
 def load_workload(name_or_path: str) -> Workload:
-    """A workload by name (`bench/workloads/<name>.toml`) or by path."""
+    """A workload by name (`bench/serving/workloads/<name>.toml`) or by path."""
     path = Path(name_or_path)
     if not path.exists():
         path = WORKLOADS_DIR / f"{name_or_path}.toml"

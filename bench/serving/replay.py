@@ -1,4 +1,4 @@
-"""Timed replay of a workload's requests (bench/loadgen.py makes them): open loop on
+"""Timed replay of a workload's requests (bench/serving/loadgen.py makes them): open loop on
 schedule, closed loop per user, with a time limit and a progress line on stderr."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 import sys
 import time
 
-from .loadgen import Req, Workload
+from bench.serving.loadgen import Req, Workload
 
 
 def new_record(req: Req) -> dict:

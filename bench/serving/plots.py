@@ -1,5 +1,5 @@
 """PNG plots for the serving benchmark (matplotlib, Agg backend). Each function takes runs
-as `bench/serve.py` builds them ({label, rate, summary, requests, stats}) and writes one file."""
+as `bench/serving/serve.py` builds them ({label, rate, summary, requests, stats}) and writes one file."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
 
-from .servestats import request_metrics  # noqa: E402
+from bench.serving.servestats import request_metrics  # noqa: E402
 
 
 def _plain_log(axis) -> None:

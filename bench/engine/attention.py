@@ -1,8 +1,8 @@
 """Attention alone, both backends side by side on the same random paged pool.
 
-    python -m bench.attention [--seqs 32] [--min-ctx 200] [--max-ctx 1000] [--dtype float32] [--reps 5]
-    python -m bench.attention --seqs 1 --min-ctx 512 --max-ctx 512 --chunk 512     # a prefill chunk
-    python -m bench.attention --seqs 8 --min-ctx 1100 --max-ctx 1100 --chunk 1,4,16,64,256   # the crossover
+    python -m bench.engine.attention [--seqs 32] [--min-ctx 200] [--max-ctx 1000] [--dtype float32] [--reps 5]
+    python -m bench.engine.attention --seqs 1 --min-ctx 512 --max-ctx 512 --chunk 512     # a prefill chunk
+    python -m bench.engine.attention --seqs 8 --min-ctx 1100 --max-ctx 1100 --chunk 1,4,16,64,256   # the crossover
 
 SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64, 30 layers), one
 decode token per sequence (or the last `--chunk` tokens of each context as a prefill
@@ -19,13 +19,15 @@ import random
 import statistics
 import time
 
+from engine.config_cli import add_engine_args
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", type=int, default=32)
     ap.add_argument("--min-ctx", type=int, default=200)
     ap.add_argument("--max-ctx", type=int, default=1000)
-    ap.add_argument("--dtype", default="float32")
+    add_engine_args(ap, only=("dtype",))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunk", default="1", help="query tokens per sequence, comma-separated sizes to compare "

@@ -1,5 +1,5 @@
 """The attacks issue 25 added to `bench.isolation` (run like the others, by
-bench/isolation_attacks.py, each in a process of its own): a HEAD flood on /v1/stats,
+bench/isolation/attacks.py, each in a process of its own): a HEAD flood on /v1/stats,
 compressed frame bombs, clients that never read their SSE stream, a flood of keyed
 WebSocket upgrades, and a flood of large bodies from a tenant already over its quota.
 Every wait is bounded; whatever the server answers is the result."""
@@ -14,7 +14,7 @@ import time
 import zlib
 from urllib.parse import urlsplit
 
-from .isolation_client import close_code, connect, raw_post, ws_url
+from bench.isolation.client import close_code, connect, raw_post, ws_url
 
 
 def emit(**msg) -> None:

@@ -1,6 +1,6 @@
 """Quota backends: admission + settlement latency per request, embedded vs Redis.
 
-    python -m bench.quota_backends [--requests 3000] [--rates 0 50 200] [--redis URL]
+    python -m bench.serving.quota_backends [--requests 3000] [--rates 0 50 200] [--redis URL]
 
 On the request path a request pays `await quotas.begin(tenant, estimate)`, `await
 lease.reserve_tokens(tokens)` and `lease.settle(used)`, as the gateway calls them; this
@@ -33,7 +33,7 @@ from pathlib import Path
 from tenants import Ledger, Limits, QuotaManager, Tenant
 from tenants.redis_quota import RedisQuotas
 
-from .redis_server import RedisServer
+from bench.redis_server import RedisServer
 
 TENANT = Tenant("bench", ("0" * 64,), limits=Limits(
     requests_per_minute=10**9, tokens_per_minute=10**12, max_concurrent=10**6, daily_tokens=10**15))

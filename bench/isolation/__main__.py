@@ -1,0 +1,5 @@
+import sys
+
+from bench.isolation.run import main
+
+sys.exit(main())
