@@ -193,7 +193,7 @@ def test_killed_rank_fails_the_stream_and_health_and_sigterm_ends_the_tree(tiny_
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--model", tiny_model("llama-slow"),
                              "--tenants", str(tenants), "--port", str(port), "--drain-grace", "1",
-                             "--tensor-parallel-size", "2", "--tp-timeout", str(TP_TIMEOUT_S),
+                             "--tensor-parallel-size", "2", "--tp-timeout-s", str(TP_TIMEOUT_S),
                              "--attention-backend", "torch"],
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "w"))
     try:
