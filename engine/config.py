@@ -84,6 +84,7 @@ class EngineConfig:
         return self.scheduler_config.priority_preemption
 
 
+assert [f.name for f in fields(EngineConfig)] == list(SECTIONS), "EngineConfig's fields are SECTIONS' keys"
 _SECTION_OF = {f.name: attr for attr, f in EngineConfig.knobs()}
 assert len(_SECTION_OF) == sum(len(fields(c)) for c in SECTIONS.values()), "a field name in two sections"
 for _name, _attr in _SECTION_OF.items():
