@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml bench/pyproject.toml Makefile $(wildcard csrc/*.cpp csr
 # Serve the demo page and the API with the default model and the shipped demo tenants.
 # The priority policy keeps the visitor's chat (class 0) ahead of the page's load (class 2).
 run: setup
-	$(VENV)/bin/streamgate serve --host $(HOST) --port $(PORT) --tenants examples/tenants.toml --policy priority
+	$(VENV)/bin/streamgate serve --host $(HOST) --port $(PORT) --tenants examples/tenants.toml --policy priority --dtype auto
 
 # The browser tests drive Debian's chromium; as root (CI) it is installed when missing,
 # otherwise this stops with the one command to run.
