@@ -162,6 +162,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    skip_special_tokens: bool = True    # False: special tokens' text is output (gpt-oss's harmony markers)
     # -- the OpenAI/vLLM sampling surface (issue 27); the sampler's order is in sampler.py --
     presence_penalty: float = 0.0       # OpenAI: minus this for a token generated at least once
     frequency_penalty: float = 0.0      # OpenAI: minus this times the token's count in the output

@@ -108,7 +108,8 @@ class LLMEngine:
                        eos_token_ids=self.eos_token_ids,
                        weight=weight)
         self.seqs[request_id] = seq
-        self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
+        self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop,
+                                                         params.skip_special_tokens)
         if params.grammar is not None:
             self.grammars.start(seq, self.clock())     # compiles while the prompt prefills
         self.scheduler.add(seq)

@@ -8,6 +8,7 @@ import json
 from .chat_format import ChoiceFormat, chat_logprobs, delta_dict, token_text
 from .prompts import chat_template
 from .streaming import Delta, Done
+from .harmony import is_harmony_template
 from .tool_parsers import parser_for_template
 
 
@@ -16,13 +17,24 @@ class Last(str):
 
 
 def tool_parser(gw) -> str:
-    """`--tool-parser`, else the parser the model's chat template calls for."""
+    """`--tool-parser`, else the parser the model's chat template calls for (harmony for
+    gpt-oss's template, which writes `<|channel|>` headers)."""
     chosen = getattr(gw.settings, "tool_parser", None)
-    return chosen or parser_for_template(chat_template(gw.engine.tokenizer))
+    if chosen:
+        return chosen
+    template = chat_template(gw.engine.tokenizer)
+    return "harmony" if is_harmony_template(template) else parser_for_template(template)
+
+
+def choice_parser(gw, req) -> str | None:
+    """The output parser of a request's choices: the tool parser when tools are on, and
+    harmony always (its channels carry the reasoning and the answer too)."""
+    parser = tool_parser(gw)
+    return parser if parser == "harmony" or req.tools_on else None
 
 
 def _formats(gw, adm) -> list[ChoiceFormat]:
-    parser = tool_parser(gw) if adm.request.tools_on else None
+    parser = choice_parser(gw, adm.request)
     return [ChoiceFormat(adm, parser) for _ in range(adm.request.n)]
 
 

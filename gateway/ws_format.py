@@ -7,7 +7,7 @@ lists every choice's end in `choices` when `n` > 1."""
 
 from __future__ import annotations
 
-from .chat_api import tool_parser
+from .chat_api import choice_parser
 from .chat_format import ChoiceFormat, chat_logprobs, token_text
 from .streaming import Delta, Done
 from .tool_parsers import ToolCallDelta
@@ -17,7 +17,7 @@ class WsFrames:
     def __init__(self, gw, adm, cid):
         req = adm.request
         self.cid, self.n = cid, req.n
-        parser = tool_parser(gw) if req.tools_on else None
+        parser = choice_parser(gw, req)
         self.formats = [ChoiceFormat(adm, parser) for _ in range(req.n)]
         self.tt = token_text(gw) if req.logprobs else None
         self.ended = [False] * req.n
