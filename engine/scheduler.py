@@ -127,6 +127,9 @@ class Scheduler(Preemption):
             c.served.setdefault(seq.tenant or "", [0, 0])[0] += charged
         sampling = batch.sampling_seqs
         for seq, token in zip(sampling, sampled, strict=True):
+            if seq.params.max_tokens == 0:                   # prompt logprobs only: nothing generated
+                self.finish(seq, "length")
+                continue
             seq.output_token_ids.append(token)
             seq.num_billed_tokens = seq.num_tokens           # its position is paid for by the output charge
             self.policy.on_served(seq, 0, 1)
