@@ -42,6 +42,8 @@ class Admission:
     cancelled: bool = False
     billed: int | None = None   # set once the lease is settled
     prompt_text: str | None = None      # the rendered prompt (None: the client sent token ids)
+    prompt_logprobs: list | None = None     # the engine's, when asked (completions' echo + logprobs)
+    prompt_logprobs: list | None = None     # the engine's, when asked (completions' echo + logprobs)
 
 
 class Admitter:
