@@ -185,7 +185,8 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         detok = self.detoks[seq.request_id]
-        text = "" if seq.finish_reason == "stop" else detok.add_token(token)
+        stop_token = seq.finish_reason == "stop" and (token in seq.eos_token_ids or token in seq.params.stop_token_ids)
+        text = "" if stop_token else detok.add_token(token)     # (a grammar's last token is text)
         if detok.stopped:
             if seq.status.finished:
                 seq.finish_reason = "stop"

@@ -137,6 +137,8 @@ class Scheduler(Preemption):
             c.served.setdefault(seq.tenant or "", [0, 0])[1] += 1
             if token in seq.params.stop_token_ids or (token in seq.eos_token_ids and not seq.params.ignore_eos):
                 self.finish(seq, "stop")
+            elif seq.grammar_state is not None and seq.grammar_state.complete:    # (grammar_runtime.py)
+                self.finish(seq, "stop")
             elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
                 self.finish(seq, "length")
         return sampling
