@@ -1,4 +1,4 @@
-"""`/v1/completions` and `/v1/responses` over the WebSocket (docs/PROTOCOL.md 4.6): a
+"""`/v1/completions` and `/v1/responses` over the WebSocket (docs/PROTOCOL.md 4.3.1): a
 `completion.request` or `response.request` frame is admitted like a `chat.request` (same
 admission, quotas, deadlines and billing; `chat.cancel` stops it) and streamed by the SSE
 endpoints' own formatters (completions.completion_chunks, responses.chunks), each SSE
