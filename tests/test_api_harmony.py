@@ -105,3 +105,49 @@ def test_harmony_call_whole_and_streamed_with_the_openai_client(live):
     (call,) = final.message.tool_calls
     assert json.loads(call.function.arguments) == {"city": "Paris <|end"} and call.id.startswith("call_")
     assert engine.params and not any(p.skip_special_tokens for p in engine.params)
+
+
+MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"]
+
+
+@pytest.fixture(scope="module")
+def harmony_tokenizer(tokenizer_dir):
+    """SmolLM2's tokenizer with harmony's markers as special tokens (as they are in gpt-oss's)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_special_tokens({"additional_special_tokens": MARKERS})
+    return tok
+
+
+def test_a_real_tokenizers_stream_keeps_the_markers_only_with_special_tokens(harmony_tokenizer):
+    """Detokenized token by token with special tokens kept, harmony parses as the whole text
+    does; with them skipped (the default) the markers vanish and no call is found."""
+    from engine.detokenizer import IncrementalDetokenizer
+
+    ids = harmony_tokenizer(ANSWER, add_special_tokens=False)["input_ids"]
+    assert all(harmony_tokenizer.convert_tokens_to_ids(m) in ids for m in ("<|channel|>", "<|message|>"))
+
+    def pieces(skip: bool) -> list[str]:
+        d = IncrementalDetokenizer(harmony_tokenizer, [1, 2], skip_special_tokens=skip)
+        return [d.add_token(t) for t in ids] + [d.flush()]
+
+    assert parse(pieces(False)) == parse([ANSWER])
+    assert parse(pieces(True))[2] == []
+
+
+def test_the_engine_keeps_special_tokens_when_asked(tiny_model):
+    """SamplingParams.skip_special_tokens reaches the engine's detokenizer: a special token the
+    bias forces shows in the text only when it is False."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    eng = LLMEngine(EngineConfig(model=tiny_model("llama"), max_num_batched_tokens=64, num_kv_blocks=64))
+    special = eng.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    texts = {}
+    for skip in (True, False):
+        eng.add_request(str(skip), [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0, logit_bias={special: 100},
+                                                              skip_special_tokens=skip))
+        texts[skip] = ""
+        while eng.has_unfinished():
+            texts[skip] += "".join(o.new_text for o in eng.step())
+    assert texts == {True: "", False: "<|im_start|><|im_start|>"}
