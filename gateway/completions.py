@@ -14,7 +14,7 @@ import json
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .chat_api import Last
+from .chat_api import choice_reason, stream_end
 from .chat_format import token_text
 from .sse import serve_openai
 from .streaming import Delta, Done
@@ -72,8 +72,8 @@ def completion_body(gw, adm, deltas: list[Delta], done: Done) -> dict:
     for i in range(req.n):
         logprobs = _Offsets(token_text(gw), len(echo)).block(lps[i]) if req.logprobs is not None else None
         logprobs = _joined(prompt, logprobs)
-        reason = done.finish_reasons[i] if i < len(done.finish_reasons) else done.finish_reason
-        choices.append({"index": i, "text": "".join(texts[i]), "logprobs": logprobs, "finish_reason": reason})
+        choices.append({"index": i, "text": "".join(texts[i]), "logprobs": logprobs,
+                        "finish_reason": choice_reason(done, i)})
     return {"id": adm.request_id, "object": "text_completion", "created": adm.created, "model": adm.model,
             "system_fingerprint": None, "choices": choices, "usage": done.usage.as_dict()}
 
@@ -110,18 +110,10 @@ async def completion_chunks(gw, adm, first, events):
                 if event.finish_reason is not None:
                     finished[event.index] = True
                     yield chunk(event.index, "", event.finish_reason)
-            elif isinstance(event, Done):
-                for i in range(req.n):
-                    if not finished[i]:
-                        yield chunk(i, "", event.finish_reasons[i] if i < len(event.finish_reasons)
-                                    else event.finish_reason)
-                if req.include_usage:
-                    yield json.dumps({**head, "choices": [], "usage": event.usage.as_dict(),
-                                      "timings": event.timings})
-                yield Last("[DONE]")
-                return
             else:
-                yield Last(json.dumps(event.error.body()))
+                for payload in stream_end(head, event, finished, lambda i, reason: chunk(i, "", reason),
+                                          req.include_usage):
+                    yield payload
                 return
             event = await anext(events)
     finally:
