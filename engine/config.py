@@ -237,6 +237,8 @@ class SamplingParams:
                 raise ValueError(f"grammar must be an engine.Grammar or None (got {type(self.grammar).__name__})")
             if self.ignore_eos:
                 raise ValueError("grammar: cannot be combined with ignore_eos (the grammar ends the output with EOS)")
+            if self.max_tokens == 0:
+                raise ValueError("grammar: cannot be combined with max_tokens 0 (nothing is generated)")
             self.grammar.check()
 
 

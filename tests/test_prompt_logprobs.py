@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, Grammar, LLMEngine, SamplingParams
 from tests.models import load_reference
 
 K = 5
@@ -108,7 +108,9 @@ def test_recompute_after_preemption_records_nothing_twice(tiny_model, prompt, re
 @pytest.mark.parametrize("params, field", [
     (dict(prompt_logprobs=21), "prompt_logprobs"), (dict(prompt_logprobs=-1), "prompt_logprobs"),
     (dict(prompt_logprobs=True), "prompt_logprobs"), (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=0, prompt_logprobs=1, grammar=Grammar("json_object")), "grammar"),
 ])
 def test_validation_names_the_field(params, field):
+    """Out-of-range prompt_logprobs, max_tokens 0 without them or with a grammar: refused naming the field."""
     with pytest.raises(ValueError, match=f"^{field}"):
         SamplingParams(**params).validate(100)
