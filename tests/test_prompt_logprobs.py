@@ -114,3 +114,16 @@ def test_validation_names_the_field(params, field):
     """Out-of-range prompt_logprobs, max_tokens 0 without them or with a grammar: refused naming the field."""
     with pytest.raises(ValueError, match=f"^{field}"):
         SamplingParams(**params).validate(100)
+
+
+@pytest.mark.slow
+def test_compiled_runner_with_padding_rows(tiny_model, prompt, reference):
+    """torch.compile with the kernel pads every step with two scratch rows after the kept
+    logits: the prompt rows stay between the sampled rows and the padding."""
+    eng = LLMEngine(EngineConfig(model=tiny_model("llama"), max_num_batched_tokens=64, max_num_seqs=4,
+                                 max_model_len=512, num_kv_blocks=64, compile=True))
+    if not eng.runner.pad_rows:
+        pytest.skip("the paged attention kernel did not build: no padded compiled path")
+    outs = run(eng, {0: [("a", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
+                                                      prompt_logprobs=K))]})
+    check(prompt_logprobs(outs["a"]), prompt, reference)
