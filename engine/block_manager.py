@@ -96,8 +96,8 @@ class BlockManager:
     def _match_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
         """Cached blocks covering a prefix of `seq`. The last token is never served from
         cache: the model must compute at least one position to produce logits."""
-        if not self.enable_prefix_caching:
-            return [], []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return [], []                     # (prompt logprobs need every position's logits)
         bs, ids, hashes, parent = self.block_size, [], [], tenant_salt(seq.tenant)
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.token_ids(i * bs, (i + 1) * bs)

@@ -100,7 +100,7 @@ class SamplingParams:
     reported at admission with the field's name.
     """
 
-    max_tokens: int = 16
+    max_tokens: int = 16                # 0 (with prompt_logprobs): score the prompt, generate nothing
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                      # 0: no top-k cut
@@ -108,6 +108,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    skip_special_tokens: bool = True    # False: special tokens' text is output (gpt-oss's harmony markers)
     # -- the OpenAI/vLLM sampling surface (issue 27); the sampler's order is in sampler.py --
     presence_penalty: float = 0.0       # OpenAI: minus this for a token generated at least once
     frequency_penalty: float = 0.0      # OpenAI: minus this times the token's count in the output
@@ -115,7 +116,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]); a dict is accepted
     min_p: float = 0.0                  # drop tokens below min_p * the most likely token's probability
     logprobs: int | None = None         # None: none; 0: the chosen token's; k <= 20: and the top k
-    prompt_logprobs: int | None = None  # not implemented: validate() refuses anything but None
+    prompt_logprobs: int | None = None  # None: none; k <= 20: each prompt token's and the top k (prompt_logprobs.py)
     grammar: Grammar | None = None      # constrained decoding (engine/grammar.py)
 
     def __post_init__(self) -> None:
@@ -138,8 +139,8 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self, vocab_size: int | None = None) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer (got {self.max_tokens!r})")
+        if not _is_int(self.max_tokens) or self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_tokens must be a positive integer, or 0 with prompt_logprobs (got {self.max_tokens!r})")
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0 (got {self.temperature!r})")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
@@ -173,14 +174,17 @@ class SamplingParams:
             raise ValueError(f"min_p must be a number in [0, 1] (got {self.min_p!r})")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (got {self.logprobs!r})")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by this engine (got "
-                             f"{self.prompt_logprobs!r}; leave it None)")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}] "
+                             f"(got {self.prompt_logprobs!r})")
         if self.grammar is not None:
             if not isinstance(self.grammar, Grammar):
                 raise ValueError(f"grammar must be an engine.Grammar or None (got {type(self.grammar).__name__})")
             if self.ignore_eos:
                 raise ValueError("grammar: cannot be combined with ignore_eos (the grammar ends the output with EOS)")
+            if self.max_tokens == 0:
+                raise ValueError("grammar: cannot be combined with max_tokens 0 (nothing is generated)")
             self.grammar.check()
 
 

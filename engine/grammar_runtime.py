@@ -15,8 +15,10 @@ thread, and each step's token masks for the rows that have one.
 
 The matcher lives on the Sequence (not in the KV cache), so recompute and swap preemption
 leave it as it was; it is also re-derivable from the generated tokens (`_catch_up`).
-EOS is allowed only where the grammar accepts (llguidance's mask); when the output reaches
-max_tokens first, the request ends with finish_reason "length" and its text may not parse.
+EOS is allowed only where the grammar accepts (llguidance's mask); a grammar that allows
+nothing more ends the row with "stop" on its last token (`GrammarState.complete`, checked by
+Scheduler.update, before max_tokens); when the output reaches max_tokens first, the request
+ends with finish_reason "length" and its text may not parse.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ class GrammarState:
             else:
                 self.error = str(exc) if str(exc).startswith("grammar:") else f"grammar: {type(exc).__name__}: {exc}"
         return self.matcher is not None
+
+    @property
+    def complete(self) -> bool:
+        """The output is a whole sentence of the grammar and nothing can extend it (a finite
+        language's last token): the row ends with 'stop' now, not after an EOS step."""
+        return self.matcher is not None and self.error is None and self.matcher.is_stopped()
 
 
 class MaskJob:

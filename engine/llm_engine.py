@@ -24,6 +24,8 @@ from .detokenizer import IncrementalDetokenizer
 from .grammar_runtime import GrammarRuntime
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner
+from .prompt_logprobs import record as record_prompt_logprobs
+from .prompt_logprobs import rows as prompt_logprob_rows
 from .sampler import sample_step
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestOutput, Sequence, SequenceStatus
@@ -108,7 +110,8 @@ class LLMEngine:
                        eos_token_ids=self.eos_token_ids,
                        weight=weight)
         self.seqs[request_id] = seq
-        self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop)
+        self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop,
+                                                         params.skip_special_tokens)
         if params.grammar is not None:
             self.grammars.start(seq, self.clock())     # compiles while the prompt prefills
         self.scheduler.add(seq)
@@ -148,13 +151,19 @@ class LLMEngine:
             self._swapped_bytes += self.runner.swap(batch)
             if not batch.is_empty:
                 masks = self.grammars.masks(batch.sampling_seqs)      # computed during the forward
+                plan = prompt_logprob_rows(batch)
                 logits = self.runner.run(batch)
+                if plan:                                # prompt positions' rows follow the sampled ones
+                    k = len(batch.sampling_seqs)
+                    record_prompt_logprobs(batch, plan, logits[k:])
+                    logits = logits[:k]
                 tokens, logprobs = sample_step(logits, batch.sampling_seqs, masks and masks.result(logits.device))
                 self.grammars.advance(batch.sampling_seqs, tokens)
                 now = self.clock()
                 for j, seq in enumerate(self.scheduler.update(batch, tokens)):
                     outputs.append(self._emit(seq, now))
-                    outputs[-1].logprobs = None if logprobs is None or logprobs[j] is None else [logprobs[j]]
+                    if logprobs is not None and logprobs[j] is not None and outputs[-1].new_token_ids:
+                        outputs[-1].logprobs = [logprobs[j]]
             elif self.grammars.pending:
                 self.grammars.wait(0.01)        # nothing to run but compiles: do not spin
         except Exception as exc:                        # fail this batch, keep serving the rest
@@ -169,20 +178,25 @@ class LLMEngine:
     def _emit(self, seq: Sequence, now: float) -> RequestOutput:
         """The output for the token `seq` just sampled: its text (none for a stop token),
         ending the request here if a stop string appeared (which outranks 'length')."""
+        if seq.params.max_tokens == 0:                  # prompt logprobs only: finished, no token
+            return self._retire(seq)
         token = seq.output_token_ids[-1]
         self.metrics.on_token(seq, now)
         if seq.first_token_time is None:
             seq.first_token_time = now
         detok = self.detoks[seq.request_id]
-        text = "" if seq.finish_reason == "stop" else detok.add_token(token)
+        stop_token = seq.finish_reason == "stop" and (token in seq.eos_token_ids or token in seq.params.stop_token_ids)
+        text = "" if stop_token else detok.add_token(token)     # (a grammar's last token is text)
         if detok.stopped:
             if seq.status.finished:
                 seq.finish_reason = "stop"
             else:
                 self.scheduler.finish(seq, "stop")
-        if seq.status.finished:
-            text += self._retire(seq).new_text
-        return self._output(seq, [token], text)
+        retired = self._retire(seq) if seq.status.finished else None
+        out = self._output(seq, [token], text + (retired.new_text if retired else ""))
+        if retired is not None and retired.prompt_logprobs is not None:
+            out.prompt_logprobs = retired.prompt_logprobs            # (taken by the retiring output)
+        return out
 
     def _fail(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         outputs = []
@@ -210,9 +224,13 @@ class LLMEngine:
     def _output(self, seq: Sequence, new_token_ids: list[int], text: str) -> RequestOutput:
         done = seq.status is SequenceStatus.FINISHED
         queued = None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time
-        return RequestOutput(seq.request_id, new_token_ids, text, done, seq.finish_reason if done else None,
-                             seq.num_prompt_tokens, seq.num_output_tokens, queue_time_s=queued,
-                             num_computed_prompt_tokens=min(seq.num_computed_tokens, seq.num_prompt_tokens))
+        out = RequestOutput(seq.request_id, new_token_ids, text, done, seq.finish_reason if done else None,
+                            seq.num_prompt_tokens, seq.num_output_tokens, queue_time_s=queued,
+                            num_computed_prompt_tokens=min(seq.num_computed_tokens, seq.num_prompt_tokens))
+        lps = seq.prompt_logprobs
+        if lps is not None and not seq.prompt_logprobs_sent and len(lps) == seq.num_prompt_tokens:
+            out.prompt_logprobs, seq.prompt_logprobs_sent = lps, True
+        return out
 
     # -- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:

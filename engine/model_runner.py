@@ -20,6 +20,7 @@ from .kv_cache import PagedKVCache
 from .threads import ThreadTuner
 from .models import load_model
 from .packed_linear import maybe_pack
+from .prompt_logprobs import rows as prompt_logprob_rows
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger("streamgate.engine")
@@ -180,8 +181,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> torch.Tensor:
-        """Returns float32 logits [num_sampling_rows, V], one row per sequence that
-        reaches its last token this step, in batch order."""
+        """Returns float32 logits [num_sampling_rows + P, V]: one row per sequence that
+        reaches its last token this step, in batch order, then the P rows of prompt
+        positions whose prompt logprobs are asked (prompt_logprobs.rows; P is 0 unless a
+        request asked)."""
         if self.graphs is not None and self.graphs.accepts(batch):
             start = time.perf_counter()
             logits = self.graphs.run(batch)
@@ -226,8 +229,10 @@ class ModelRunner:
         dec_lens: list[int] = []
         prefills: list[tuple[int, int, int, list[int]]] = []       # (row, start_pos, n, block table)
         kernel: list[tuple[int, int, list[int]]] = []               # (context, new tokens, table) for the kernel
+        entry_rows: list[int] = []
         for seq, n, samples, is_decode in zip(batch.seqs, batch.num_new_tokens, batch.samples, batch.is_decode):
             start, row, table = seq.num_computed_tokens, len(ids), seq.block_table
+            entry_rows.append(row)
             ids.extend(seq.token_ids(start, start + n))
             pos.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -247,6 +252,7 @@ class ModelRunner:
                 dec_lens.append(start + 1)
             else:
                 prefills.append((row, start, n, table))
+        sample_rows += [entry_rows[i] + off + j for i, off, count in prompt_logprob_rows(batch) for j in range(count)]
         if self.pad_rows:
             meta = self._pad(ids, pos, slots, sample_rows, kernel)
         else:

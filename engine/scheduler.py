@@ -127,12 +127,17 @@ class Scheduler(Preemption):
             c.served.setdefault(seq.tenant or "", [0, 0])[0] += charged
         sampling = batch.sampling_seqs
         for seq, token in zip(sampling, sampled, strict=True):
+            if seq.params.max_tokens == 0:                   # prompt logprobs only: nothing generated
+                self.finish(seq, "length")
+                continue
             seq.output_token_ids.append(token)
             seq.num_billed_tokens = seq.num_tokens           # its position is paid for by the output charge
             self.policy.on_served(seq, 0, 1)
             c.generation_tokens += 1
             c.served.setdefault(seq.tenant or "", [0, 0])[1] += 1
             if token in seq.params.stop_token_ids or (token in seq.eos_token_ids and not seq.params.ignore_eos):
+                self.finish(seq, "stop")
+            elif seq.grammar_state is not None and seq.grammar_state.complete:    # (grammar_runtime.py)
                 self.finish(seq, "stop")
             elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
                 self.finish(seq, "length")

@@ -64,6 +64,10 @@ class Sequence:
         # Constrained decoding: the llguidance matcher and its compile (grammar_runtime.py).
         # It lives here, not in the KV cache, so preemption (recompute or swap) keeps it.
         self.grammar_state = None
+        # Prompt logprobs (prompt_logprobs.py): [None] then one per prompt token as its
+        # prefill computes them; handed out once, with the first output (`_sent`).
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None if params.prompt_logprobs is None else [None]
+        self.prompt_logprobs_sent = False
 
     # -- derived values ---------------------------------------------------------------
     @property
@@ -139,7 +143,9 @@ class RequestOutput:
     queue_time_s: float | None = None   # arrival to first scheduled; set once it is known
     num_computed_prompt_tokens: int = 0   # prompt tokens whose KV the engine holds (billing)
     logprobs: list[TokenLogprob] | None = None   # aligned with new_token_ids when params.logprobs is set
-    prompt_logprobs: list[TokenLogprob | None] | None = None   # reserved (SamplingParams.prompt_logprobs)
+    # SamplingParams.prompt_logprobs: one per prompt token (None for the first), on the
+    # request's first output (with its first token, or its only one when max_tokens is 0)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def merge(self, later: "RequestOutput") -> "RequestOutput":
         """Fold a later output into this one (for consumers that fall behind)."""

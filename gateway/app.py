@@ -27,6 +27,7 @@ from engine import EngineConfig
 from tenants import Ledger, QuotaBackend, QuotaManager, Registry
 
 from .auth import authenticate, bearer_key
+from .chat_api import tool_parser
 from .completions import completions
 from .deadline import WriteDeadline
 from .errors import GatewayError, InternalError, TooManyConnections
@@ -97,7 +98,7 @@ class GatewaySettings:
     drain_grace_s: float = 30.0
     keepalive_s: float = 15.0
     default_max_tokens: int = 1024          # when neither the request nor the tenant sets one
-    tool_parser: str | None = None          # hermes | llama3_json | mistral; None: from the chat template
+    tool_parser: str | None = None          # hermes | llama3_json | mistral | harmony; None: from the chat template
     metrics_token: str | None = None        # /metrics for callers presenting it; None: loopback clients only
     allowed_hosts: tuple[str, ...] = ()     # Host names answered (DNS rebinding); (): any (serve sets loopback's)
 
@@ -174,6 +175,7 @@ class Gateway:
             if not self.engine.ready:
                 await self.engine.start()
             await asyncio.to_thread(self.chat.on_engine_started)
+            self.chat.admitter.keep_special_tokens = tool_parser(self) == "harmony"
             self.chat.ready = True
             log.info("engine.ready", model=self.chat.model_name, max_model_len=self.chat.max_model_len)
         except Exception as exc:

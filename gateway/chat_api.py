@@ -8,6 +8,7 @@ import json
 from .chat_format import ChoiceFormat, chat_logprobs, delta_dict, token_text
 from .prompts import chat_template
 from .streaming import Delta, Done
+from .harmony import is_harmony_template
 from .tool_parsers import parser_for_template
 
 
@@ -15,14 +16,43 @@ class Last(str):
     """A stream's last payload (`[DONE]`, or the error event that ends it)."""
 
 
+def choice_reason(done: Done, i: int) -> str:
+    """Choice i's finish reason (the request's when the engine gave none per choice)."""
+    return done.finish_reasons[i] if i < len(done.finish_reasons) else done.finish_reason
+
+
+def stream_end(head: dict, event, finished: list[bool], finish, usage_on: bool) -> list[str]:
+    """The SSE payloads that end a chat or completions stream at its terminal event: each
+    unfinished choice's `finish(i, reason)` chunk, the usage chunk when asked, `[DONE]`; or,
+    for a failure, the error event (terminal: no `[DONE]` after it)."""
+    if not isinstance(event, Done):
+        return [Last(json.dumps(event.error.body()))]
+    out = [finish(i, choice_reason(event, i)) for i in range(len(finished)) if not finished[i]]
+    if usage_on:
+        out.append(json.dumps({**head, "choices": [], "usage": event.usage.as_dict(),
+                               "timings": event.timings}))          # a streamgate extension
+    return out + [Last("[DONE]")]
+
+
 def tool_parser(gw) -> str:
-    """`--tool-parser`, else the parser the model's chat template calls for."""
+    """`--tool-parser`, else the parser the model's chat template calls for (harmony for
+    gpt-oss's template, which writes `<|channel|>` headers)."""
     chosen = getattr(gw.settings, "tool_parser", None)
-    return chosen or parser_for_template(chat_template(gw.engine.tokenizer))
+    if chosen:
+        return chosen
+    template = chat_template(gw.engine.tokenizer)
+    return "harmony" if is_harmony_template(template) else parser_for_template(template)
+
+
+def choice_parser(gw, req) -> str | None:
+    """The output parser of a request's choices: the tool parser when tools are on, and
+    harmony always (its channels carry the reasoning and the answer too)."""
+    parser = tool_parser(gw)
+    return parser if parser == "harmony" or req.tools_on else None
 
 
 def _formats(gw, adm) -> list[ChoiceFormat]:
-    parser = tool_parser(gw) if adm.request.tools_on else None
+    parser = choice_parser(gw, adm.request)
     return [ChoiceFormat(adm, parser) for _ in range(adm.request.n)]
 
 
@@ -36,7 +66,7 @@ def chat_body(gw, adm, deltas: list[Delta], done: Done) -> dict:
     result = []
     for i, f in enumerate(formats):
         f.finish()
-        reason = done.finish_reasons[i] if i < len(done.finish_reasons) else done.finish_reason
+        reason = choice_reason(done, i)
         result.append({"index": i, "message": f.message(),
                        "logprobs": {"content": f.logprobs, "refusal": None} if tt is not None else None,
                        "finish_reason": f.finish_reason(reason)})
@@ -84,18 +114,9 @@ async def chat_chunks(gw, adm, first, events):
                     yield chunk(i, delta, num_tokens=event.num_tokens, logprobs=lps)
                 if event.finish_reason is not None:
                     yield finish(i, event.finish_reason)
-            elif isinstance(event, Done):
-                for i in range(req.n):
-                    if not finished[i]:
-                        reason = event.finish_reasons[i] if i < len(event.finish_reasons) else event.finish_reason
-                        yield finish(i, reason)
-                if usage_on:
-                    yield json.dumps({**head, "choices": [], "usage": event.usage.as_dict(),
-                                      "timings": event.timings})      # a streamgate extension
-                yield Last("[DONE]")
-                return
             else:
-                yield Last(json.dumps(event.error.body()))
+                for payload in stream_end(head, event, finished, finish, usage_on):
+                    yield payload
                 return
             event = await anext(events)
     finally:

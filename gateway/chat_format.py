@@ -6,6 +6,7 @@ ws_format.py, Responses events in responses.py)."""
 
 from __future__ import annotations
 
+from .harmony import HarmonyParser
 from .prompts import starts_in_reasoning
 from .reasoning import ReasoningSplitter
 from .tool_parsers import ToolCallDelta, ToolCallParser
@@ -79,10 +80,13 @@ class ChoiceFormat:
 
     def __init__(self, adm, parser: str | None):
         req = adm.request
-        self.reasoning = ReasoningSplitter(starts_in_reasoning(adm.prompt_text)) \
-            if getattr(req, "separate_reasoning", False) else None
+        self.separate = getattr(req, "separate_reasoning", False)
+        self.reasoning = ReasoningSplitter(starts_in_reasoning(adm.prompt_text)) if self.separate else None
         forced = getattr(req, "forced_tool", None)
-        if forced == "required":
+        self.harmony = HarmonyParser() if parser == "harmony" and forced is None else None
+        if self.harmony is not None:
+            self.reasoning = self.tools = None
+        elif forced == "required":
             self.tools = ToolCallParser("required")
         elif forced is not None:
             self.tools = ToolCallParser("named", forced)
@@ -96,12 +100,29 @@ class ChoiceFormat:
         self.logprobs: list[dict] = []
 
     def feed(self, text: str) -> list:
+        if self.harmony is not None:
+            return self._record(self.harmony.feed(text))
         reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
         return self._pieces(reasoning, content, final=False)
 
     def finish(self) -> list:
+        if self.harmony is not None:
+            return self._record(self.harmony.finish())
         reasoning, content = self.reasoning.finish() if self.reasoning else ("", "")
         return self._pieces(reasoning, content, final=True)
+
+    def _record(self, items: list) -> list:
+        """Harmony's pieces, kept for `message()` (reasoning inline when not separated)."""
+        out: list = []
+        for item in items:
+            if isinstance(item, tuple) and item[0] == "reasoning":
+                if self.separate:
+                    self.reasoning_text.append(item[1])
+                    out.append(item)
+                    continue
+                item = item[1]
+            out += self._items([item[1] if isinstance(item, tuple) else item])
+        return out
 
     def _pieces(self, reasoning: str, content: str, *, final: bool) -> list:
         pieces: list = []
@@ -111,6 +132,11 @@ class ChoiceFormat:
         items = [] if not content else self.tools.feed(content) if self.tools else [content]
         if final and self.tools:
             items += self.tools.finish()
+        return pieces + self._items(items)
+
+    def _items(self, items: list) -> list:
+        """Content strings and ToolCallDeltas as pieces, accumulated."""
+        pieces: list = []
         for item in items:
             if isinstance(item, str):
                 if item:

@@ -21,7 +21,7 @@ def limit_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--ws-idle-timeout", type=float, default=300.0,
                    help="seconds a WebSocket may stay open with no frame and nothing running")
     p.add_argument("--tokenize-workers", type=int, default=2, help="threads for chat templates and tokenizing")
-    p.add_argument("--tool-parser", choices=("hermes", "llama3_json", "mistral"), default=None,
+    p.add_argument("--tool-parser", choices=("hermes", "llama3_json", "mistral", "harmony"), default=None,
                    help="how tool calls are read from the model's output (default: from its chat template)")
     p.add_argument("--limit-concurrency", type=int, default=None,
                    help="uvicorn: connections + tasks past which new ones get 503 (default: no limit)")

@@ -13,7 +13,7 @@ from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .chat_api import tool_parser
+from .chat_api import choice_parser
 from .chat_format import ChoiceFormat
 from .errors import BadRequest
 from .responses_input import Refused, ResponsesRequest, chat_body
@@ -83,7 +83,7 @@ def _message_item(item_id: str, text: str, status: str) -> dict:
 
 def whole(holder: dict):
     def body(gw, adm, deltas: list[Delta], done: Done) -> dict:
-        fmt = ChoiceFormat(adm, tool_parser(gw) if adm.request.tools_on else None)
+        fmt = ChoiceFormat(adm, choice_parser(gw, adm.request))
         for d in deltas:
             fmt.feed(d.text)
         fmt.finish()
@@ -174,7 +174,7 @@ def chunks(holder: dict):
     async def stream(gw, adm, first, events):
         req, ev = holder["request"], _Events()
         rid = "resp_" + adm.request_id.split("-", 1)[-1]
-        fmt = ChoiceFormat(adm, tool_parser(gw) if adm.request.tools_on else None)
+        fmt = ChoiceFormat(adm, choice_parser(gw, adm.request))
         try:
             yield ev.event("response.created", response=_response(adm, req, rid, "in_progress", [], None))
             yield ev.event("response.in_progress", response=_response(adm, req, rid, "in_progress", [], None))

@@ -57,7 +57,7 @@ class SamplingFields(BaseModel):
 
     @field_validator("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "priority",
                      "deadline_ms", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                     mode="before", check_fields=False)
+                     "max_completion_tokens", "top_logprobs", "best_of", mode="before", check_fields=False)
     @classmethod
     def _not_a_boolean(cls, v):
         if isinstance(v, bool):        # pydantic would read true as 1
@@ -110,13 +110,6 @@ class ChatRequest(SamplingFields):
     functions: list | None = None
     function_call: object = None
 
-    @field_validator("max_completion_tokens", "top_logprobs", mode="before")
-    @classmethod
-    def _not_a_bool(cls, v):
-        if isinstance(v, bool):
-            raise ValueError("must be a number, not a boolean")
-        return v
-
     @model_validator(mode="after")
     def _unsupported(self):
         for name in ("functions", "function_call"):
@@ -163,6 +156,7 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     default_max_tokens: ClassVar[int] = 16          # OpenAI's default here, clamped to the tenant's cap
+    max_tokens: int | None = Field(default=None, ge=0, lt=2**31)     # 0 with echo: score the prompt only
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
@@ -179,9 +173,9 @@ class CompletionRequest(SamplingFields):
             raise ValueError("the prompt is empty")
         return v
 
-    @field_validator("logprobs", "best_of", mode="before")
+    @field_validator("logprobs", mode="before")
     @classmethod
-    def _not_a_bool(cls, v):
+    def _not_a_bool(cls, v):            # (chat's logprobs is a boolean: not in the shared validator)
         if isinstance(v, bool):
             raise ValueError("must be a number, not a boolean")
         return v
@@ -192,9 +186,9 @@ class CompletionRequest(SamplingFields):
             raise _Unsupported("best_of", "best_of is not supported (only equal to n)")
         if self.suffix is not None and isinstance(self.prompt, list):
             raise _Unsupported("suffix", "suffix needs a text prompt")
-        if self.echo and self.logprobs is not None:
-            raise _Unsupported("echo", "echo with logprobs needs the prompt's logprobs, which the engine does not "
-                                       "compute; send echo or logprobs, not both")
+        if self.max_tokens == 0 and not self.echo:
+            raise _Unsupported("max_tokens", "max_tokens 0 needs echo: true (the prompt echoed, and scored with "
+                                             "logprobs, nothing generated)")
         return self
 
     @property
@@ -204,6 +198,14 @@ class CompletionRequest(SamplingFields):
     @property
     def num_top_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """The engine's prompt_logprobs: echo with logprobs scores the prompt (max_tokens 0
+        alone needs them too: the engine generates nothing only for a scored prompt)."""
+        if self.echo and self.logprobs is not None:
+            return self.logprobs
+        return 0 if self.max_tokens == 0 else None
 
     @property
     def forced_tool(self) -> None:

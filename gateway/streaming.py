@@ -174,6 +174,8 @@ class ChatService:
                                     held[index] = (held[index] or []) + list(out.logprobs)
                             if out.queue_time_s is not None:
                                 queued_s = out.queue_time_s
+                            if out.prompt_logprobs is not None:
+                                adm.prompt_logprobs = out.prompt_logprobs
                             if out.finished:
                                 finishes[index] = out.finish_reason
                             if out.new_text or (out.finished and (unsent[index] or adm.request.n > 1)):

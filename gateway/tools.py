@@ -137,9 +137,12 @@ def format_grammar(fmt) -> Grammar | None:
     return Grammar("json_schema", json.dumps(closed(fmt.json_schema.schema_)))
 
 
-def sampling_params(req, max_tokens: int, grammar: Grammar | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(req, max_tokens: int, grammar: Grammar | None, logprobs: int | None,
+                    skip_special_tokens: bool = True) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                           seed=req.seed, stop=tuple(req.stop or ()), ignore_eos=req.ignore_eos,
+                          skip_special_tokens=skip_special_tokens,
+                          prompt_logprobs=getattr(req, "num_prompt_logprobs", None),
                           presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                           repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias_pairs,
                           min_p=req.min_p, logprobs=logprobs, grammar=grammar)

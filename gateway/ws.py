@@ -26,6 +26,8 @@ from .schemas import timeout_from_field
 from .sse import parse_json, refuse_lone_surrogates
 from .streaming import Delta, Done
 from .ws_format import WsFrames
+from .ws_openai import KINDS as OPENAI_KINDS
+from .ws_openai import admission_body, stream as stream_openai
 from .ws_socket import Socket, State, _Gone, origin_allowed
 
 log = structlog.get_logger("streamgate.ws")
@@ -156,6 +158,8 @@ class Connection(Socket):
             return await self.close(PolicyViolation("authenticate first: send {\"type\": \"auth\", \"api_key\": ...}"))
         if kind == "chat.request":
             return await self._chat(msg)
+        if isinstance(kind, str) and kind.endswith(".request") and kind[:-len(".request")] in OPENAI_KINDS:
+            return await self._chat(msg, kind[:-len(".request")])       # completions, responses: ws_openai.py
         if kind == "chat.cancel":
             entry = self.streams.get(_key(cid)) if cid is not None else None
             if entry is not None:
@@ -167,11 +171,11 @@ class Connection(Socket):
             return self._unsubscribe()
         await self.send_error(cid, BadRequest(f"type: unknown message type {str(kind)[:40]!r}", param="type"))
 
-    async def _chat(self, msg: dict) -> None:
+    async def _chat(self, msg: dict, kind: str = "chat") -> None:
         cid = msg.get("id")
         if not valid_id(cid):
             return await self.send_error(None, BadRequest(
-                f"id: a chat.request needs an id: a printable string of 1-{MAX_ID_CHARS} characters or an integer",
+                f"id: a {kind}.request needs an id: a printable string of 1-{MAX_ID_CHARS} characters or an integer",
                 param="id"))
         if _key(cid) in self.streams:
             return await self.send_error(cid, BadRequest(f"id: request {cid!r} is still running on this socket",
@@ -185,14 +189,16 @@ class Connection(Socket):
         try:
             refuse_lone_surrogates(body)
             timeout_s = timeout_from_field(msg.get("timeout_s"))
-            adm = await self.gw.chat.admit(self.tenant, body, transport="ws", timeout_s=timeout_s)
+            admit_kind, body, formatter = ("chat", body, None) if kind == "chat" else admission_body(kind, body)
+            adm = await self.gw.chat.admit(self.tenant, body, transport="ws", timeout_s=timeout_s, kind=admit_kind)
         except GatewayError as exc:
             return await self.send_error(cid, exc)
         finally:
             self.admitting -= 1
         if self.state is State.CLOSED:      # the socket closed while the prompt was tokenized
             return self.gw.chat.release(adm)
-        self.streams[_key(cid)] = (adm, asyncio.ensure_future(self._stream(cid, adm)))
+        run = self._stream(cid, adm) if formatter is None else stream_openai(self, cid, adm, kind, formatter)
+        self.streams[_key(cid)] = (adm, asyncio.ensure_future(run))
 
     async def _stream(self, cid, adm: Admission) -> None:
         events = self.gw.chat.run(adm)

@@ -7,7 +7,7 @@ lists every choice's end in `choices` when `n` > 1."""
 
 from __future__ import annotations
 
-from .chat_api import tool_parser
+from .chat_api import choice_parser, choice_reason
 from .chat_format import ChoiceFormat, chat_logprobs, token_text
 from .streaming import Delta, Done
 from .tool_parsers import ToolCallDelta
@@ -17,7 +17,7 @@ class WsFrames:
     def __init__(self, gw, adm, cid):
         req = adm.request
         self.cid, self.n = cid, req.n
-        parser = tool_parser(gw) if req.tools_on else None
+        parser = choice_parser(gw, req)
         self.formats = [ChoiceFormat(adm, parser) for _ in range(req.n)]
         self.tt = token_text(gw) if req.logprobs else None
         self.ended = [False] * req.n
@@ -36,16 +36,14 @@ class WsFrames:
         frames = []
         for i in range(self.n):
             if not self.ended[i]:
-                reason = event.finish_reasons[i] if i < len(event.finish_reasons) else event.finish_reason
-                frames += self._end(i, reason)
+                frames += self._end(i, choice_reason(event, i))
         fmt = self.formats[0]
-        reason0 = event.finish_reasons[0] if event.finish_reasons else event.finish_reason
+        reason0 = choice_reason(event, 0)
         done = {"type": "chat.done", "id": self.cid, "finish_reason": fmt.finish_reason(reason0),
                 "usage": event.usage.as_dict(), "timings": event.timings}
         if self.n > 1:
-            done["choices"] = [{"index": i, "finish_reason": f.finish_reason(
-                event.finish_reasons[i] if i < len(event.finish_reasons) else event.finish_reason)}
-                for i, f in enumerate(self.formats)]
+            done["choices"] = [{"index": i, "finish_reason": f.finish_reason(choice_reason(event, i))}
+                                for i, f in enumerate(self.formats)]
         return frames + [done]
 
     def _frame(self, index: int, pieces: list, num_tokens: int) -> dict:

@@ -9,8 +9,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import torch
 
 from tests.live import KEYS, serve, tenants
+from tests.models import load_reference
 
 TOOL = {"type": "function", "name": "get_weather", "description": "weather for a city", "strict": True,
         "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
@@ -58,10 +60,11 @@ def test_completions_stream_and_legacy_logprobs(live):
 
 
 def test_completions_refusals_name_the_field(live):
-    """suffix without FIM tokens, a batch of prompts and echo with logprobs are 400s naming the field."""
+    """suffix without FIM tokens, a batch of prompts and max_tokens 0 without echo are 400s naming the field."""
     c = client(live)
     for kwargs, param in [({"suffix": "end"}, "suffix"), ({"prompt": ["a", "b"]}, "prompt"),
-                          ({"echo": True, "logprobs": 1}, "echo")]:
+                          ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 0, "echo": True, "logprobs": 21},
+                                                               "logprobs")]:
         with pytest.raises(openai.BadRequestError) as exc:
             c.completions.create(**{"model": "tiny", "prompt": "x", "max_tokens": 2, **kwargs})
         assert exc.value.param == param, kwargs
@@ -147,3 +150,47 @@ def test_completions_default_to_16_tokens_within_the_tenant_cap(live):
     r = httpx.post(f"{live.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEYS['other']}"},
                    timeout=60)      # "other" may ask for at most 8
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+
+
+PROMPT = "The capital of France is Paris, and the capital of Norway is"
+
+
+def check_prompt_logprobs(lp, ids: list[int], reference: torch.Tensor, k: int) -> None:
+    """The echoed prompt's entries: null first, then HF's log-softmax of the token before (fp32 tolerance)."""
+    assert "".join(lp.tokens[:len(ids)]) == PROMPT
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    for p in range(1, len(ids)):
+        row = reference[p - 1]
+        assert lp.token_logprobs[p] == pytest.approx(row[ids[p]].item(), abs=1e-4)
+        top = lp.top_logprobs[p]
+        assert 0 < len(top) <= k and max(top.values()) == pytest.approx(row.max().item(), abs=1e-4)
+        assert lp.text_offset[p] == len("".join(lp.tokens[:p]))
+
+
+def test_completions_echo_with_logprobs_scores_the_prompt(live, tiny_model):
+    """lm-eval's loglikelihood request (echo, logprobs 5, max_tokens 0 or 1) through the openai
+    client: the prompt's logprobs equal HF's forward over it; max_tokens 0 generates nothing and
+    bills no completion token; streamed, the echo chunk carries them."""
+    c = client(live)
+    ids = live.gateway.engine.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    with torch.inference_mode():
+        reference = load_reference(tiny_model("llama"))(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    zero = c.completions.create(model="tiny", prompt=PROMPT, echo=True, logprobs=5, max_tokens=0)
+    choice = zero.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length" and zero.usage.completion_tokens == 0
+    assert len(choice.logprobs.tokens) == len(ids)
+    check_prompt_logprobs(choice.logprobs, ids, reference, 5)
+    one = c.completions.create(model="tiny", prompt=PROMPT, echo=True, logprobs=5, max_tokens=1, temperature=0,
+                               extra_body={"ignore_eos": True})
+    lp = one.choices[0].logprobs
+    check_prompt_logprobs(lp, ids, reference, 5)
+    assert len(lp.tokens) == len(ids) + 1 and one.usage.completion_tokens == 1
+    assert lp.token_logprobs[-1] == pytest.approx(reference[-1].max().item(), abs=1e-4)     # greedy
+    assert one.choices[0].text == PROMPT + lp.tokens[-1] and lp.text_offset[-1] == len(PROMPT)
+    chunks = [ch for ch in c.completions.create(model="tiny", prompt=PROMPT, echo=True, logprobs=5, max_tokens=0,
+                                                 stream=True) if ch.choices]
+    assert chunks[0].choices[0].text == PROMPT
+    check_prompt_logprobs(chunks[0].choices[0].logprobs, ids, reference, 5)
+    assert "".join(ch.choices[0].text for ch in chunks) == PROMPT and chunks[-1].choices[0].finish_reason == "length"
+    plain = c.completions.create(model="tiny", prompt=PROMPT, echo=True, max_tokens=0)
+    assert plain.choices[0].text == PROMPT and plain.choices[0].logprobs is None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from gateway.admission import Tokenizers
+from gateway.tokenize import Tokenizers
 
 
 def test_control_token_text_in_a_message_is_not_a_control_token(tokenizer_dir):

@@ -153,6 +153,19 @@ def test_eos_is_only_allowed_where_the_grammar_accepts(engine):
     assert res["short"]["finals"] == ["length"] and re.fullmatch("[a-z]{1,45}", res["short"]["text"])
 
 
+def test_a_finished_language_ends_with_stop_on_its_last_token(engine):
+    """A finite language ('yes' or 'no'): the row ends with 'stop' on the token that completes
+    it, with no EOS step after it, even when that token is the max_tokens-th."""
+    g = Grammar("regex", "(yes|no)")
+    engine.add_request("free", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0.0, grammar=g))
+    free = drain(engine)["free"]
+    assert free["finals"] == ["stop"] and free["text"] in ("yes", "no")
+    assert not set(free["tokens"]) & engine.eos_token_ids
+    engine.add_request("tight", [1, 2, 3], SamplingParams(max_tokens=len(free["tokens"]), temperature=0.0, grammar=g))
+    tight = drain(engine)["tight"]
+    assert tight["finals"] == ["stop"] and tight["text"] == free["text"]
+
+
 def block_compiles(engine) -> threading.Event:
     """Holds the compile thread until the returned event is set (the tokenizer is built first)."""
     engine.grammars._lltokenizer()
@@ -299,7 +312,7 @@ def test_grammar_rows_under_preemption_equal_an_unpreempted_run(tiny_model, mode
     for reqs in arrivals.values():
         for rid, _, params in reqs:
             if params.grammar is not None and params.grammar.kind == "json_schema":
-                jsonschema.validate(json.loads(tok.decode(got[rid][:-1])), PRE_SCHEMA)
+                jsonschema.validate(json.loads(tok.decode(got[rid], skip_special_tokens=True)), PRE_SCHEMA)
     assert stats["kv_blocks_used"] == 0
 
 

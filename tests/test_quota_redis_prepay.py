@@ -141,7 +141,7 @@ def test_the_gateway_estimate_covers_the_rendered_prompt(tokenizer_dir):
     is at least the prompt's real token count, for ASCII, non-ASCII and system messages."""
     from transformers import AutoTokenizer
 
-    from gateway.admission import Tokenizers
+    from gateway.tokenize import Tokenizers
     from gateway.schemas import parse_chat_request
 
     tokenizers = Tokenizers(AutoTokenizer.from_pretrained(tokenizer_dir), workers=1)

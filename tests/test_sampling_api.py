@@ -220,7 +220,7 @@ def test_plain_greedy_rows_keep_parity_beside_processed_rows(engine, tiny_model)
     (dict(logprobs=21), "logprobs"),
     (dict(logprobs=-1), "logprobs"),
     (dict(logprobs=True), "logprobs"),
-    (dict(prompt_logprobs=0), "prompt_logprobs"),
+    (dict(prompt_logprobs=21), "prompt_logprobs"),
     (dict(grammar="{}"), "grammar"),
 ])
 def test_bad_sampling_fields_are_refused_naming_the_field(engine, kwargs, field):
