@@ -98,10 +98,8 @@ E2E_MODULES = {
     "test_gateway_http", "test_gateway_isolation", "test_gateway_lifecycle", "test_gateway_quota",
     "test_gateway_ws", "test_bench_serve", "test_bench_isolation", "test_bench_peers",
     "test_bench_pooled",
-    # on branches not yet merged on 2026-12-01 (api-gateway, hardening), classified by what they
-    # start (tests.live.serve), not timed: time them after the merge
     "test_api_chat", "test_api_clients", "test_api_endpoints", "test_api_reasoning", "test_api_ws",
-    "test_gateway_hardening", "test_ledger_fails_closed",
+    "test_api_harmony", "test_gateway_hardening", "test_ledger_fails_closed",
 }
 SLOW_MODULES = E2E_MODULES | {
     "test_bench",                                               # bench.engine.offline / bench.engine.gemm subprocesses
@@ -109,9 +107,8 @@ SLOW_MODULES = E2E_MODULES | {
     "test_tp",                                                  # tensor-parallel ranks (processes)
     "test_parity", "test_fair_seats", "test_compile", "test_fused_llama",         # parity matrix
     "test_pressure", "test_async_engine",                       # hundreds of steps on tiny models
-    # not yet merged on 2026-12-01, not timed: redis-server (hardening); parity per family under
-    # preemption (families); a hypothesis property over grammars on the engine (api-engine)
-    "test_quota_redis_idempotent", "test_families", "test_grammar",
+    "test_quota_redis_idempotent",                              # redis-server
+    "test_families", "test_grammar",            # parity per family under preemption; grammar property
 }
 # Single tests of otherwise fast (or slow) modules, by function name (every parametrization).
 E2E_TESTS = {"test_tp": ("test_killed_rank_fails_the_stream_and_health_and_sigterm_ends_the_tree",)}
