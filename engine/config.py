@@ -76,6 +76,12 @@ class EngineConfig:
     tp_timeout_s: float = 30.0            # a collective (or a silent rank) failing past this fails the engine
     # -- int8 weight-only linears (issue 29, engine/quantization.py): None or "int8"; CPU, eager, one process
     quantization: str | None = None
+    # -- speculative decoding without a draft model (issue 29 item 3, engine/speculative.py) ---------
+    # n-gram / prompt-lookup proposals from each sequence's own tokens, verified in the step.
+    num_speculative_tokens: int = 0      # proposed tokens a step per sequence; 0: off
+    speculative_ngram_min: int = 2       # shortest suffix n-gram that may be matched
+    speculative_ngram_max: int = 4       # longest suffix n-gram tried first
+    speculative_min_acceptance: float = 0.3   # below this recent acceptance a sequence stops proposing a while
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, msg: str) -> None:
@@ -135,6 +141,16 @@ class EngineConfig:
         need(self.quantization in QUANTIZATIONS, "quantization", f"must be one of {QUANTIZATIONS}")
         need(self.quantization is None or (self.device == "cpu" and not self.compile and self.tensor_parallel_size == 1),
              "quantization", "int8 runs on CPU, eager (compile off), with tensor_parallel_size 1")
+        need(_is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 16,
+             "num_speculative_tokens", "must be an int in [0, 16]")
+        need(_is_int(self.speculative_ngram_min) and self.speculative_ngram_min >= 1, "speculative_ngram_min",
+             "must be an int >= 1")
+        need(_is_int(self.speculative_ngram_max) and self.speculative_ngram_min <= self.speculative_ngram_max <= 16,
+             "speculative_ngram_max", "must be an int in [speculative_ngram_min, 16]")
+        need(_is_num(self.speculative_min_acceptance) and 0.0 <= self.speculative_min_acceptance <= 1.0,
+             "speculative_min_acceptance", "must be a number in [0, 1]")
+        need(not self.num_speculative_tokens or self.tensor_parallel_size == 1, "num_speculative_tokens",
+             "speculative decoding is not supported with tensor_parallel_size > 1 (set one of them off)")
         if not self.chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
                  "must be >= max_model_len when chunked_prefill is off (a whole prompt runs in one step)")

@@ -181,7 +181,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> torch.Tensor:
         """Returns float32 logits [num_sampling_rows, V], one row per sequence that
-        reaches its last token this step, in batch order."""
+        reaches its last token this step, in batch order, then the rows of the entries with
+        drafts (1 + drafts each, batch order)."""
         if self.graphs is not None and self.graphs.accepts(batch):
             start = time.perf_counter()
             logits = self.graphs.run(batch)
@@ -226,12 +227,17 @@ class ModelRunner:
         dec_lens: list[int] = []
         prefills: list[tuple[int, int, int, list[int]]] = []       # (row, start_pos, n, block table)
         kernel: list[tuple[int, int, list[int]]] = []               # (context, new tokens, table) for the kernel
-        for seq, n, samples, is_decode in zip(batch.seqs, batch.num_new_tokens, batch.samples, batch.is_decode):
+        draft_rows: list[int] = []                                  # verified rows, after the sampled ones
+        for seq, n, samples, is_decode, drafts in zip(batch.seqs, batch.num_new_tokens, batch.samples,
+                                                      batch.is_decode, batch.drafts):
             start, row, table = seq.num_computed_tokens, len(ids), seq.block_table
-            ids.extend(seq.token_ids(start, start + n))
+            ids.extend(seq.token_ids(start, start + n - len(drafts)) + drafts)
             pos.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if samples:
+            if drafts:                                              # a decode and its proposals: a chunk
+                draft_rows.extend(range(row, row + n))
+                is_decode = False
+            elif samples:
                 sample_rows.append(row + n - 1)
             # The kernel takes every row, decode or chunk, compiled or eager: since its softmax is
             # vectorized it is level with or ahead of gather + SDPA up to the 512-token budget but
@@ -247,6 +253,7 @@ class ModelRunner:
                 dec_lens.append(start + 1)
             else:
                 prefills.append((row, start, n, table))
+        sample_rows += draft_rows
         if self.pad_rows:
             meta = self._pad(ids, pos, slots, sample_rows, kernel)
         else:

@@ -64,6 +64,7 @@ class Sequence:
         # Constrained decoding: the llguidance matcher and its compile (grammar_runtime.py).
         # It lives here, not in the KV cache, so preemption (recompute or swap) keeps it.
         self.grammar_state = None
+        self.spec_state = None                # speculative.py's n-gram index and acceptance
 
     # -- derived values ---------------------------------------------------------------
     @property

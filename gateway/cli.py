@@ -42,6 +42,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a tensor-parallel collective may wait before the engine fails")
     p.add_argument("--quantization", default=None, choices=["int8"],
                    help="int8 weight-only linear layers (CPU; see engine/quantization.py)")
+    p.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="speculative decoding with n-gram (prompt-lookup) proposals: tokens proposed a "
+                        "step per sequence (0: off; see engine/speculative.py)")
+    p.add_argument("--speculative-ngram-min", type=int, default=2, help="shortest n-gram matched for proposals")
+    p.add_argument("--speculative-ngram-max", type=int, default=4, help="longest n-gram matched for proposals")
 
 
 def chat(args: argparse.Namespace) -> int:
@@ -53,7 +58,7 @@ def chat(args: argparse.Namespace) -> int:
                                     packed_linear=False if args.no_packed_linear else None,
                                     fused_layers=False if args.no_fused_layers else None,
                                     tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout,
-                                    quantization=args.quantization))
+                                    quantization=args.quantization, **_speculative(args)))
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})
     prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -134,7 +139,12 @@ def engine_config_from_args(args: argparse.Namespace):
                         itl_target_ms=args.itl_target_ms or None, max_step_tokens=args.max_step_tokens,
                         seat_quantum_steps=args.seat_quantum_steps, max_seat_preemptions=args.max_seat_preemptions,
                         fair_burst_tokens=args.fair_burst_tokens, isolate_prompts=args.isolate_prompts == "on",
-                        yielding_prompt_tokens=args.yielding_prompt_tokens)
+                        yielding_prompt_tokens=args.yielding_prompt_tokens, **_speculative(args))
+
+
+def _speculative(args: argparse.Namespace) -> dict:
+    return dict(num_speculative_tokens=args.num_speculative_tokens, speculative_ngram_min=args.speculative_ngram_min,
+                speculative_ngram_max=args.speculative_ngram_max)
 
 
 def serve(args: argparse.Namespace) -> int:
