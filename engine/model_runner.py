@@ -243,7 +243,9 @@ class ModelRunner:
             # vectorized it is level with or ahead of gather + SDPA up to the 512-token budget but
             # for a full chunk deep in a long context (0.95x, docs/BENCHMARKS.md §8.15), and no
             # context is copied.
-            if self.use_kernel:
+            if self.use_kernel and drafts:          # one decode row per position: a short chunk's tile
+                kernel.extend((start + j + 1, 1, table) for j in range(n))   # path is ~8x slower a query
+            elif self.use_kernel:
                 kernel.append((start + n, n, table))
             if not self.use_torch:
                 continue
