@@ -221,6 +221,20 @@ def test_greedy_output_is_unchanged_under_preemption(repeat_model, mode):
     assert stats["preemptions_" + mode] > 0
 
 
+def test_bf16_output_with_speculation_is_within_bf16_noise(repeat_model):
+    """bf16: verified rows round otherwise than one-row decodes (other GEMM shapes), so the
+    contract is bf16's own (tests/bf16.py): every token within the measured noise of fp32."""
+    from tests.bf16 import assert_tokens_within_noise
+
+    ps = prompts(3, seed=13)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    eng = engine(repeat_model, 4, dtype="bfloat16")
+    got, _ = run(eng, staggered(ps, params))
+    for i, p in enumerate(ps):
+        assert_tokens_within_noise(repeat_model, p, got[f"r{i}"])
+    assert eng.stats()["spec_accepted_tokens"] > 0
+
+
 def test_stops_inside_an_accepted_run_end_where_the_plain_run_ends(repeat_model):
     """A stop token, a stop string and max_tokens that fall inside runs of accepted drafts
     end each request at the same token, with the same text and finish reason, as without
@@ -266,11 +280,15 @@ def test_seeded_sampling_is_reproducible_and_equals_the_plain_run(repeat_model):
 
 
 def test_rows_that_may_not_speculate_decode_beside_rows_that_do(repeat_model):
-    """A logprobs row (which never proposes) in a batch with drafting rows gets the tokens
-    and logprobs it gets without speculation."""
-    ps = prompts(2, seed=11)
+    """A logprobs row and a grammar-constrained row (which never propose) in a batch with a
+    drafting row get the tokens and logprobs they get without speculation."""
+    from engine import Grammar
+
+    ps = prompts(3, seed=11)
     reqs = [("spec", ps[0], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)),
-            ("lp", ps[1], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2))]
+            ("lp", ps[1], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2)),
+            ("re", ps[2], SamplingParams(max_tokens=30, temperature=1.0, seed=3,
+                                         grammar=Grammar("regex", "(yes|no), [0-9]{1,3}!")))]
     seen = []
     for k in (0, 4):
         eng = engine(repeat_model, k)
