@@ -341,3 +341,18 @@ def test_speculative_flags_reach_the_engine_config():
     cfg = engine_config_from_args(p.parse_args(["--num-speculative-tokens", "5", "--speculative-ngram-min", "1",
                                                 "--speculative-ngram-max", "3"]))
     assert (cfg.num_speculative_tokens, cfg.speculative_ngram_min, cfg.speculative_ngram_max) == (5, 1, 3)
+
+
+def test_the_benchmark_runs_and_finds_the_same_tokens(repeat_model, tmp_path):
+    """bench.speculative end to end on the tiny model (fp32, 8 tokens, chat only): one row
+    with both rates, the drafts counted and the same tokens with and without speculation."""
+    import json
+
+    from bench import speculative
+
+    out = tmp_path / "spec.json"
+    assert speculative.main(["--model", repeat_model, "--dtype", "float32", "--max-tokens", "8", "--only", "chat",
+                             "--threads", "1", "--ngram-min", "1", "--json-out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["workload"] == "chat" and row["same_tokens"] and row["output_tokens"] > 0
+    assert row["off_tok_s"][0] > 0 and row["on_tok_s"][0] > 0 and row["accepted"] <= row["drafted"]
