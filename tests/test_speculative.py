@@ -356,3 +356,32 @@ def test_the_benchmark_runs_and_finds_the_same_tokens(repeat_model, tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["workload"] == "chat" and row["same_tokens"] and row["output_tokens"] > 0
     assert row["off_tok_s"][0] > 0 and row["on_tok_s"][0] > 0 and row["accepted"] <= row["drafted"]
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_sliding_window_families_keep_their_output(family, tmp_path, tokenizer_dir):
+    """Mistral (every layer sliding over 24 tokens: blocks behind the window are returned)
+    and Gemma 2 (alternating windows, soft-caps), as repeating tiny models: the same tokens
+    with and without speculation, with drafts accepted."""
+    import transformers
+
+    from tests.families import _BASE, FAMILIES
+
+    model_type, extra = FAMILIES[family]
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = transformers.AutoConfig.for_model(model_type, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                               eos_token_id=tok.eos_token_id, pad_token_id=None,
+                                               **{**_BASE, **extra, "initializer_range": 0.1,
+                                                  "tie_word_embeddings": True})
+    torch.manual_seed(1234)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    ps = prompts(4, seed=17)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    cfg = dict(max_num_batched_tokens=32, max_num_seqs=8, block_size=8)
+    want, _ = run(engine(str(tmp_path), 0, **cfg), staggered(ps, params))
+    eng = engine(str(tmp_path), 4, **cfg)
+    got, _ = run(eng, staggered(ps, params))
+    assert got == want
+    assert eng.stats()["spec_accepted_tokens"] > 0
+
