@@ -151,6 +151,14 @@ class BlockManager:
         """Make room for the next `num_new_tokens` tokens to be computed."""
         self._grow(seq, seq.num_computed_tokens + num_new_tokens)
 
+    def rollback(self, seq: Sequence) -> None:
+        """Give back the blocks past `seq`'s tokens (slots of rejected speculative tokens,
+        never hashed: only computed tokens' blocks are). Stale slots in the blocks kept are
+        written again when their positions are computed."""
+        keep = self.blocks_for(seq.num_tokens)
+        self._release(seq.block_table[keep:])
+        del seq.block_table[keep:]
+
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
         need = self.blocks_for(num_tokens) - len(seq.block_table)
         if need > self.num_free_blocks:

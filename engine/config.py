@@ -1,7 +1,7 @@
 """Engine and sampling configuration: frozen, validated at construction or admission.
 
 EngineConfig composes one section per concern (engine/config_sections.py): ModelConfig,
-CacheConfig, SchedulerConfig, ForwardConfig, ParallelConfig. Its flat keywords and attributes
+CacheConfig, SchedulerConfig, ForwardConfig, ParallelConfig, SpeculativeConfig. Its flat keywords and attributes
 (`EngineConfig(model=..., max_num_seqs=...)`, `config.max_num_seqs`) are DESIGN.md's engine
 contract, kept as an adapter: each flat name is exactly one section's field."""
 
@@ -13,13 +13,15 @@ from operator import attrgetter
 
 from .config_fields import _is_int, _is_num, fail
 from .config_sections import (ATTENTION_BACKENDS, BATCHING, DTYPES, POLICIES, PREEMPTION_MODES, QUANTIZATIONS,
-                              CacheConfig, ForwardConfig, ModelConfig, ParallelConfig, SchedulerConfig)
+                              CacheConfig, ForwardConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                              SpeculativeConfig)
 from .grammar import Grammar
 
 MAX_LOGPROBS = 20                       # OpenAI's top_logprobs limit
 
 SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig,
-            "forward_config": ForwardConfig, "parallel_config": ParallelConfig}
+            "forward_config": ForwardConfig, "parallel_config": ParallelConfig,
+            "speculative_config": SpeculativeConfig}
 
 
 @dataclass(frozen=True, init=False)
@@ -35,6 +37,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     forward_config: ForwardConfig
     parallel_config: ParallelConfig
+    speculative_config: SpeculativeConfig
 
     def __init__(self, **kw: object) -> None:
         unknown = sorted(set(kw) - set(SECTIONS) - set(_SECTION_OF))
@@ -64,6 +67,8 @@ class EngineConfig:
              "must be 'cpu' or 'cuda' with tensor_parallel_size > 1 (rank r uses cuda:r)")
         need(self.quantization is None or (self.device == "cpu" and not self.compile and self.tensor_parallel_size == 1),
              "quantization", "int8 runs on CPU, eager (compile off), with tensor_parallel_size 1")
+        need(not self.num_speculative_tokens or self.tensor_parallel_size == 1, "num_speculative_tokens",
+             "speculative decoding is not supported with tensor_parallel_size > 1 (set one of them off)")
         if not self.chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
                  "must be >= max_model_len when chunked_prefill is off (a whole prompt runs in one step)")
@@ -195,5 +200,5 @@ def _short(x: object) -> str:
 
 
 __all__ = ["EngineConfig", "SamplingParams", "SECTIONS", "ModelConfig", "CacheConfig", "SchedulerConfig",
-           "ForwardConfig", "ParallelConfig", "POLICIES", "PREEMPTION_MODES", "DTYPES", "BATCHING",
+           "ForwardConfig", "ParallelConfig", "SpeculativeConfig", "POLICIES", "PREEMPTION_MODES", "DTYPES", "BATCHING",
            "ATTENTION_BACKENDS", "QUANTIZATIONS"]

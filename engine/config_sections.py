@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config_fields import NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, Check, Section, _is_int, knob
+from .config_fields import NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, Check, Section, _is_int, _is_num, knob
 
 POLICIES = ("fcfs", "priority", "cost", "fair")
 BATCHING = ("continuous", "static")
@@ -128,3 +128,21 @@ class ParallelConfig(Section):
                                      "gloo on CPU; 1: one process)", check=POSITIVE_INT)
     tp_timeout_s: float = knob(30.0, "seconds a tensor-parallel collective may wait before the engine fails",
                                check=POSITIVE)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig(Section):
+    """speculative: n-gram (prompt-lookup) proposals from each sequence's own tokens, verified
+    in the step (engine/speculative.py, docs/ENGINE.md)"""
+
+    num_speculative_tokens: int = knob(0, "tokens proposed a step per sequence (0: off)",
+                                       check=Check(lambda v: _is_int(v) and 0 <= v <= 16, "must be an int in [0, 16]"))
+    speculative_ngram_min: int = knob(2, "shortest suffix n-gram matched for proposals", check=POSITIVE_INT)
+    speculative_ngram_max: int = knob(4, "longest suffix n-gram matched (tried first)", check=POSITIVE_INT)
+    speculative_min_acceptance: float = knob(0.3, "below this recent acceptance a sequence stops proposing a while",
+                                             check=Check(lambda v: _is_num(v) and 0.0 <= v <= 1.0,
+                                                         "must be a number in [0, 1]"))
+
+    def check(self) -> None:
+        self.need(self.speculative_ngram_min <= self.speculative_ngram_max <= 16, "speculative_ngram_max",
+                  "must be an int in [speculative_ngram_min, 16]")

@@ -18,6 +18,7 @@ import logging
 import math
 import time
 
+from . import spec_decode
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
 from .detokenizer import IncrementalDetokenizer
@@ -149,7 +150,9 @@ class LLMEngine:
         self.runner.last_forward_time = 0.0
         try:
             self._swapped_bytes += self.runner.swap(batch)
-            if not batch.is_empty:
+            if batch.drafted:
+                outputs += spec_decode.step(self, batch)      # verifies proposals (speculative.py)
+            elif not batch.is_empty:
                 masks = self.grammars.masks(batch.sampling_seqs)      # computed during the forward
                 plan = prompt_logprob_rows(batch)
                 logits = self.runner.run(batch)
@@ -283,6 +286,7 @@ class LLMEngine:
             "forward_time_s": self._forward_time,
             "num_steps": self._num_steps,
             "max_model_len": self.max_model_len,
+            **sched.speculator.stats(),
         }
 
 

@@ -181,10 +181,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> torch.Tensor:
-        """Returns float32 logits [num_sampling_rows + P, V]: one row per sequence that
-        reaches its last token this step, in batch order, then the P rows of prompt
-        positions whose prompt logprobs are asked (prompt_logprobs.rows; P is 0 unless a
-        request asked)."""
+        """Returns float32 logits [K + D + P, V]: one row per sequence that reaches its last
+        token this step, in batch order; then the rows of the entries with drafts (1 + drafts
+        each, batch order); then the P rows of prompt positions whose prompt logprobs are asked
+        (prompt_logprobs.rows; D and P are 0 unless a sequence drafts or a request asks)."""
         if self.graphs is not None and self.graphs.accepts(batch):
             start = time.perf_counter()
             logits = self.graphs.run(batch)
@@ -230,19 +230,26 @@ class ModelRunner:
         prefills: list[tuple[int, int, int, list[int]]] = []       # (row, start_pos, n, block table)
         kernel: list[tuple[int, int, list[int]]] = []               # (context, new tokens, table) for the kernel
         entry_rows: list[int] = []
-        for seq, n, samples, is_decode in zip(batch.seqs, batch.num_new_tokens, batch.samples, batch.is_decode):
+        draft_rows: list[int] = []                                  # verified rows, after the sampled ones
+        for seq, n, samples, is_decode, drafts in zip(batch.seqs, batch.num_new_tokens, batch.samples,
+                                                      batch.is_decode, batch.drafts):
             start, row, table = seq.num_computed_tokens, len(ids), seq.block_table
             entry_rows.append(row)
-            ids.extend(seq.token_ids(start, start + n))
+            ids.extend(seq.token_ids(start, start + n - len(drafts)) + drafts)
             pos.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if samples:
+            if drafts:                                              # a decode and its proposals: a chunk
+                draft_rows.extend(range(row, row + n))
+                is_decode = False
+            elif samples:
                 sample_rows.append(row + n - 1)
             # The kernel takes every row, decode or chunk, compiled or eager: since its softmax is
             # vectorized it is level with or ahead of gather + SDPA up to the 512-token budget but
             # for a full chunk deep in a long context (0.95x, docs/BENCHMARKS.md §8.15), and no
             # context is copied.
-            if self.use_kernel:
+            if self.use_kernel and drafts:          # one decode row per position: a short chunk's tile
+                kernel.extend((start + j + 1, 1, table) for j in range(n))   # path is ~8x slower a query
+            elif self.use_kernel:
                 kernel.append((start + n, n, table))
             if not self.use_torch:
                 continue
@@ -252,6 +259,7 @@ class ModelRunner:
                 dec_lens.append(start + 1)
             else:
                 prefills.append((row, start, n, table))
+        sample_rows += draft_rows
         sample_rows += [entry_rows[i] + off + j for i, off, count in prompt_logprob_rows(batch) for j in range(count)]
         if self.pad_rows:
             meta = self._pad(ids, pos, slots, sample_rows, kernel)

@@ -60,14 +60,18 @@ def _plain(logits: torch.Tensor, seqs: list[Sequence], skip: set[int] = frozense
     tokens = logits.argmax(dim=-1)                                   # [K] greedy for all
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in skip]
     if rows:
-        idx = torch.tensor(rows, device=logits.device)
-        params = [seqs[i].params for i in rows]
-        temps = torch.tensor([p.temperature for p in params], device=logits.device)
-        probs = _filtered_logits(logits[idx] / temps[:, None],
-                                 torch.tensor([p.top_k for p in params], device=logits.device),
-                                 torch.tensor([p.top_p for p in params], device=logits.device)).softmax(dim=-1)
+        probs = plain_probs(logits[torch.tensor(rows, device=logits.device)], [seqs[i] for i in rows])
         _draw(probs, [seqs[i] for i in rows], tokens, rows)
     return tokens.tolist()
+
+
+def plain_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The plain path's distribution for row j of `logits` [R, V] (seqs[j]'s temperature,
+    top-k and top-p): what a plain row's token is drawn from. [R, V]"""
+    dev = logits.device
+    temps = torch.tensor([s.params.temperature for s in seqs], device=dev)
+    return _filtered_logits(logits / temps[:, None], torch.tensor([s.params.top_k for s in seqs], device=dev),
+                            torch.tensor([s.params.top_p for s in seqs], device=dev)).softmax(dim=-1)
 
 
 def _processed(x: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor | None]:
@@ -96,12 +100,17 @@ def _draw(probs: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor, rows:
     """tokens[rows[j]] = a draw from probs[j], with seqs[j]'s generator."""
     cdf = probs.cumsum(dim=-1)                                       # [R, V]
     for j, i in enumerate(rows):
-        gen = _generator(seqs[j], probs.device)
-        # Inverse CDF, one uniform draw per row: the first token whose cumulative mass
-        # exceeds u * total (never a zero-probability one). An exponential race over the
-        # vocabulary cost ~2.5 ms a row (a scalar log per token).
-        u = torch.rand((), generator=gen, device=probs.device) * cdf[j, -1]
-        tokens[i] = torch.searchsorted(cdf[j], u[None], right=True).clamp_(max=cdf.shape[1] - 1)[0]
+        tokens[i] = draw(cdf[j], seqs[j])
+
+
+def draw(cdf: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """A token from the distribution whose cumulative sums are `cdf` [V], with `seq`'s
+    generator: inverse CDF, one uniform draw per token, the first token whose cumulative
+    mass exceeds u * total (never a zero-probability one). An exponential race over the
+    vocabulary cost ~2.5 ms a row (a scalar log per token). Speculative verification
+    (spec_decode.py) draws each token the same way, so a seed gives the same tokens."""
+    u = torch.rand((), generator=_generator(seq, cdf.device), device=cdf.device) * cdf[-1]
+    return torch.searchsorted(cdf, u[None], right=True).clamp_(max=cdf.shape[0] - 1)[0]
 
 
 def _filtered_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ from .policy import Policy, make_policy
 from .preemption import Preemption
 from .scheduler_output import SchedulerOutput, SchedulerStats
 from .sequence import Sequence, SequenceStatus
+from .speculative import Speculator
 
 
 class Scheduler(Preemption):
@@ -56,6 +57,7 @@ class Scheduler(Preemption):
         self.swapped: list[Sequence] = []
         self.watermark_blocks = int(config.watermark * block_manager.num_blocks)
         self.counters = SchedulerStats()
+        self.speculator = Speculator(config)                 # n-gram proposals (off unless configured)
         self.last_output = SchedulerOutput()
         self.num_steps = 0
 
@@ -111,6 +113,7 @@ class Scheduler(Preemption):
             self._schedule_decodes(out, now)
             self._schedule_prefills(out, now)
             self.admit(out, now)
+            self.speculator.extend(out, self.bm, self.watermark_blocks, self.max_model_len)
         self.last_output = out
         return out
 
@@ -118,9 +121,13 @@ class Scheduler(Preemption):
         """After the forward pass: computed tokens catch up and full blocks are committed;
         each sampling sequence gets its token, charged to its tenant, and is finished if it
         is a stop token or the sequence reached its length. Returns the sampling sequences
-        in batch order (finished ones have left the queues and freed their blocks)."""
+        in batch order (finished ones have left the queues and freed their blocks). Entries
+        with drafts are left to spec_decode.py, which accepts their tokens one by one."""
         c = self.counters
-        for seq, n, prompt, charged in zip(batch.seqs, batch.num_new_tokens, batch.computes_prompt, batch.charged):
+        for seq, n, prompt, charged, drafts in zip(batch.seqs, batch.num_new_tokens, batch.computes_prompt,
+                                                   batch.charged, batch.drafts):
+            if drafts:
+                continue                                     # verified: caught up token by token (spec_decode.py)
             seq.num_computed_tokens += n
             self.bm.commit(seq)
             c.prompt_tokens += n if prompt else 0
@@ -130,18 +137,24 @@ class Scheduler(Preemption):
             if seq.params.max_tokens == 0:                   # prompt logprobs only: nothing generated
                 self.finish(seq, "length")
                 continue
-            seq.output_token_ids.append(token)
-            seq.num_billed_tokens = seq.num_tokens           # its position is paid for by the output charge
-            self.policy.on_served(seq, 0, 1)
-            c.generation_tokens += 1
-            c.served.setdefault(seq.tenant or "", [0, 0])[1] += 1
-            if token in seq.params.stop_token_ids or (token in seq.eos_token_ids and not seq.params.ignore_eos):
-                self.finish(seq, "stop")
-            elif seq.grammar_state is not None and seq.grammar_state.complete:    # (grammar_runtime.py)
-                self.finish(seq, "stop")
-            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-                self.finish(seq, "length")
+            self.append_token(seq, token)
         return sampling
+
+    def append_token(self, seq: Sequence, token: int) -> None:
+        """`seq` gets `token`, charged to its tenant; finished if it is a stop token or the
+        sequence reached its length."""
+        c = self.counters
+        seq.output_token_ids.append(token)
+        seq.num_billed_tokens = seq.num_tokens               # its position is paid for by the output charge
+        self.policy.on_served(seq, 0, 1)
+        c.generation_tokens += 1
+        c.served.setdefault(seq.tenant or "", [0, 0])[1] += 1
+        if token in seq.params.stop_token_ids or (token in seq.eos_token_ids and not seq.params.ignore_eos):
+            self.finish(seq, "stop")
+        elif seq.grammar_state is not None and seq.grammar_state.complete:        # (grammar_runtime.py)
+            self.finish(seq, "stop")
+        elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.finish(seq, "length")
 
     def _expire(self, now: float, out: SchedulerOutput) -> None:
         """Requests past their deadline: dropped before prefill if still waiting, finished

@@ -16,7 +16,9 @@ class SchedulerOutput:
     `samples[i]`   the chunk reaches the sequence's last token: its row is sampled;
     `is_decode[i]` exactly one token to compute and it is the last one (a decode);
     `charged[i]`   prompt tokens billed to the tenant for this entry (refunded if the
-                   entry is taken back; recomputed tokens are never billed twice).
+                   entry is taken back; recomputed tokens are never billed twice);
+    `drafts[i]`    speculative tokens proposed after a decode's last token (speculative.py):
+                   the entry computes [last token, *drafts] and all those rows are verified.
     """
 
     token_budget: int = 0
@@ -27,6 +29,7 @@ class SchedulerOutput:
     is_decode: list[bool] = field(default_factory=list)
     computes_prompt: list[bool] = field(default_factory=list)
     charged: list[int] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)    # e.g. deadline passed
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
@@ -39,6 +42,12 @@ class SchedulerOutput:
         self.is_decode.append(seq.num_uncomputed_tokens == 1)
         self.computes_prompt.append(seq.computes_prompt)
         self.charged.append(charged)
+        self.drafts.append([])
+
+    def add_drafts(self, i: int, drafts: list[int]) -> None:
+        """Entry i (a decode) also computes `drafts` after its last token."""
+        self.num_new_tokens[i] += len(drafts)
+        self.drafts[i] = drafts
 
     def remove(self, seq: Sequence) -> tuple[int, int] | None:
         """Take back a sequence scheduled earlier in this step (it is being preempted);
@@ -47,15 +56,21 @@ class SchedulerOutput:
             if s is seq:
                 taken = self.num_new_tokens[i], self.charged[i]
                 for entries in (self.seqs, self.num_new_tokens, self.samples, self.is_decode,
-                                self.computes_prompt, self.charged):
+                                self.computes_prompt, self.charged, self.drafts):
                     del entries[i]
                 return taken
         return None
 
     @property
     def sampling_seqs(self) -> list[Sequence]:
-        """The sequences whose rows are sampled, in batch order (the runner's logits order)."""
-        return [s for s, sample in zip(self.seqs, self.samples) if sample]
+        """The sequences whose row is sampled, in batch order (the runner's logits order),
+        but those with drafts (`drafted`, whose rows follow)."""
+        return [s for s, sample, d in zip(self.seqs, self.samples, self.drafts) if sample and not d]
+
+    @property
+    def drafted(self) -> list[tuple[Sequence, list[int]]]:
+        """(sequence, drafts) of the entries that verify proposals, in batch order."""
+        return [(s, d) for s, d in zip(self.seqs, self.drafts) if d]
 
     @property
     def is_empty(self) -> bool:

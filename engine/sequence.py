@@ -68,6 +68,7 @@ class Sequence:
         # prefill computes them; handed out once, with the first output (`_sent`).
         self.prompt_logprobs: list[TokenLogprob | None] | None = None if params.prompt_logprobs is None else [None]
         self.prompt_logprobs_sent = False
+        self.spec_state = None                # speculative.py's n-gram index and acceptance
 
     # -- derived values ---------------------------------------------------------------
     @property

@@ -1,0 +1,100 @@
+"""A step whose batch verifies speculative proposals (speculative.py), and the acceptance rule.
+
+An entry with drafts d1..dk computed [last token, d1..dk]; the runner returns the logits at
+those k+1 positions. Row j's token t_j is drawn exactly as a plain decode row draws it
+(greedy: argmax; otherwise inverse CDF of the row's distribution p_j with one uniform from
+the sequence's generator, sampler.draw). The run keeps t_0, t_1, ... while each equals the
+draft it was computed after (t_j == d_{j+1}) and ends with the first that does not (the
+correction) or with t_k (the bonus token): 1 to k+1 tokens.
+
+Why this is exact: every kept token was drawn from the model's distribution given the
+tokens before it, which are the committed history plus accepted drafts, i.e. the tokens
+the sequence really has, so greedy output is the non-speculative output and a seeded
+request draws the same uniforms for the same positions and gets the same tokens. As a
+rejection sampler for a point-mass draft x: t = x happens with probability p(x) (accept),
+and given t != x, t is distributed as p with x removed and renormalized (the residual) -
+the standard rule for a draft distribution q = delta_x, with its coupling fixed by the
+uniform (tests/test_speculative.py checks both against torch).
+
+Committing a run goes token by token through what a decode step does (catch up one
+position and commit full blocks, append and charge the token, stop tokens and lengths,
+then stop strings in LLMEngine._emit), so a run ends exactly where the plain run would.
+The KV of rejected drafts is rolled back: the sequence's computed length covers only kept
+positions, and blocks past its tokens go back to the pool (BlockManager.rollback).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .prompt_logprobs import record as record_prompt_logprobs
+from .prompt_logprobs import rows as prompt_logprob_rows
+from .sampler import draw, plain_probs, sample_step
+from .sequence import RequestOutput, Sequence
+
+if TYPE_CHECKING:
+    from .llm_engine import LLMEngine
+    from .scheduler_output import SchedulerOutput
+
+
+def verify(logits: torch.Tensor, drafted: list[tuple[Sequence, list[int]]]) -> list[list[int]]:
+    """`logits` [R, V]: 1 + len(drafts) rows per drafted sequence, in order. Returns each
+    sequence's run: the accepted drafts and one token of the model's own."""
+    greedy = logits.argmax(dim=-1).tolist()
+    starts, rows, sampled = [], [], []
+    for seq, drafts in drafted:
+        starts.append(len(rows))
+        rows.extend([seq] * (len(drafts) + 1))
+        sampled.append(not seq.params.greedy)
+    cdf = None
+    if any(sampled):
+        keep = [r for r, seq in enumerate(rows) if not seq.params.greedy]
+        at = {r: j for j, r in enumerate(keep)}
+        cdf = plain_probs(logits[keep], [rows[r] for r in keep]).cumsum(dim=-1)       # [R', V]
+    runs = []
+    for (seq, drafts), start, drawn in zip(drafted, starts, sampled):
+        run: list[int] = []
+        for j in range(len(drafts) + 1):
+            r = start + j
+            run.append(int(draw(cdf[at[r]], seq)) if drawn else greedy[r])
+            if j == len(drafts) or run[-1] != drafts[j]:
+                break
+        runs.append(run)
+    return runs
+
+
+def step(engine: LLMEngine, batch: SchedulerOutput) -> list[RequestOutput]:
+    """LLMEngine.step's forward, sampling and update for a batch with drafts: plain rows as
+    in a plain step, then each drafted sequence's run."""
+    sched, plain = engine.scheduler, batch.sampling_seqs
+    masks = engine.grammars.masks(plain)                      # constrained rows never draft
+    plan = prompt_logprob_rows(batch)
+    logits = engine.runner.run(batch)
+    if plan:                                                  # prompt positions' rows come last
+        end = len(plain) + sum(1 + len(drafts) for _, drafts in batch.drafted)
+        record_prompt_logprobs(batch, plan, logits[end:])
+    tokens, logprobs = sample_step(logits[:len(plain)], plain, masks and masks.result(logits.device))
+    engine.grammars.advance(plain, tokens)
+    runs = verify(logits[len(plain):], batch.drafted)
+    now = engine.clock()
+    outputs = []
+    for j, seq in enumerate(sched.update(batch, tokens)):
+        outputs.append(engine._emit(seq, now))
+        outputs[-1].logprobs = None if logprobs is None or logprobs[j] is None else [logprobs[j]]
+    for (seq, drafts), run in zip(batch.drafted, runs):
+        sched.speculator.record(seq, len(drafts), len(run) - 1)
+        out = None
+        for token in run:
+            seq.num_computed_tokens += 1                      # the position before `token`
+            sched.bm.commit(seq)
+            sched.append_token(seq, token)
+            one = engine._emit(seq, now)
+            out = one if out is None else out.merge(one)
+            if seq.status.finished:
+                break
+        if not seq.status.finished:
+            sched.bm.rollback(seq)
+        outputs.append(out)
+    return outputs
