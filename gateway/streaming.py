@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from engine import EngineOverloaded
+from engine import EngineClient, EngineOverloaded
 from tenants import QuotaManager, Tenant
 
 from .admission import Admission, Admitter
@@ -79,9 +79,9 @@ def streamed(usage) -> int:
 
 
 class ChatService:
-    def __init__(self, engine, quotas: QuotaManager, metrics, *, model_name: str,
+    def __init__(self, engine: EngineClient, quotas: QuotaManager, metrics, *, model_name: str,
                  default_max_tokens: int = 1024, clock=time.monotonic, tokenize_workers: int = 2):
-        self.engine = engine            # AsyncEngine's public surface, started by the app's lifespan
+        self.engine = engine            # started by the app's lifespan
         self.metrics = metrics
         self.model_name = model_name
         self.clock = clock
