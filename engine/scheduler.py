@@ -127,20 +127,26 @@ class Scheduler(Preemption):
             c.served.setdefault(seq.tenant or "", [0, 0])[0] += charged
         sampling = batch.sampling_seqs
         for seq, token in zip(sampling, sampled, strict=True):
-            seq.output_token_ids.append(token)
-            seq.num_billed_tokens = seq.num_tokens           # its position is paid for by the output charge
-            self.policy.on_served(seq, 0, 1)
-            c.generation_tokens += 1
-            c.served.setdefault(seq.tenant or "", [0, 0])[1] += 1
-            stop_token = token in seq.params.stop_token_ids or (token in seq.eos_token_ids
-                                                                and not seq.params.ignore_eos)
-            detok = seq.detokenizer                          # a stop token's text is never shown
-            seq.new_text = "" if stop_token or detok is None else detok.add_token(token)
-            if stop_token or (detok is not None and detok.stopped):     # a stop string outranks 'length'
-                self.finish(seq, "stop")
-            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-                self.finish(seq, "length")
+            self.append_token(seq, token)
         return sampling
+
+    def append_token(self, seq: Sequence, token: int) -> None:
+        """`seq` gets `token`, charged to its tenant, and its text (`seq.new_text`, from its
+        detokenizer); finished with 'stop' on a stop token or a completed stop string (which
+        outranks 'length'), else with 'length' when it reached its length."""
+        c = self.counters
+        seq.output_token_ids.append(token)
+        seq.num_billed_tokens = seq.num_tokens               # its position is paid for by the output charge
+        self.policy.on_served(seq, 0, 1)
+        c.generation_tokens += 1
+        c.served.setdefault(seq.tenant or "", [0, 0])[1] += 1
+        stop_token = token in seq.params.stop_token_ids or (token in seq.eos_token_ids and not seq.params.ignore_eos)
+        detok = seq.detokenizer                              # a stop token's text is never shown
+        seq.new_text = "" if stop_token or detok is None else detok.add_token(token)
+        if stop_token or (detok is not None and detok.stopped):
+            self.finish(seq, "stop")
+        elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.finish(seq, "length")
 
     def _expire(self, now: float, out: SchedulerOutput) -> None:
         """Requests past their deadline: dropped before prefill if still waiting, finished
