@@ -4,7 +4,9 @@ chunked prefill. See DESIGN.md for the contract."""
 from .config import EngineConfig, SamplingParams
 from .errors import EngineOverloaded
 from .grammar import Grammar
+from .port import EngineClient, EngineLimits
 from .sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
+from .stats import EngineStats
 
 
 def __getattr__(name: str):
@@ -20,4 +22,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["EngineConfig", "SamplingParams", "Grammar", "RequestOutput", "TokenLogprob", "Sequence", "SequenceStatus",
-           "LLMEngine", "AsyncEngine", "EngineOverloaded"]
+           "LLMEngine", "AsyncEngine", "EngineOverloaded", "EngineClient", "EngineLimits", "EngineStats"]

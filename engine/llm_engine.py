@@ -6,7 +6,8 @@
     tokens, logprobs = sample_step(logits, batch.sampling_seqs, masks)   # sampler.py, logits_processors.py
     grammars.advance(...)             # each constrained row's matcher consumes its token
     scheduler.update(batch, tokens)   # catch up, commit, charge, stop tokens, length, free
-    outputs: detokenize (stop strings), logprobs, metrics
+                                      # and text: stop strings finish there too
+    outputs: logprobs, metrics
 
 The step's time feeds the scheduler's token budget (budget.py), which keeps steps under
 the inter-token latency target.
@@ -15,7 +16,6 @@ the inter-token latency target.
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 from . import spec_decode
@@ -27,9 +27,11 @@ from .metrics import EngineMetrics
 from .model_runner import ModelRunner
 from .prompt_logprobs import record as record_prompt_logprobs
 from .prompt_logprobs import rows as prompt_logprob_rows
+from .port import EngineLimits, check_request
 from .sampler import sample_step
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import RequestOutput, Sequence, SequenceStatus
+from .stats import EngineStats, collect
 
 log = logging.getLogger("streamgate.engine")
 
@@ -59,60 +61,48 @@ class LLMEngine:
                                           num_host_blocks=config.num_swap_blocks,
                                           sliding_window=getattr(self.runner, "kv_free_window", None))
         self.scheduler = Scheduler(config, self.block_manager, clock, self.max_model_len)
-        self.metrics = EngineMetrics(self.stats)
-        self._swapped_bytes = 0
+        self.limits = EngineLimits(
+            max_model_len=self.max_model_len, vocab_size=self.vocab_size, block_size=config.block_size,
+            num_kv_blocks=self.block_manager.num_blocks,
+            usable_kv_blocks=self.block_manager.num_blocks - self.scheduler.watermark_blocks,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_queued_requests=config.max_queued_requests, max_queued_tokens=config.max_queued_tokens)
+        self.metrics = EngineMetrics(self.snapshot)
+        self.swapped_bytes = 0
         self.eos_token_ids = _eos_ids(self.tokenizer, self.runner.model)
         self.grammars = GrammarRuntime(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
-        self.detoks: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []       # outputs of requests ended outside a step
-        self._step_time = self._forward_time = 0.0
-        self._num_steps = 0
+        self.step_time_s = self.forward_time_s = 0.0   # the last step's
+        self.num_steps = 0
 
     # -- requests ---------------------------------------------------------------------------
     def validate_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                          priority: int = 0, deadline: float | None = None, weight: float = 1.0) -> None:
         """Raise ValueError naming the bad field; touches no engine state."""
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string (got {request_id!r})")
+        check_request(self.limits, request_id, prompt_token_ids, params, priority, deadline, weight)
         if request_id in self.seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams (got {type(params).__name__})")
-        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
-            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt_token_ids must hold token ids in [0, {self.vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt_token_ids: the prompt has {len(prompt_token_ids)} tokens but the "
-                             f"context is {self.max_model_len} (max_model_len), including at least one output token")
-        params.validate(self.vocab_size)
-        if not isinstance(priority, int) or isinstance(priority, bool) or not -2**31 <= priority < 2**31:
-            raise ValueError(f"priority must be a 32-bit integer (got {priority!r})")
-        if deadline is not None and (not isinstance(deadline, (int, float)) or not math.isfinite(deadline)):
-            raise ValueError(f"deadline must be a finite time.monotonic() value or None (got {deadline!r})")
-        if not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
-            raise ValueError(f"weight must be a finite number > 0 (got {weight!r})")
-        blocks = self.block_manager.blocks_for(len(prompt_token_ids) + 1)
-        usable = self.block_manager.num_blocks - self.scheduler.watermark_blocks
-        if blocks > usable:
-            raise ValueError(f"prompt_token_ids: the prompt needs {blocks} KV blocks but only {usable} "
-                             f"can ever be free (num_kv_blocks={self.block_manager.num_blocks})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     priority: int = 0, tenant: str | None = None, deadline: float | None = None,
-                    weight: float = 1.0, arrival_time: float | None = None) -> None:
+                    weight: float = 1.0, arrival_time: float | None = None, checked: bool = False) -> None:
         """Queue a request. Raises ValueError (bad input, naming the field) or
-        EngineOverloaded (a queue limit is reached); either way nothing changes."""
-        self.validate_request(request_id, prompt_token_ids, params, priority, deadline, weight)
+        EngineOverloaded (a queue limit is reached); either way nothing changes.
+        `checked=True`: the caller ran `port.check_request` against `self.limits` already
+        (AsyncEngine); the id and the queue limits are still checked here."""
+        if not checked:
+            check_request(self.limits, request_id, prompt_token_ids, params, priority, deadline, weight)
+        if request_id in self.seqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         self.scheduler.check_capacity(len(prompt_token_ids))
         seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority, tenant=tenant,
                        deadline=deadline, arrival_time=self.clock() if arrival_time is None else arrival_time,
                        eos_token_ids=self.eos_token_ids,
                        weight=weight)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop,
+                                                  params.skip_special_tokens)
         self.seqs[request_id] = seq
-        self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop,
-                                                         params.skip_special_tokens)
         if params.grammar is not None:
             self.grammars.start(seq, self.clock())     # compiles while the prompt prefills
         self.scheduler.add(seq)
@@ -149,7 +139,7 @@ class LLMEngine:
         outputs += [self._retire(seq) for seq in batch.finished]      # deadlines
         self.runner.last_forward_time = 0.0
         try:
-            self._swapped_bytes += self.runner.swap(batch)
+            self.swapped_bytes += self.runner.swap(batch)
             if batch.drafted:
                 outputs += spec_decode.step(self, batch)      # verifies proposals (speculative.py)
             elif not batch.is_empty:
@@ -172,31 +162,23 @@ class LLMEngine:
         except Exception as exc:                        # fail this batch, keep serving the rest
             log.exception("step failed; failing %d requests", len(batch.seqs))
             outputs += self._fail(batch, exc)
-        self._step_time = time.perf_counter() - start
-        self._forward_time = self.runner.last_forward_time
-        self._num_steps += 1
-        self.scheduler.budget.observe(batch.num_decode_tokens, batch.num_prefill_tokens, self._step_time)
+        self.step_time_s = time.perf_counter() - start
+        self.forward_time_s = self.runner.last_forward_time
+        self.num_steps += 1
+        self.scheduler.budget.observe(batch.num_decode_tokens, batch.num_prefill_tokens, self.step_time_s)
         return outputs
 
     def _emit(self, seq: Sequence, now: float) -> RequestOutput:
-        """The output for the token `seq` just sampled: its text (none for a stop token),
-        ending the request here if a stop string appeared (which outranks 'length')."""
+        """The output for the token `seq` just sampled, with the text `Scheduler.update`
+        gave it (and, if that ended the request, the text still held back)."""
         if seq.params.max_tokens == 0:                  # prompt logprobs only: finished, no token
             return self._retire(seq)
-        token = seq.output_token_ids[-1]
         self.metrics.on_token(seq, now)
         if seq.first_token_time is None:
             seq.first_token_time = now
-        detok = self.detoks[seq.request_id]
-        stop_token = seq.finish_reason == "stop" and (token in seq.eos_token_ids or token in seq.params.stop_token_ids)
-        text = "" if stop_token else detok.add_token(token)     # (a grammar's last token is text)
-        if detok.stopped:
-            if seq.status.finished:
-                seq.finish_reason = "stop"
-            else:
-                self.scheduler.finish(seq, "stop")
+        text = seq.new_text
         retired = self._retire(seq) if seq.status.finished else None
-        out = self._output(seq, [token], text + (retired.new_text if retired else ""))
+        out = self._output(seq, [seq.output_token_ids[-1]], text + (retired.new_text if retired else ""))
         if retired is not None and retired.prompt_logprobs is not None:
             out.prompt_logprobs = retired.prompt_logprobs            # (taken by the retiring output)
         return out
@@ -220,7 +202,7 @@ class LLMEngine:
         ended, e.g. by deadline). Any text still held back is released."""
         self.metrics.on_finish(seq, self.clock())
         del self.seqs[seq.request_id]
-        detok = self.detoks.pop(seq.request_id)
+        detok, seq.detokenizer = seq.detokenizer, None
         text = "" if detok.stopped or seq.finish_reason in ("abort", "error") else detok.flush()
         return self._output(seq, [], text)
 
@@ -229,65 +211,20 @@ class LLMEngine:
         queued = None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time
         out = RequestOutput(seq.request_id, new_token_ids, text, done, seq.finish_reason if done else None,
                             seq.num_prompt_tokens, seq.num_output_tokens, queue_time_s=queued,
-                            num_computed_prompt_tokens=min(seq.num_computed_tokens, seq.num_prompt_tokens))
+                            num_computed_prompt_tokens=seq.num_computed_prompt_tokens)
         lps = seq.prompt_logprobs
         if lps is not None and not seq.prompt_logprobs_sent and len(lps) == seq.num_prompt_tokens:
             out.prompt_logprobs, seq.prompt_logprobs_sent = lps, True
         return out
 
     # -- introspection ----------------------------------------------------------------------
+    def snapshot(self) -> EngineStats:
+        """Queues, KV usage, the last step and the running counters, built now."""
+        return collect(self)
+
     def stats(self) -> dict:
-        """A plain-dict snapshot of queues, KV usage, the last step and cumulative counters."""
-        bm, sched, last, c = self.block_manager, self.scheduler, self.scheduler.last_output, self.scheduler.counters
-        cfg, now = self.config, self.clock()
-        filled: dict[int, int] = {}
-        for seq in list(sched.running):
-            for i, bid in enumerate(list(seq.block_table)):
-                if bid < 0:                              # returned by the sliding window
-                    continue
-                filled[bid] = max(filled.get(bid, 0), min(bm.block_size, seq.num_computed_tokens - i * bm.block_size))
-        fair = getattr(sched.policy, "counters", {})
-        return {
-            "waiting": len(sched.waiting),
-            "running": len(sched.running),
-            "swapped": len(sched.swapped),
-            "batch_occupancy": len(sched.running) / cfg.max_num_seqs,
-            "kv_blocks_used": bm.num_used_blocks,
-            "kv_blocks_total": bm.num_blocks,
-            "kv_cache_usage": bm.num_used_blocks / bm.num_blocks,
-            "kv_slots_used": sum(max(0, f) for f in filled.values()),
-            "host_blocks_used": bm.num_host_blocks - len(bm.host_free) - len(bm.host_pending),
-            "host_blocks_total": bm.num_host_blocks,
-            "block_size": bm.block_size,
-            "prefix_cache_hit_tokens": bm.prefix_hit_tokens,
-            "prefix_cache_query_tokens": bm.prefix_query_tokens,
-            "prefix_cache_hit_rate": bm.prefix_hit_tokens / max(1, bm.prefix_query_tokens),
-            "num_batched_tokens": last.num_batched_tokens,
-            "num_decode_tokens": last.num_decode_tokens,
-            "num_prefill_tokens": last.num_prefill_tokens,
-            "num_seqs_scheduled": len(last.seqs),
-            "token_budget_usage": last.num_batched_tokens / max(1, last.token_budget),
-            "token_budget": last.token_budget,
-            "seat_preemptions": c.seat_preemptions,
-            "num_preemptions": c.preemptions,
-            "preemptions_recompute": c.preemptions_recompute,
-            "preemptions_swap": c.preemptions_swap,
-            "recomputed_tokens": c.recomputed_tokens,
-            "swapped_bytes": self._swapped_bytes,
-            "deadline_drops": c.deadline_drops,
-            "deadline_finishes": c.deadline_finishes,
-            "rejections": c.rejections,
-            "starving": sum(1 for s in list(sched.waiting) if now - s.arrival_time > cfg.starvation_threshold_s),
-            "prompt_tokens": c.prompt_tokens,
-            "generation_tokens": c.generation_tokens,
-            "tenant_served_tokens": {t: tuple(v) for t, v in dict(c.served).items()},
-            "fair_counters": {str(t or ""): v for t, v in dict(fair).items()},
-            "step_time_s": self._step_time,
-            "forward_time_s": self._forward_time,
-            "num_steps": self._num_steps,
-            "max_model_len": self.max_model_len,
-            **sched.speculator.stats(),
-        }
+        """`snapshot()` as a plain dict (DESIGN.md's contract; the wire format of /v1/stats)."""
+        return self.snapshot().as_dict()
 
 
 def _eos_ids(tokenizer, model) -> frozenset[int]:

@@ -1,8 +1,8 @@
 """Engine metrics for Prometheus (vLLM-style names), per engine instance.
 
 Latency histograms are observed as requests progress; everything else (queue lengths, KV
-usage, preemptions, deadline drops, per-tenant service...) is read from `engine.stats()`
-when Prometheus scrapes, so the step loop does no extra bookkeeping for it.
+usage, preemptions, deadline drops, per-tenant service...) is read from an `EngineStats`
+snapshot when Prometheus scrapes, so the step loop does no extra bookkeeping for it.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class EngineMetrics:
 
 
 class _StatsCollector:
-    """Turns an `engine.stats()` snapshot into gauges and counters at scrape time."""
+    """Turns an `EngineStats` snapshot (from `stats_fn()`) into gauges and counters at
+    scrape time; None (no snapshot yet) exposes nothing."""
 
     GAUGES = {
         "num_requests_waiting": ("waiting", "Requests waiting to be scheduled."),
@@ -76,22 +77,24 @@ class _StatsCollector:
 
     def collect(self):
         s = self._stats_fn()
+        if s is None:
+            return
         for name, (key, doc) in self.GAUGES.items():
-            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=s[key])
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=getattr(s, key))
         for name, (key, doc) in self.COUNTERS.items():
-            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=s[key])
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=getattr(s, key))
         pre = CounterMetricFamily(f"{PREFIX}_num_preemptions", "Preemptions by mode.", labels=["mode"])
-        pre.add_metric(["recompute"], s["preemptions_recompute"])
-        pre.add_metric(["swap"], s["preemptions_swap"])
+        pre.add_metric(["recompute"], s.preemptions_recompute)
+        pre.add_metric(["swap"], s.preemptions_swap)
         yield pre
         served = CounterMetricFamily(f"{PREFIX}_tenant_served_tokens", "Tokens served per tenant.",
                                      labels=["tenant", "kind"])
-        for tenant, (inp, outp) in s["tenant_served_tokens"].items():
+        for tenant, (inp, outp) in s.tenant_served_tokens.items():
             served.add_metric([tenant, "input"], inp)
             served.add_metric([tenant, "output"], outp)
         yield served
         vtc = GaugeMetricFamily(f"{PREFIX}_tenant_virtual_tokens", "Fair policy's virtual token counter.",
                                 labels=["tenant"])
-        for tenant, value in s["fair_counters"].items():
+        for tenant, value in s.fair_counters.items():
             vtc.add_metric([tenant], value)
         yield vtc

@@ -21,7 +21,8 @@ tokens and the host pool has room (docs/ENGINE.md: seats, and what counts as red
 Preemption itself, for KV room and for seats at admission, is preemption.py.
 
 After the forward pass `update()` owns everything: computed tokens catch up, full blocks
-are committed, sampled tokens are appended and charged, stop tokens and lengths finish.
+are committed, sampled tokens are appended and charged, stop tokens, stop strings and
+lengths finish.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .budget import make_budget
 from .config import EngineConfig
 from .errors import EngineOverloaded
 from .policy import Policy, make_policy
+from .port import check_capacity
 from .preemption import Preemption
 from .scheduler_output import SchedulerOutput, SchedulerStats
 from .sequence import Sequence, SequenceStatus
@@ -62,22 +64,17 @@ class Scheduler(Preemption):
         self.num_steps = 0
 
     # -- queues ---------------------------------------------------------------------------
-    def check_capacity(self, num_tokens: int, count: bool = True, pending_requests: int = 0,
-                       pending_tokens: int = 0) -> None:
-        """Raise EngineOverloaded if one more request of `num_tokens` would pass a queue limit.
-        `count=False` only looks (for a pre-check from another thread, which also counts the
-        `pending_*` requests it has sent that the engine has not queued yet)."""
-        cfg = self.config
-        waiting = len(self.waiting) + pending_requests
-        if waiting >= cfg.max_queued_requests:
-            self.counters.rejections += count
-            raise EngineOverloaded(f"engine overloaded: {waiting} requests already queued "
-                                   f"(max_queued_requests={cfg.max_queued_requests})", limit="max_queued_requests")
-        queued = sum(s.num_tokens for s in list(self.waiting)) + pending_tokens
-        if queued + num_tokens > cfg.max_queued_tokens:
-            self.counters.rejections += count
-            raise EngineOverloaded(f"engine overloaded: {queued} tokens already queued "
-                                   f"(max_queued_tokens={cfg.max_queued_tokens})", limit="max_queued_tokens")
+    def check_capacity(self, num_tokens: int) -> None:
+        """Raise EngineOverloaded, counted as a rejection, if one more request of
+        `num_tokens` would pass a queue limit (engine thread: the check that decides)."""
+        try:
+            check_capacity(self.config, len(self.waiting), self.queued_tokens(), num_tokens)
+        except EngineOverloaded:
+            self.counters.rejections += 1
+            raise
+
+    def queued_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.waiting)
 
     def add(self, seq: Sequence) -> None:
         self.policy.on_add(seq, self.backlogged_tenants)
@@ -119,10 +116,13 @@ class Scheduler(Preemption):
 
     def update(self, batch: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
         """After the forward pass: computed tokens catch up and full blocks are committed;
-        each sampling sequence gets its token, charged to its tenant, and is finished if it
-        is a stop token or the sequence reached its length. Returns the sampling sequences
-        in batch order (finished ones have left the queues and freed their blocks). Entries
-        with drafts are left to spec_decode.py, which accepts their tokens one by one."""
+        each sampling sequence gets its token, charged to its tenant, and its text
+        (`seq.new_text`, from its detokenizer), and is finished if the token is a stop
+        token, the text completed a stop string, its grammar is complete, or the sequence
+        reached its length. Every finish_reason but 'abort', 'deadline' and 'error' is decided
+        here. Returns the sampling sequences in batch order (finished ones have left the
+        queues and freed their blocks). Entries with drafts are left to spec_decode.py, which
+        accepts their tokens one by one through append_token."""
         c = self.counters
         for seq, n, prompt, charged, drafts in zip(batch.seqs, batch.num_new_tokens, batch.computes_prompt,
                                                    batch.charged, batch.drafts):
@@ -141,15 +141,19 @@ class Scheduler(Preemption):
         return sampling
 
     def append_token(self, seq: Sequence, token: int) -> None:
-        """`seq` gets `token`, charged to its tenant; finished if it is a stop token or the
-        sequence reached its length."""
+        """`seq` gets `token`, charged to its tenant, and its text (`seq.new_text`, from its
+        detokenizer); finished with 'stop' on a stop token or a completed stop string (which
+        outranks 'length'), else with 'length' when it reached its length."""
         c = self.counters
         seq.output_token_ids.append(token)
         seq.num_billed_tokens = seq.num_tokens               # its position is paid for by the output charge
         self.policy.on_served(seq, 0, 1)
         c.generation_tokens += 1
         c.served.setdefault(seq.tenant or "", [0, 0])[1] += 1
-        if token in seq.params.stop_token_ids or (token in seq.eos_token_ids and not seq.params.ignore_eos):
+        stop_token = token in seq.params.stop_token_ids or (token in seq.eos_token_ids and not seq.params.ignore_eos)
+        detok = seq.detokenizer                              # a stop token's text is never shown
+        seq.new_text = "" if stop_token or detok is None else detok.add_token(token)
+        if stop_token or (detok is not None and detok.stopped):
             self.finish(seq, "stop")
         elif seq.grammar_state is not None and seq.grammar_state.complete:        # (grammar_runtime.py)
             self.finish(seq, "stop")

@@ -49,7 +49,11 @@ class Sequence:
         self.block_table: list[int] = []
         self.host_table: list[int] = []       # host-pool blocks while SWAPPED
         self.block_hashes: list[bytes] = []   # hashes of this sequence's full, computed blocks
-        self.num_computed_tokens = 0
+        self._num_computed_tokens = 0
+        # The most prompt tokens ever held computed (prefix-cache hits included): freeing
+        # the blocks (abort, deadline, preemption) zeroes the count above, and billing
+        # needs the work that was done.
+        self.num_computed_prompt_tokens = 0
         self.num_cached_tokens = 0            # prefix-cache hits at the last allocation
         self.num_preemptions = 0
         self.num_seat_preemptions = 0         # preemptions to give an arrival its seat (bounded)
@@ -69,6 +73,20 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprob | None] | None = None if params.prompt_logprobs is None else [None]
         self.prompt_logprobs_sent = False
         self.spec_state = None                # speculative.py's n-gram index and acceptance
+        # Text and stop strings (an engine.detokenizer.IncrementalDetokenizer, or None: no
+        # text): fed by Scheduler.update, which finishes the sequence on a stop string.
+        self.detokenizer = None
+        self.new_text = ""                    # the text of the token sampled last ("" if none)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self._num_computed_tokens
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, n: int) -> None:
+        self._num_computed_tokens = n
+        if n > self.num_computed_prompt_tokens:
+            self.num_computed_prompt_tokens = min(n, len(self.prompt_token_ids))
 
     # -- derived values ---------------------------------------------------------------
     @property

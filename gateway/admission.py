@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from engine import EngineOverloaded, SamplingParams
+from engine import EngineClient, EngineOverloaded, SamplingParams
 from tenants import Lease, QuotaBackend, QuotaBackendUnavailable, QuotaExceeded, Tenant
 
 from .errors import BadRequest, ContextLengthExceeded, Overloaded, QuotaStoreUnavailable, RateLimited
@@ -47,7 +47,7 @@ class Admission:
 
 
 class Admitter:
-    def __init__(self, engine, quotas: QuotaBackend, *, model_name: str, default_max_tokens: int,
+    def __init__(self, engine: EngineClient, quotas: QuotaBackend, *, model_name: str, default_max_tokens: int,
                  clock, tokenize_workers: int = 2):
         self.engine = engine
         self.quotas = quotas
@@ -64,7 +64,7 @@ class Admitter:
         """Slow (the vocabulary is scanned): run it off the event loop."""
         # The gateway's own copies: the engine thread decodes with its tokenizer.
         self.tokenizers = Tokenizers(self.engine.tokenizer, workers=self.tokenize_workers)
-        self.max_model_len = self.engine.max_model_len
+        self.max_model_len = self.engine.limits.max_model_len
 
     def precheck(self, tenant: Tenant) -> None:
         """The quota's refusal, if it would refuse now, as a GatewayError (nothing taken)."""

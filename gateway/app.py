@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
-from engine import EngineConfig
+from engine import EngineClient, EngineConfig, EngineStats
 from tenants import Ledger, QuotaBackend, QuotaManager, Registry
 
 from .auth import authenticate, bearer_key
@@ -106,7 +106,8 @@ class GatewaySettings:
 class Gateway:
     """Everything the routes share, on `app.state.gateway`."""
 
-    def __init__(self, settings: GatewaySettings, *, engine=None, registry: Registry | None = None,
+    def __init__(self, settings: GatewaySettings, *, engine: EngineClient | None = None,
+                 registry: Registry | None = None,
                  quotas: QuotaBackend | None = None):
         from engine import AsyncEngine
 
@@ -116,15 +117,15 @@ class Gateway:
         if quotas is None:
             quotas, self.ledger = quota_backend(settings)
         self.quotas = quotas
-        self.engine = engine or AsyncEngine(settings.engine)
+        self.engine: EngineClient = engine or AsyncEngine(settings.engine)
         self.metrics = GatewayMetrics()
         name = settings.model_name or ("SmolLM2-135M-Instruct" if settings.engine.model == "default"
                                        else Path(settings.engine.model).name or settings.engine.model)
         self.chat = ChatService(self.engine, self.quotas, self.metrics, model_name=name,
                                 default_max_tokens=settings.default_max_tokens,
                                 tokenize_workers=settings.tokenize_workers)
-        register_vllm_metrics(self.metrics.registry, lambda: self.engine.stats() if self.chat.ready else None,
-                              name)
+        self.scraped: EngineStats | None = None     # the engine's snapshot for the scrape being rendered
+        register_vllm_metrics(self.metrics.registry, lambda: self.scraped, name)
         self.started_at = int(time.time())
         self.sockets = Slots()              # authenticated WebSockets: ws.AUTHENTICATED and tenant:<name>
         self.pending_sockets: dict = {}     # ws.Connection -> None, not yet authenticated, oldest first
@@ -219,7 +220,9 @@ async def metrics(request: Request) -> Response:
         return JSONResponse({"error": {"message": "metrics need the metrics token (Authorization: Bearer ...) "
                                                   "or a client on this host", "type": "authentication_error",
                                        "param": None, "code": "metrics_forbidden"}}, 403)
-    registries = [gw.engine.metrics_registry] if gw.chat.ready else []
+    registries, gw.scraped = [], None
+    if gw.chat.ready:               # the engine builds a snapshot for this scrape (after its current step)
+        registries, gw.scraped = [gw.engine.metrics_registry], await gw.engine.stats()
     return Response(gw.metrics.render(*registries), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -256,7 +259,7 @@ async def _unexpected_error(request: Request, exc: Exception) -> Response:
     return error_response(InternalError("internal server error; the request id is in the x-request-id header"))
 
 
-def create_app(settings: GatewaySettings, *, engine=None, registry: Registry | None = None,
+def create_app(settings: GatewaySettings, *, engine: EngineClient | None = None, registry: Registry | None = None,
                quotas: QuotaBackend | None = None) -> Starlette:
     gw = Gateway(settings, engine=engine, registry=registry, quotas=quotas)
 

@@ -16,6 +16,8 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 
+from engine import EngineClient
+
 
 def billed_tokens(out) -> int:
     """What one engine request pays: prompt + completion once it produced a token, else the
@@ -58,7 +60,7 @@ def choice_params(params, i: int):
     return dataclasses.replace(params, seed=(params.seed + i + 2**63) % 2**64 - 2**63)
 
 
-async def choices(engine, adm, settle: Callable[[int], None]) -> AsyncIterator[tuple[int, object]]:
+async def choices(engine: EngineClient, adm, settle: Callable[[int], None]) -> AsyncIterator[tuple[int, object]]:
     n = adm.request.n
     if n == 1:          # the common case, without a task per choice
         stream = engine.generate(adm.request_id, adm.prompt_ids, adm.params, priority=adm.priority,

@@ -1,9 +1,10 @@
 """The live scheduler view: aggregate numbers only (no tenant's prompts or text), sent to
 subscribers of the WebSocket `stats.subscribe` message and to `GET /v1/stats` (SSE).
 
-`StatsHub` makes the cost independent of the number of listeners: one task computes each
-snapshot once per tick (per interval class) and hands the same JSON text to every
-subscriber that is due; a subscriber that falls behind just gets the latest one.
+`StatsHub` makes the cost independent of the number of listeners: one task asks the
+engine for one snapshot per tick in which someone is due (the engine builds it only then),
+renders it once per interval class and hands the same JSON text to every subscriber that
+is due; a subscriber that falls behind just gets the latest one.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import bisect
 import json
 import time
 from collections import deque
+
+from engine import EngineStats
 
 _ENGINE_FIELDS = ("waiting", "running", "swapped", "kv_blocks_used", "kv_blocks_total", "kv_cache_usage",
                   "host_blocks_used", "host_blocks_total", "num_batched_tokens", "num_decode_tokens",
@@ -48,10 +51,10 @@ class ItlWindow:
         return {"count": len(recent), "p50_ms": pct(0.5), "p99_ms": pct(0.99), "max_ms": round(recent[-1] * 1000, 1)}
 
 
-def snapshot(gw, interval_s: float) -> dict:
+def snapshot(gw, interval_s: float, stats: EngineStats | None) -> dict:
     """One stats message: engine queues and KV, last step's token split, gateway ITL."""
-    stats = gw.engine.stats() if gw.chat.ready else {}
-    engine = {k: stats[k] for k in _ENGINE_FIELDS if k in stats}
+    wire = stats.as_dict() if stats is not None else {}
+    engine = {k: wire[k] for k in _ENGINE_FIELDS if k in wire}
     return {"type": "stats", "time": time.time(), "ready": gw.chat.ready, "draining": gw.chat.draining,
             "engine": engine, "open_streams": len(gw.chat.active), "itl": gw.chat.itl.summary(interval_s),
             "policy": gw.settings.engine.policy, "max_num_seqs": gw.settings.engine.max_num_seqs,
@@ -110,11 +113,13 @@ class StatsHub:
     async def _run(self) -> None:
         while self.subscribers:
             now, texts = self.clock(), {}
-            for sub in list(self.subscribers):
-                if now + 1e-3 >= sub.due:
+            due = [sub for sub in self.subscribers if now + 1e-3 >= sub.due]
+            stats = await self.gw.engine.stats() if due and self.gw.chat.ready else None
+            for sub in due:
+                if sub in self.subscribers:
                     text = texts.get(sub.interval_s)
                     if text is None:
-                        text = texts[sub.interval_s] = json.dumps(snapshot(self.gw, sub.interval_s))
+                        text = texts[sub.interval_s] = json.dumps(snapshot(self.gw, sub.interval_s, stats))
                     sub.offer(text)
                     sub.due = max(sub.due + sub.interval_s, now)
             await asyncio.sleep(self.TICK_S)

@@ -14,74 +14,29 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import structlog
 
-from engine import EngineOverloaded
+from engine import EngineClient
 from tenants import QuotaManager, Tenant
 
 from .admission import Admission, Admitter
 from .fanout import choices, engine_ids
-from .errors import (BadRequest, DeadlineExceeded, Draining, GatewayError, InternalError, Overloaded,
-                     RateLimited, Unavailable)
+from .errors import Draining, GatewayError, Overloaded, RateLimited, Unavailable
 from .live import ItlWindow
+from .stream_events import Delta, Done, Failed, StreamAccumulator, Usage, refusal, streamed
+
+__all__ = ["ChatService", "CLIENT_CLOSED", "Delta", "Done", "Failed", "Usage", "streamed"]
 
 log = structlog.get_logger("streamgate.gateway")
 
 CLIENT_CLOSED = 499     # nginx's "client closed request", for metrics and logs
 
 
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-    def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.total_tokens}
-
-
-@dataclass
-class Delta:
-    text: str
-    num_tokens: int     # the deltas' num_tokens add up to usage.completion_tokens
-    index: int = 0      # the choice (request `n`)
-    logprobs: list | None = None        # engine TokenLogprobs of this delta's tokens (when asked)
-    finish_reason: str | None = None    # set on a choice's last delta
-
-
-@dataclass
-class Done:
-    finish_reason: str          # stop | length | abort (cancelled by the client)
-    usage: Usage
-    timings: dict
-    finish_reasons: list = field(default_factory=list)      # per choice (request `n`)
-
-
-@dataclass
-class Failed:
-    error: GatewayError
-    usage: Usage
-    timings: dict
-    before_first_token: bool
-
-
-def streamed(usage) -> int:
-    """What the gateway itself saw streamed: prompt + completion once a token came. The
-    engine's final counts are billed, never less than this (a final output made up when
-    the engine stops or fails with requests in flight carries no counts)."""
-    return usage.total_tokens if usage.completion_tokens else 0
-
-
 class ChatService:
-    def __init__(self, engine, quotas: QuotaManager, metrics, *, model_name: str,
+    def __init__(self, engine: EngineClient, quotas: QuotaManager, metrics, *, model_name: str,
                  default_max_tokens: int = 1024, clock=time.monotonic, tokenize_workers: int = 2):
-        self.engine = engine            # AsyncEngine's public surface, started by the app's lifespan
+        self.engine = engine            # started by the app's lifespan
         self.metrics = metrics
         self.model_name = model_name
         self.clock = clock
@@ -144,73 +99,47 @@ class ChatService:
     async def run(self, adm: Admission) -> AsyncIterator[Delta | Done | Failed]:
         """Stream one admitted request. Ends with exactly one Done or Failed unless the
         consumer leaves first; the lease is settled exactly once either way."""
-        usage = Usage(len(adm.prompt_ids), 0)
-        first = last = queued_s = None
-        status, outcome = CLIENT_CLOSED, "disconnect"
-        queued = False
+        acc = StreamAccumulator(adm.request.n, len(adm.prompt_ids), self.clock, self.itl)
+        refused: GatewayError | None = None
+        queued, status, outcome = False, CLIENT_CLOSED, "disconnect"
         self.active[adm.request_id] = adm
         self.metrics.stream_opened(adm.transport)
         try:
-            finish, error = "abort", None
-            finishes = ["abort"] * adm.request.n
             if not adm.cancelled:
-                stream = choices(self.engine, adm, lambda billed: self._settle(adm, max(billed, streamed(usage))))
-                unsent = [0] * adm.request.n        # tokens of outputs that carried no text yet
-                held: list = [None] * adm.request.n     # their logprobs
+                stream = choices(self.engine, adm, lambda billed: self._settle(adm, max(billed, streamed(acc.usage))))
                 try:
                     async with contextlib.aclosing(stream):
                         queued = True       # the first step of the iteration queues it, or raises
                         async for index, out in stream:
-                            if out.new_token_ids:
-                                now = self.clock()
-                                if first is None:
-                                    first = now
-                                else:
-                                    self.itl.add(now - last)
-                                last = now
-                                usage.completion_tokens += len(out.new_token_ids)
-                                unsent[index] += len(out.new_token_ids)
-                                if out.logprobs:
-                                    held[index] = (held[index] or []) + list(out.logprobs)
-                            if out.queue_time_s is not None:
-                                queued_s = out.queue_time_s
-                            if out.prompt_logprobs is not None:
+                            if out.prompt_logprobs is not None:     # the first output's (echo)
                                 adm.prompt_logprobs = out.prompt_logprobs
-                            if out.finished:
-                                finishes[index] = out.finish_reason
-                            if out.new_text or (out.finished and (unsent[index] or adm.request.n > 1)):
-                                yield Delta(out.new_text, unsent[index], index, held[index],
-                                            out.finish_reason if out.finished and adm.request.n > 1 else None)
-                                unsent[index], held[index] = 0, None
-                            if out.finished and (finish == "abort" or out.finish_reason not in ("stop", "length")):
-                                finish, error = out.finish_reason, out.error
-                except EngineOverloaded as exc:
-                    queued, finish, error = False, "overloaded", exc
-                except ValueError as exc:
-                    queued, finish, error = False, "invalid", exc
-                except RuntimeError as exc:                 # the engine thread is gone
-                    queued, finish, error = False, "error", exc
-            terminal = self._terminal(adm, finish, error, usage, first, queued_s)
-            if isinstance(terminal, Done):
-                terminal.finish_reasons = finishes
+                            if (delta := acc.add(index, out)) is not None:
+                                yield delta
+                except (ValueError, RuntimeError) as exc:      # refused before it was queued, or no engine
+                    queued, refused = False, refusal(exc)
+            terminal = self._terminal(adm, acc, refused)
             status = terminal.error.status if isinstance(terminal, Failed) else (
-                CLIENT_CLOSED if finish == "abort" else 200)
-            outcome = terminal.error.code if isinstance(terminal, Failed) else finish
+                CLIENT_CLOSED if terminal.finish_reason == "abort" else 200)
+            outcome = terminal.error.code if isinstance(terminal, Failed) else terminal.finish_reason
             yield terminal
         finally:
             if not queued:
                 self._settle(adm, 0)
-            self.active.pop(adm.request_id, None)
-            self._shutdown_ids.discard(adm.request_id)
-            self.metrics.stream_closed(adm.transport)
-            self.metrics.request_done(adm.tenant.name, adm.transport, status)
-            if first is not None:
-                self.metrics.observe_ttft(first - adm.arrival)
-            log.info("chat.finished", completion_id=adm.request_id, tenant=adm.tenant.name, transport=adm.transport,
-                     status=status, outcome=outcome, prompt_tokens=usage.prompt_tokens,
-                     completion_tokens=usage.completion_tokens, billed_tokens=adm.billed,
-                     ttft_ms=None if first is None else round((first - adm.arrival) * 1000, 1),
-                     duration_ms=round((self.clock() - adm.arrival) * 1000, 1))
+            self._closed(adm, status, outcome, acc)
+
+    def _closed(self, adm: Admission, status: int, outcome: str, acc: StreamAccumulator) -> None:
+        self.active.pop(adm.request_id, None)
+        self._shutdown_ids.discard(adm.request_id)
+        self.metrics.stream_closed(adm.transport)
+        self.metrics.request_done(adm.tenant.name, adm.transport, status)
+        ttft = None if acc.first is None else acc.first - adm.arrival
+        if ttft is not None:
+            self.metrics.observe_ttft(ttft)
+        log.info("chat.finished", completion_id=adm.request_id, tenant=adm.tenant.name, transport=adm.transport,
+                 status=status, outcome=outcome, prompt_tokens=acc.usage.prompt_tokens,
+                 completion_tokens=acc.usage.completion_tokens, billed_tokens=adm.billed,
+                 ttft_ms=None if ttft is None else round(ttft * 1000, 1),
+                 duration_ms=round((self.clock() - adm.arrival) * 1000, 1))
 
     def _settle(self, adm: Admission, billed: int) -> None:
         if adm.lease.settle(billed):
@@ -218,37 +147,17 @@ class ChatService:
             if adm.request_id not in self.active:     # chat.finished is written: say it now
                 log.info("chat.billed", completion_id=adm.request_id, tenant=adm.tenant.name, billed_tokens=billed)
 
-    def _terminal(self, adm: Admission, finish: str, error, usage: Usage, first: float | None,
-                  queued: float | None):
-        now = self.clock()
-        timings = {"queue_ms": None if queued is None else round(queued * 1000, 2),
-                   "ttft_ms": None if first is None else round((first - adm.arrival) * 1000, 2),
-                   "total_ms": round((now - adm.arrival) * 1000, 2)}
-        if first is not None and usage.completion_tokens > 1 and now > first:
-            timings["tokens_per_s"] = round((usage.completion_tokens - 1) / (now - first), 2)
-        before = usage.completion_tokens == 0
-
-        def failed(err: GatewayError) -> Failed:
-            return Failed(err, usage, timings, before)
-
-        if finish == "deadline":
-            n = usage.completion_tokens
-            when = "before the first token" if before else f"after {n} token{'s' if n > 1 else ''}"
-            return failed(DeadlineExceeded(f"the request's deadline passed {when}"))
-        if finish == "abort" and adm.request_id in self._shutdown_ids:
-            return failed(Draining(f"the server shut down; the request was stopped after "
-                                   f"{usage.completion_tokens} tokens"))
-        if finish == "overloaded":
-            return failed(Overloaded(f"the engine is overloaded ({error}); retry later",
-                                     retry_after=error.retry_after))
-        if finish == "invalid":
-            return failed(BadRequest(str(error)))
-        if finish == "error" and str(error).startswith("grammar:") and usage.completion_tokens == 0:
-            field = "tools" if getattr(adm.request, "forced_tool", None) else "response_format"
-            return failed(BadRequest(f"{field}: {error}", param=field))     # the compile failed or ran too long
-        if finish == "error":
-            return failed(InternalError(f"the engine failed this request: {error}"))
-        return Done(finish, usage, timings)
+    def _terminal(self, adm: Admission, acc: StreamAccumulator, refused: GatewayError | None) -> Done | Failed:
+        timings = acc.timings(adm.arrival)
+        error = refused
+        if error is None and acc.finish == "abort" and adm.request_id in self._shutdown_ids:
+            error = Draining(f"the server shut down; the request was stopped after "
+                             f"{acc.usage.completion_tokens} tokens")
+        if error is None:
+            error = acc.failure("tools" if getattr(adm.request, "forced_tool", None) else "response_format")
+        if error is not None:
+            return Failed(error, acc.usage, timings, acc.usage.completion_tokens == 0)
+        return Done(acc.finish, acc.usage, timings, acc.finishes)
 
     def release(self, adm: Admission) -> None:
         """For an admission whose stream never started (its consumer vanished first):

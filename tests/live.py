@@ -88,8 +88,9 @@ class LiveServer:
         return asyncio.run_coroutine_threadsafe(fn(*args), loop).result(timeout=30)
 
     def engine_stats(self) -> dict:
+        """A fresh engine snapshot in the wire format (as /v1/stats sends it)."""
         async def stats():
-            return self.gateway.engine.stats()
+            return (await self.gateway.engine.stats()).as_dict()
         return self.call(stats)
 
 

@@ -14,7 +14,7 @@ import pytest
 from gateway.harmony import HarmonyParser
 from gateway.tool_parsers import ToolCallDelta
 from tests.live import KEYS, serve
-from tests.test_chat_service import FakeEngine, FakeTokenizer
+from tests.fake_engine import FakeEngine, FakeTokenizer
 
 ANSWER = ('<|channel|>analysis<|message|>Need the weather <|end|> tool.<|end|>'
           '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.live import KEYS, serve
-from tests.test_chat_service import FakeEngine, FakeTokenizer
+from tests.fake_engine import FakeEngine, FakeTokenizer
 
 ANSWER = ["Sure. ", "<tool", '_call>\n{"name": "get_weather", ', '"arguments": {"city": "Pa',
           'ris </tool_call> x"}}\n</tool_call>']

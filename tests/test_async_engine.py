@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -89,8 +90,8 @@ async def test_abort_mid_stream_frees_blocks_and_spares_other_streams(aeng):
     assert got[-1].finish_reason == "abort" and sum(o.finished for o in got) == 1
     toks, _, finals = await other
     assert len(toks) == 40 and finals == ["length"]
-    await asyncio.sleep(0.05)
-    assert aeng.stats()["kv_blocks_used"] == 0 and aeng.stats()["running"] == 0
+    stats = await aeng.stats()
+    assert stats.kv_blocks_used == 0 and stats.running == 0
 
 
 async def test_leaving_the_iterator_aborts_the_request(aeng):
@@ -100,10 +101,11 @@ async def test_leaving_the_iterator_aborts_the_request(aeng):
         break
     await gen.aclose()
     for _ in range(100):
-        if aeng.stats()["running"] == 0:
+        if (await aeng.stats()).running == 0:
             break
         await asyncio.sleep(0.02)
-    assert aeng.stats()["running"] == 0 and aeng.stats()["kv_blocks_used"] == 0
+    stats = await aeng.stats()
+    assert stats.running == 0 and stats.kv_blocks_used == 0
 
 
 async def test_bad_input_raises_before_queueing(aeng):
@@ -196,7 +198,7 @@ async def test_a_request_left_during_prefill_reports_its_computed_prompt_once(ae
     gen = aeng.generate("long", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
                         on_final=finals.append)
     step = asyncio.ensure_future(anext(gen))
-    while aeng.stats().get("prompt_tokens", 0) < 128:
+    while (await aeng.stats()).prompt_tokens < 128:
         await asyncio.sleep(0.005)
     assert not step.done()
     step.cancel()
@@ -212,16 +214,56 @@ async def test_a_request_left_during_prefill_reports_its_computed_prompt_once(ae
     assert 128 <= finals[0].num_computed_prompt_tokens < 400
 
 
-async def test_stats_come_from_the_engine_threads_snapshot(aeng, monkeypatch):
-    """stats() never calls LLMEngine.stats() on the event loop: it returns the snapshot the
-    engine thread published with its last step, counting queued adds as waiting."""
-    def not_here():
-        raise AssertionError("LLMEngine.stats() called from the event loop")
+async def test_stats_are_built_on_the_engine_thread_only_when_asked(aeng, monkeypatch):
+    """stats() is answered with a snapshot the engine thread builds for it (never on the
+    event loop), and steps nobody asked a snapshot of build none."""
+    built = []
+    real = aeng.engine.snapshot
 
-    snapshot = aeng.stats()
-    monkeypatch.setattr(aeng.engine, "stats", not_here)
-    assert aeng.stats()["waiting"] == snapshot["waiting"] == 0
-    monkeypatch.undo()
-    toks, _, _ = await collect(aeng, "s", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    assert aeng.stats()["generation_tokens"] >= 4 and aeng.max_model_len > 0 and aeng.ready
+    def snapshot():
+        built.append(threading.current_thread().name)
+        return real()
+
+    monkeypatch.setattr(aeng.engine, "snapshot", snapshot)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    toks, _, _ = await collect(aeng, "s", [1, 2, 3], params)
+    assert len(toks) == 6 and built == []               # 6 steps, no snapshot
+    stats = await aeng.stats()
+    assert built == ["streamgate-engine"]
+    assert stats.generation_tokens >= 6 and stats.running == 0 and stats.waiting == 0
+    assert aeng.limits.max_model_len == aeng.max_model_len > 0 and aeng.ready
     assert b"streamgate_num_requests_running" in generate_latest(aeng.metrics_registry)
+
+
+async def test_a_request_the_engine_thread_refuses_raises_from_generate(tiny_model):
+    """validate() passes both requests of a one-request queue (neither is sent yet); the
+    engine thread, the check that decides, refuses the second, which generate() raises as
+    EngineOverloaded before yielding anything, with no on_final; the first is served."""
+    from engine import EngineOverloaded
+
+    eng = AsyncEngine(EngineConfig(model=tiny_model("llama"), max_num_seqs=1, max_queued_requests=1,
+                                   num_kv_blocks=256))
+    await eng.start()
+    gate = threading.Event()            # holds the engine thread before its next drain
+    eng.engine.check_health = lambda: gate.wait(30)
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        eng.validate("a", [5, 6, 7], params)
+        eng.validate("b", [5, 6, 8], params)
+        finals = []
+        first = eng.generate("a", [5, 6, 7], params, validated=True, on_final=finals.append)
+        second = eng.generate("b", [5, 6, 8], params, validated=True, on_final=finals.append)
+        got_a = asyncio.ensure_future(anext(first))
+        await asyncio.sleep(0)                          # "a" is sent
+        got_b = asyncio.ensure_future(anext(second))
+        await asyncio.sleep(0)                          # then "b"
+        gate.set()
+        with pytest.raises(EngineOverloaded):
+            await got_b
+        outs = [await got_a] + [out async for out in first]
+        assert outs[-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in outs) == 3
+        assert [f.request_id for f in finals] == ["a"]
+        assert (await eng.stats()).rejections == 1
+    finally:
+        gate.set()
+        await eng.stop()

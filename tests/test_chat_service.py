@@ -15,86 +15,10 @@ from gateway.errors import (ContextLengthExceeded, DeadlineExceeded, Draining, I
                             RateLimited)
 from gateway.metrics import GatewayMetrics
 from gateway.streaming import ChatService, Delta, Done, Failed
+from tests.fake_engine import FakeEngine
 from tests.live import FakeClock, fake_quotas, tenants
 
 HELLO = [{"role": "user", "content": "hello"}]
-
-
-class FakeTokenizer:
-    """One token per character; the template joins the contents with newlines."""
-
-    backend_tokenizer = type("Backend", (), {"normalizer": None})()
-
-    def __init__(self):
-        self.encoded = 0
-
-    def __deepcopy__(self, memo):
-        return self         # one shared instance, so the test sees every encode
-
-    def get_vocab(self) -> dict:
-        return {chr(i): i for i in range(32, 127)}
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
-        return "\n".join(m["content"] for m in messages)
-
-    def __call__(self, text, add_special_tokens=False):
-        self.encoded += 1
-        return {"input_ids": [ord(c) % 128 for c in text]}
-
-
-class FakeEngine:
-    """Plays `script` for each request: a list of (token_count, text) steps, then a final
-    output; 'stall' waits until aborted. Like AsyncEngine, a consumer that leaves early
-    aborts the request and `on_final` still gets the final output."""
-
-    def __init__(self, script=(), *, finish="stop", error=None, computed=None, refuse=None):
-        self.script, self.finish, self.error_text = list(script), finish, error
-        self.computed, self.refuse = computed, refuse
-        self.tokenizer = FakeTokenizer()
-        self.max_model_len = 64
-        self.error = None
-        self.ready = True
-        self.aborted: list[str] = []
-        self.finals: list[RequestOutput] = []
-        self.abort_event = asyncio.Event()
-
-    def validate(self, rid, prompt, params, *, priority=0, deadline=None, weight=1.0):
-        pass
-
-    async def abort(self, rid):
-        self.aborted.append(rid)
-        self.abort_event.set()
-
-    async def generate(self, rid, prompt, params, *, priority, tenant, deadline, weight, validated, on_final):
-        if self.refuse is not None:
-            raise self.refuse
-        n_prompt, produced, finished = len(prompt), 0, False
-        computed = n_prompt if self.computed is None else self.computed
-
-        def final(reason, error=None):
-            out = RequestOutput(rid, [], "", True, reason, n_prompt, produced, error=error,
-                                num_computed_prompt_tokens=computed)
-            self.finals.append(out)
-            on_final(out)
-            return out
-
-        try:
-            for step in self.script:
-                if step == "stall":
-                    await self.abort_event.wait()
-                    finished = True
-                    yield final("abort")
-                    return
-                n, text = step
-                produced += n
-                await asyncio.sleep(0)
-                yield RequestOutput(rid, [7] * n, text, False, None, n_prompt, produced)
-            finished = True
-            out = final(self.finish, self.error_text)
-            yield out
-        finally:
-            if not finished:            # the consumer left: the engine ends it at its next step
-                asyncio.get_running_loop().call_soon(final, "abort")
 
 
 @pytest.fixture

@@ -6,14 +6,14 @@ import asyncio
 import json
 from types import SimpleNamespace
 
-from engine import EngineConfig
+from engine import EngineConfig, EngineStats
 from gateway.live import INTERVALS_S, ItlWindow, StatsHub, interval_class
 
 
 def fake_gateway(calls: list):
-    def stats():
+    async def stats():
         calls.append(1)
-        return {"waiting": 0, "running": 1}
+        return EngineStats(running=1)
 
     return SimpleNamespace(engine=SimpleNamespace(stats=stats),
                            chat=SimpleNamespace(ready=True, draining=False, active={}, itl=ItlWindow()),

@@ -8,7 +8,8 @@ import pytest
 from engine import RequestOutput
 from gateway.streaming import Delta, Failed
 from tests.live import FakeClock
-from tests.test_chat_service import HELLO, FakeEngine, events_of, service
+from tests.fake_engine import FakeEngine
+from tests.test_chat_service import HELLO, events_of, service
 
 
 class StoppingEngine(FakeEngine):

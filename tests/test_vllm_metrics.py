@@ -3,14 +3,15 @@ the text exposition with prometheus_client's own parser."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, EngineStats, LLMEngine, SamplingParams
 from gateway.vllm_metrics import register_vllm_metrics
 
-STATS = {"waiting": 3, "running": 5, "kv_cache_usage": 0.25, "block_size": 16,
-         "kv_blocks_total": 512, "swapped": 0}
+STATS = EngineStats(waiting=3, running=5, kv_cache_usage=0.25, block_size=16, kv_blocks_total=512)
 
 
 def scrape(stats) -> dict:
@@ -42,22 +43,22 @@ def test_values_are_read_at_each_scrape_and_absent_while_loading():
     registry = CollectorRegistry()
     register_vllm_metrics(registry, lambda: current["stats"], "m")
     assert "vllm:" not in generate_latest(registry).decode()
-    current["stats"] = {**STATS, "waiting": 7}
+    current["stats"] = dataclasses.replace(STATS, waiting=7)
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
     assert families["vllm:num_requests_waiting"].samples[0].value == 7
 
 
 def test_a_real_engines_stats_feed_the_series(tiny_model):
-    """The stats keys the collector reads are those LLMEngine.stats() publishes, and a
+    """The fields the collector reads are those LLMEngine.snapshot() fills in, and a
     queued request shows up as waiting, a scheduled one as running with KV in use."""
     engine = LLMEngine(EngineConfig(model=tiny_model("llama"), max_num_batched_tokens=64,
                                     max_num_seqs=8, max_model_len=256, num_kv_blocks=256))
     engine.add_request("r1", list(range(5, 25)), SamplingParams(max_tokens=4))
-    families = scrape(engine.stats)
+    families = scrape(engine.snapshot)
     assert families["vllm:num_requests_waiting"].samples[0].value == 1
     engine.step()
-    families = scrape(engine.stats)
+    families = scrape(engine.snapshot)
     assert families["vllm:num_requests_running"].samples[0].value == 1
     assert 0 < families["vllm:kv_cache_usage_perc"].samples[0].value <= 1
     info = families["vllm:cache_config_info"].samples[0].labels
-    assert int(info["num_gpu_blocks"]) == engine.stats()["kv_blocks_total"] > 0
+    assert int(info["num_gpu_blocks"]) == engine.snapshot().kv_blocks_total > 0

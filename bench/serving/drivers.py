@@ -249,7 +249,7 @@ class InprocDriver:
 
     async def sample_stats(self, samples: list[dict], t0: float, interval_ms: int = 250) -> None:
         while True:
-            samples.append(_sample(time.perf_counter() - t0, self.eng.stats()))
+            samples.append(_sample(time.perf_counter() - t0, (await self.eng.stats()).as_dict()))
             await asyncio.sleep(interval_ms / 1000)
 
     async def close(self) -> None:

@@ -106,7 +106,7 @@ async def read_served(driver, client) -> dict[str, tuple[float, float]]:
     """The engine's per-tenant (prompt, output) counters now: an in-process engine's
     `stats()`, else the server's `GET /metrics` (`client`: an httpx.AsyncClient)."""
     if hasattr(driver, "eng"):
-        return {t: tuple(v) for t, v in driver.eng.stats()["tenant_served_tokens"].items()}
+        return {t: tuple(v) for t, v in (await driver.eng.stats()).tenant_served_tokens.items()}
     served: dict[str, tuple[float, float]] = {}
     for labels, value in _SERVED.findall((await client.get(f"{driver.url}/metrics")).text):
         tags = dict(_LABEL.findall(labels))
