@@ -47,14 +47,16 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
         # One sequence must always fit alone with the watermark left free, or a long
         # preempted sequence could never be readmitted.
+        # A hybrid model's prompt takes blocks in every KV-cache group at allocation.
+        groups = self.runner.kv_groups
         usable = self.runner.num_blocks - int(config.watermark * self.runner.num_blocks)
-        capacity = usable * config.block_size
+        capacity = usable // groups.num_groups * config.block_size
         self.max_model_len = min(config.max_model_len or self.runner.max_position_embeddings or capacity, capacity)
         if not config.chunked_prefill:           # a whole (re)computed prompt must fit one step
             self.max_model_len = min(self.max_model_len, config.max_num_batched_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           num_host_blocks=config.num_swap_blocks,
-                                          sliding_window=getattr(self.runner, "kv_free_window", None))
+                                          windows=groups.windows)
         self.scheduler = Scheduler(config, self.block_manager, clock, self.max_model_len)
         self.metrics = EngineMetrics(self.stats)
         self._swapped_bytes = 0
@@ -90,7 +92,7 @@ class LLMEngine:
             raise ValueError(f"deadline must be a finite time.monotonic() value or None (got {deadline!r})")
         if not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
             raise ValueError(f"weight must be a finite number > 0 (got {weight!r})")
-        blocks = self.block_manager.blocks_for(len(prompt_token_ids) + 1)
+        blocks = self.block_manager.blocks_for_all(len(prompt_token_ids) + 1)
         usable = self.block_manager.num_blocks - self.scheduler.watermark_blocks
         if blocks > usable:
             raise ValueError(f"prompt_token_ids: the prompt needs {blocks} KV blocks but only {usable} "
@@ -221,10 +223,11 @@ class LLMEngine:
         cfg, now = self.config, self.clock()
         filled: dict[int, int] = {}
         for seq in list(sched.running):
-            for i, bid in enumerate(list(seq.block_table)):
-                if bid < 0:                              # returned by the sliding window
-                    continue
-                filled[bid] = max(filled.get(bid, 0), min(bm.block_size, seq.num_computed_tokens - i * bm.block_size))
+            for table in list(seq.block_tables):
+                for i, bid in enumerate(list(table)):
+                    if bid < 0:                          # returned by the sliding window
+                        continue
+                    filled[bid] = max(filled.get(bid, 0), min(bm.block_size, seq.num_computed_tokens - i * bm.block_size))
         fair = getattr(sched.policy, "counters", {})
         return {
             "waiting": len(sched.waiting),

@@ -99,7 +99,7 @@ def test_free_twice_is_caught():
     bm.allocate(a)
     table = list(a.block_table)
     bm.free(a)
-    a.block_table = table
+    a.block_tables = [table]
     try:
         bm.free(a)
     except AssertionError:
