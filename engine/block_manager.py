@@ -188,9 +188,8 @@ class BlockManager:
         for g, table in enumerate(seq.block_tables):
             if self.windows[g] is None:
                 continue
-            for i in range(min(len(table), self._first_seen(g, seq.num_computed_tokens)) - 1, -1, -1):
-                if table[i] == FREED:
-                    break
+            # Oldest first, so that the free queue evicts the window's oldest blocks first.
+            for i in range(self.num_freed(seq, g), min(len(table), self._first_seen(g, seq.num_computed_tokens))):
                 self.pool.release([table[i]])
                 table[i] = FREED
 

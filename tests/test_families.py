@@ -12,6 +12,7 @@ import pytest
 import transformers
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.block_manager import FREED
 from engine.families import UnsupportedModel, describe
 from tests.bf16 import assert_tokens_within_noise
 from tests.families import WINDOW, build_family_model, load_eager_reference
@@ -202,45 +203,59 @@ def test_system_role_is_merged_where_the_template_rejects_it(family_model, tmp_p
 
 
 # -- sliding-window block freeing ---------------------------------------------------------------
-@pytest.mark.parametrize("family", ["qwen3-sliding", "mistral"])
-def test_sliding_window_blocks_return_to_the_pool(family_model, family):
-    """Every layer slides over 24 tokens: during a 150-token generation the sequence holds at
-    most the blocks its window spans (KV flat once the window fills), never reads a returned
-    block (outputs equal HF), and later requests sharing the first prompt's prefix, whose
-    blocks were returned and partly reused meanwhile, still equal HF."""
+@pytest.mark.parametrize("family, blocks", [("qwen3-sliding", 24), ("mistral", 24), ("gemma3_text", 48),
+                                            ("gpt_oss", 48)])
+def test_sliding_window_blocks_return_to_the_pool(family_model, family, blocks):
+    """Every layer slides over 24 tokens (Mistral, the sliding Qwen3), or every other one (the
+    hybrids Gemma 3 and gpt-oss, whose full-attention layers keep their own table): during a
+    150-token generation the sliding tables hold at most the blocks the window spans (KV flat
+    once the window fills: all of it, or all but the full group's one block per 8 tokens),
+    never read a returned block (outputs equal HF). A 90-token prompt then evicts the oldest
+    returned blocks, and later requests sharing the first prompt's prefix still hit the cache
+    where every group holds what its window sees, and equal HF."""
+    from engine.block_manager import block_hash
+
     rng = random.Random(11)
     prompt = [rng.randrange(100, 40_000) for _ in range(40)]
     greedy = dict(temperature=0.0, ignore_eos=True)
     arrivals = {0: [("long", prompt, SamplingParams(max_tokens=150, **greedy))],
+                50: [("filler", [rng.randrange(100, 40_000) for _ in range(90)], SamplingParams(max_tokens=4, **greedy))],
                 60: [("hit", prompt + [5, 6, 7], SamplingParams(max_tokens=30, **greedy))],
                 64: [("hit2", prompt[:33] + [9] * 20, SamplingParams(max_tokens=30, **greedy))]}
-    engine = LLMEngine(EngineConfig(model=family_model(family), block_size=8, num_kv_blocks=24,
+    engine = LLMEngine(EngineConfig(model=family_model(family), block_size=8, num_kv_blocks=blocks,
                                     max_num_batched_tokens=32, max_num_seqs=8, watermark=0.0))
     bm = engine.block_manager
-    assert bm.sliding_window == WINDOW
+    sliding = [g for g, w in enumerate(bm.windows) if w is not None]
+    assert sliding and all(bm.windows[g] == WINDOW for g in sliding)
     held: list[int] = []
     outputs: dict[str, list[int]] = {}
+    first_block = block_hash(b"", prompt[:8])
     for step in range(400):
         for rid, p, params in arrivals.get(step, []):
             engine.add_request(rid, p, params)
         for out in engine.step():
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-        bm.check_invariants(list(engine.scheduler.running))
-        if step < 60:
-            held.append(bm.num_used_blocks)
+        running = list(engine.scheduler.running)
+        bm.check_invariants(running)
+        if step < 50:
+            long = running[0]
+            full = sum(len(t) for g, t in enumerate(long.block_tables) if g not in sliding)
+            held.append(bm.num_used_blocks - full)
+        if step == 60:
+            hit = engine.seqs["hit"]
+            # The prompt's first block left every sliding index (evicted by the filler), yet the
+            # hit holds 5 blocks: the sliding tables start FREED.
+            assert all(first_block not in bm.pool.indexes[g] for g in sliding)
+            assert hit.num_cached_tokens == 40
+            assert all(hit.block_tables[g][0] == FREED for g in sliding)
         if not engine.has_unfinished() and step > 64:
             break
-    # The window spans at most ceil((24 - 1) / 8) + 1 = 4 blocks, plus the next token's.
-    assert max(held) <= 5 and held[-1] <= 5, held
+    # The window spans at most ceil((24 - 1) / 8) + 1 = 4 blocks, plus the next token's, per group.
+    assert max(held) <= 5 * len(sliding) and held[-1] <= 5 * len(sliding), held
     ref = load_eager_reference(family_model(family))
     for reqs in arrivals.values():
         for rid, p, params in reqs:
             assert len(outputs[rid]) == params.max_tokens
             assert_greedy_parity(ref, p, outputs[rid], TOL)
     assert bm.num_used_blocks == 0
-
-
-def test_hybrid_models_keep_their_blocks(family_model):
-    """Gemma 2 has full-attention layers beside its sliding ones: nothing is returned."""
-    engine = LLMEngine(EngineConfig(model=family_model("gemma2"), num_kv_blocks=32))
-    assert engine.block_manager.sliding_window is None
+    assert engine.stats()["kv_blocks_used"] == 0
