@@ -80,3 +80,21 @@ def test_benchmarks_have_their_own_entry_point_and_the_gateway_never_imports_the
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n == "bench" or n.startswith("bench.") for n in names), f"{path} imports {names}"
+
+
+def test_families_benchmark_kv_and_speed(capsys, tiny_model, tmp_path):
+    """`bench.families kv`: freeing holds less than one table for all layers at the end of the
+    conversation, for the all-sliding and the hybrid layouts; `speed` times a decode step of
+    Llama's and gpt-oss's tiny models and estimates the MoE blocks' grouped GEMM."""
+    from bench import families
+
+    kv = families.run_kv(type("A", (), {"tokens": 600, "prompt": 500, "block_size": 16})())
+    for name in families.LAYOUTS:
+        free, keep = kv[f"{name} / free"], kv[f"{name} / keep"]
+        assert free["layer_blocks_end"] < keep["layer_blocks_end"] == keep["rows"] * 38
+    rows = families.run_speed(type("A", (), {"families": "llama,gpt_oss", "seqs": 2, "steps": 3, "threads": 1,
+                                             "smol": False})())
+    assert rows["llama"]["generic"]["step_ms"] > 0 and rows["gpt_oss"]["fused"] is None
+    moe = rows["gpt_oss"]["moe"]
+    assert moe["moe_mlp_ms"] > 0 and 0 < moe["grouped_gemm_ms_estimate"]
+    assert "gpt_oss MoE blocks" in capsys.readouterr().out
