@@ -53,7 +53,8 @@ def test_description_reads_windows_softcaps_and_sinks_per_layer():
     (lambda: transformers.Lfm2Config(num_hidden_layers=4, full_attn_idxs=[1]), "config.layer_types[0] = 'conv'"),
     (lambda: transformers.FalconH1Config(num_hidden_layers=2), "config.layer_types[0] = 'hybrid'"),
     (lambda: transformers.GraniteMoeHybridConfig(num_hidden_layers=2), "config.layer_types[0]"),
-    (lambda: transformers.GPT2Config(n_layer=2), "'gpt2' (config.model_type)"),
+    (lambda: transformers.BloomConfig(n_layer=2), "'bloom' (config.model_type)"),
+    (lambda: transformers.GPT2Config(n_layer=2, add_cross_attention=True), "config.add_cross_attention"),
 ])
 def test_unservable_families_are_refused_at_load_naming_the_field(tmp_path, config, field):
     config().save_pretrained(tmp_path)                # the refusal comes before any weights load
@@ -105,18 +106,30 @@ def test_family_greedy_parity_chunked_with_prefix_hits(family_model, family):
 
 
 MORE_FAMILIES = ["ministral", "olmo3", "exaone4", "cohere2", "starcoder2", "gemma", "phi", "glm4", "helium",
-                 "seed_oss", "cohere", "arcee", "qwen2_moe", "olmoe", "granitemoe"]
+                 "seed_oss", "cohere", "arcee", "qwen2_moe", "olmoe", "granitemoe", "gpt2"]
 
 
 @pytest.mark.parametrize("family", MORE_FAMILIES)
 def test_more_families_greedy_parity(family_model, family):
     """Families whose differences all live in transformers' modeling code (parallel blocks,
-    LayerNorm, biases, partial rotary, logit scales, shared experts) or in their sliding
-    layers: a lighter workload (a prompt crossing the window twice, one sharing its prefix,
+    LayerNorm, biases, partial rotary, logit scales, shared experts, GPT-2's learned absolute
+    positions read at the engine's position ids) or in their sliding layers: a lighter workload (a prompt crossing the window twice, one sharing its prefix,
     a short one), chunked, staggered."""
     rng = random.Random(4)
     first = [rng.randrange(100, 40_000) for _ in range(60)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [("a", first, params)], 2: [("b", [7, 8, 9], params)], 6: [("c", first[:48] + [1, 2], params)]}
+    check_parity(family_model(family), arrivals)
+
+
+@pytest.mark.parametrize("family", ["llama-rope-llama3", "qwen3-rope-yarn", "phi3-rope-longrope"])
+def test_rope_scaling_greedy_parity(family_model, family):
+    """Rope scaling types, `llama3` and `yarn` on the fused forward scaled from 64 original
+    positions (prompts and outputs on both sides of them), `longrope` on Phi-3's forward
+    within its original length (its short factors)."""
+    rng = random.Random(5)
+    first = [rng.randrange(100, 40_000) for _ in range(60)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     arrivals = {0: [("a", first, params)], 2: [("b", [7, 8, 9], params)], 6: [("c", first[:48] + [1, 2], params)]}
     check_parity(family_model(family), arrivals)
 
