@@ -126,8 +126,10 @@ def _param_counts(model_dir: str) -> tuple[int, int]:
     return total, embed
 
 
-def time_decode(model_dir: str, fused: bool, seqs: int, steps: int, threads: int, mlp: bool = False) -> dict | None:
-    """Median decode-only step of `seqs` sequences (None: the fused forward does not apply)."""
+def time_decode(model_dir: str, fused: bool, seqs: int, steps: int, threads: int, mlp: bool = False,
+                profile: bool = False) -> dict | None:
+    """Median decode-only step of `seqs` sequences (None: the fused forward does not apply).
+    With `profile`, the operators of the decode steps by self CPU time (torch.profiler)."""
     import torch
 
     from engine import EngineConfig, LLMEngine, SamplingParams
@@ -143,8 +145,11 @@ def time_decode(model_dir: str, fused: bool, seqs: int, steps: int, threads: int
     for i in range(seqs):
         engine.add_request(f"r{i}", [100 + i + j for j in range(32)], params)
     times, mlp_times = [], []
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
     while engine.has_unfinished():
         before = timer.total if timer else 0.0
+        if prof is not None and len(times) == 2:
+            prof.__enter__()                                         # decode steps 3.. profiled
         start = time.perf_counter()
         engine.step()
         took = time.perf_counter() - start
@@ -152,10 +157,14 @@ def time_decode(model_dir: str, fused: bool, seqs: int, steps: int, threads: int
         if s["num_prefill_tokens"] == 0 and s["num_decode_tokens"] == seqs:
             times.append(took)
             mlp_times.append((timer.total - before) if timer else 0.0)
+    top = None
+    if prof is not None and len(times) > 2:
+        prof.__exit__(None, None, None)
+        top = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10)
     total, embed = _param_counts(model_dir)
     step = statistics.median(times)
     return {"step_ms": step * 1e3, "tokens_per_s": seqs / step, "params": total, "non_embedding_params": total - embed,
-            "mlp_ms": statistics.median(mlp_times) * 1e3 if timer else None, "steps": len(times)}
+            "mlp_ms": statistics.median(mlp_times) * 1e3 if timer else None, "steps": len(times), "profile": top}
 
 
 def moe_estimate(config, dense_mlp_ms: float, dense_config, moe_mlp_ms: float, rows: int) -> dict:
@@ -198,6 +207,12 @@ def run_speed(args) -> dict:
                 if name in rows:
                     rows[name]["moe"] = moe_estimate(AutoConfig.from_pretrained(dirs[name]), base["mlp_ms"], dense_cfg,
                                                      rows[name]["generic"]["mlp_ms"], args.seqs)
+        base = rows.get("llama", {}).get("generic")
+        for name in [n for n in rows if base and args.profile and rows[n]["generic"]["step_ms"] >= 2 * base["step_ms"]]:
+            prof = time_decode(dirs[name], False, args.seqs, args.steps, args.threads, profile=True)
+            print(f"-- {name}: generic decode step {rows[name]['generic']['step_ms']:.2f} ms, "
+                  f"{rows[name]['generic']['step_ms'] / base['step_ms']:.1f}x Llama's; operators by self CPU time\n"
+                  f"{prof['profile']}")
     base = rows.get("llama", {}).get("generic")
     print(f"decode steps of {args.seqs} sequences, median of {args.steps}-ish, {args.threads} thread(s)")
     print(f"{'family':14} {'params':>8} {'non-emb':>8} {'fused ms':>9} {'fused tok/s':>11} {'generic ms':>10} "
@@ -229,6 +244,7 @@ def main(argv=None) -> int:
     sp.add_argument("--steps", type=int, default=24)
     sp.add_argument("--threads", type=int, default=2)
     sp.add_argument("--smol", action="store_true", help="also SmolLM2-135M (the default model)")
+    sp.add_argument("--profile", action="store_true", help="profile every family 2x or more slower than Llama")
     for p in (kv, sp):
         p.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)

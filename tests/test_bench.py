@@ -93,7 +93,7 @@ def test_families_benchmark_kv_and_speed(capsys, tiny_model, tmp_path):
         free, keep = kv[f"{name} / free"], kv[f"{name} / keep"]
         assert free["layer_blocks_end"] < keep["layer_blocks_end"] == keep["rows"] * 38
     rows = families.run_speed(type("A", (), {"families": "llama,gpt_oss", "seqs": 2, "steps": 3, "threads": 1,
-                                             "smol": False})())
+                                             "smol": False, "profile": False})())
     assert rows["llama"]["generic"]["step_ms"] > 0 and rows["gpt_oss"]["fused"] is None
     moe = rows["gpt_oss"]["moe"]
     assert moe["moe_mlp_ms"] > 0 and 0 < moe["grouped_gemm_ms_estimate"]
