@@ -107,7 +107,7 @@ def test_free_twice_is_caught():
     raise AssertionError("double free not detected")
 
 
-ops = st.lists(st.tuples(st.sampled_from(["new", "grow", "free", "commit"]), st.integers(0, 7),
+ops = st.lists(st.tuples(st.sampled_from(["new", "grow", "free", "commit", "swap"]), st.integers(0, 7),
                          st.integers(1, 40)), max_size=60)
 
 
@@ -115,13 +115,26 @@ ops = st.lists(st.tuples(st.sampled_from(["new", "grow", "free", "commit"]), st.
 @given(ops=ops, block_size=st.sampled_from([1, 4, 16]), caching=st.booleans(),
        windows=st.sampled_from([(None,), (5,), (None, 6), (None, 5, 5)]))
 def test_blocks_are_never_lost_or_double_owned(ops, block_size, caching, windows):
-    """After any sequence of allocate/append/commit/free, with one full-attention group, one
-    sliding group or a hybrid's groups, every block is free or owned exactly ref-count times,
-    and all blocks are free when nothing runs."""
-    bm = BlockManager(24, block_size, enable_prefix_caching=caching, windows=windows)
+    """After any sequence of allocate/append/commit/free/swap, with one full-attention group,
+    one sliding group or a hybrid's groups, every block is free or owned exactly ref-count
+    times, and all blocks are free when nothing runs."""
+    bm = BlockManager(24, block_size, enable_prefix_caching=caching, windows=windows, num_host_blocks=16)
     live: dict[int, Sequence] = {}
+    swapped: set[int] = set()
     for op, key, n in ops:
+        bm.end_step()
         s = live.get(key)
+        if op == "swap" and s is not None:
+            if key in swapped and bm.can_swap_in(s):
+                bm.swap_in(s)
+                swapped.discard(key)
+            elif key not in swapped and s.num_computed_tokens and bm.can_swap_out(s):
+                bm.swap_out(s)
+                swapped.add(key)
+            bm.check_invariants(list(live.values()))
+            continue
+        if key in swapped and op in ("grow", "commit"):
+            continue
         if op == "new" and s is None:
             # Shared-prefix prompts (the key's low bit picks a family) exercise caching.
             cand = seq(str(key), [key % 2] * (n // 2) + list(range(n - n // 2)))
@@ -140,9 +153,10 @@ def test_blocks_are_never_lost_or_double_owned(ops, block_size, caching, windows
         elif op == "free" and s is not None:
             bm.free(s)
             del live[key]
+            swapped.discard(key)
         bm.check_invariants(list(live.values()))
-        for t in live.values():
-            assert all(len(table) * block_size >= t.num_tokens for table in t.block_tables)
+        for k, t in live.items():
+            assert k in swapped or all(len(table) * block_size >= t.num_tokens for table in t.block_tables)
     for s in live.values():
         bm.free(s)
     bm.check_invariants([])
