@@ -161,6 +161,16 @@ class BlockManager:
         """Make room for the next `num_new_tokens` tokens to be computed."""
         self._grow(seq, seq.num_computed_tokens + num_new_tokens)
 
+    def rollback(self, seq: Sequence) -> None:
+        """Give back every group's blocks past `seq`'s tokens (slots of rejected speculative
+        tokens, never hashed: only computed tokens' blocks are). `commit` must not have seen
+        the rejected tokens as computed, or a sliding group may have returned a block the
+        accepted position's window still reads."""
+        keep = self.blocks_for(seq.num_tokens)
+        for table in seq.block_tables:
+            self.pool.release(table[keep:])
+            del table[keep:]
+
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
         need = self._need(seq, num_tokens)
         if need > self.num_free_blocks:

@@ -259,3 +259,19 @@ def test_swap_moves_every_groups_live_blocks_and_keeps_freed_entries():
     assert [h for h, _ in back] == [h for _, h in pairs]
     assert s.block_tables[1][:6] == [FREED] * 6 and len(s.block_tables[1]) == 8
     bm.check_invariants([s])
+
+
+def test_rollback_gives_back_every_groups_blocks_past_the_tokens():
+    """Slots reserved for 6 speculative tokens of which none were kept: each group's table
+    shrinks back to the blocks its tokens need and the blocks return to the pool."""
+    bm = hybrid(20)
+    s = seq("a", list(range(14)))
+    bm.allocate(s)
+    s.num_computed_tokens = 14
+    bm.commit(s)
+    bm.append_slots(s, 7)                        # room for 21 tokens: 6 blocks per group
+    assert [len(t) for t in s.block_tables] == [6, 6]
+    bm.rollback(s)
+    assert [len(t) for t in s.block_tables] == [4, 4]
+    bm.check_invariants([s])
+    assert bm.num_used_blocks == 4 + 4 - bm.num_freed(s, 1)
