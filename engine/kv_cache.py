@@ -1,7 +1,9 @@
 """Paged KV cache: one pool of blocks per layer, written through a slot mapping.
 
 Layout per layer: `[num_blocks * block_size, H_kv, D]` (a flat slot axis), so token slot
-`s = block_id * block_size + offset` is one row. Hugging Face models call `update()` on the
+`s = block_id * block_size + offset` is one row. A hybrid model's KV-cache groups
+(kv_groups.py) share the rows: the pool has one row per layer of a group, and layer l uses
+row `layer_row[l]` of the blocks in its group's table. Hugging Face models call `update()` on the
 object passed as `cache=`; it writes the step's new keys/values into their slots and hands
 them back unchanged. The attention function (attention.py) then reads each sequence's
 context from the pool through its slots.
