@@ -31,7 +31,7 @@ from .kv_cache import PagedKVCache
 ATTN_IMPLEMENTATION = "streamgate_paged"
 _PLAIN = LayerSpec()
 
-__all__ = ["ATTN_IMPLEMENTATION", "AttentionMetadata", "DecodeGroup", "KernelBatch", "PrefillChunk",
+__all__ = ["ATTN_IMPLEMENTATION", "AttentionMetadata", "DecodeGroup", "GroupBatch", "KernelBatch", "PrefillChunk",
            "paged_attention", "CompiledKVCache"]
 
 
@@ -44,7 +44,19 @@ class KernelBatch:
 
 
 @dataclass
+class GroupBatch:
+    """One KV-cache group's view of the step (kv_groups.py): its slots and tables."""
+    slot_mapping: torch.Tensor       # [N] where each new token's K/V goes
+    decodes: list[DecodeGroup]
+    prefills: list[PrefillChunk]
+    kernel: KernelBatch | None = None
+
+
+@dataclass
 class AttentionMetadata:
+    """The step's attention metadata. Its own slot_mapping / decodes / prefills / kernel are
+    the first KV-cache group's; a hybrid model's other groups are in `groups`, and layer l
+    reads `batch(l)`."""
     cache: PagedKVCache
     slot_mapping: torch.Tensor       # [N] where each new token's K/V goes
     decodes: list[DecodeGroup]
@@ -52,6 +64,13 @@ class AttentionMetadata:
     kernel: KernelBatch | None = None   # set: the kernel attends for the layers it serves
     layers: tuple[LayerSpec, ...] | None = None   # per layer features (families.py); None: all plain
     on_kernel: tuple[bool, ...] | None = None     # per layer: the kernel attends (else torch); None: all
+    groups: tuple[GroupBatch, ...] = ()           # KV-cache groups 1.. (hybrid models)
+    layer_group: tuple[int, ...] | None = None    # per layer: its group; None: all in the first
+
+    def batch(self, layer: int) -> "AttentionMetadata | GroupBatch":
+        """The slots and tables `layer` reads and writes (its KV-cache group's)."""
+        g = 0 if self.layer_group is None else self.layer_group[layer]
+        return self if g == 0 else self.groups[g - 1]
 
 
 def paged_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, sliding_window=None,
@@ -67,18 +86,19 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
                            f"sinks={s_aux is not None}; the family description (engine/families.py) says {spec}")
     q = query[0].transpose(0, 1)                                  # [N, H, D]
     out = torch.empty_like(q)                                     # [N, H, D]
-    if (kb := meta.kernel) is not None and (meta.on_kernel is None or meta.on_kernel[layer]):
-        cache = meta.cache
+    batch, cache = meta.batch(layer), meta.cache
+    if (kb := batch.kernel) is not None and (meta.on_kernel is None or meta.on_kernel[layer]):
+        k_pool, v_pool = cache.k[cache.row(layer)], cache.v[cache.row(layer)]
         if spec.plain:
-            torch.ops.streamgate.paged_attention(q, cache.k[layer], cache.v[layer], kb.block_tables, kb.q_start,
+            torch.ops.streamgate.paged_attention(q, k_pool, v_pool, kb.block_tables, kb.q_start,
                                                  kb.ctx_lens, cache.block_size, scaling, out)
         else:
             sinks = None if s_aux is None else s_aux.detach().float().contiguous()
-            torch.ops.streamgate.paged_attention_ext(q, cache.k[layer], cache.v[layer], kb.block_tables, kb.q_start,
+            torch.ops.streamgate.paged_attention_ext(q, k_pool, v_pool, kb.block_tables, kb.q_start,
                                                      kb.ctx_lens, cache.block_size, scaling, spec.window or 0,
                                                      spec.softcap or 0.0, sinks, out)
         return out.unsqueeze(0), None
-    torch_attention(meta, layer, q, key, value, out, scaling, spec, s_aux)
+    torch_attention(cache, batch, layer, q, key, value, out, scaling, spec, s_aux)
     return out.unsqueeze(0), None
 
 
@@ -100,8 +120,8 @@ class CompiledKVCache(PagedKVCache):
     (docs/BENCHMARKS.md §8.11). A custom op that declares the mutation is written in place."""
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        kv_write(self.k, layer, slots, key)
-        kv_write(self.v, layer, slots, value)
+        kv_write(self.k, self.row(layer), slots, key)
+        kv_write(self.v, self.row(layer), slots, value)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

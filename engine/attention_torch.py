@@ -63,15 +63,16 @@ class DecodeGroup:
         return self.windowed[window]
 
 
-def torch_attention(meta, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
-                    scaling: float, spec: LayerSpec, sinks: torch.Tensor | None) -> None:
-    """q/out [N, H, D]; key/value [1, H_kv, N, D] (the step's new rows, already in the pool)."""
+def torch_attention(cache: PagedKVCache, meta, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    out: torch.Tensor, scaling: float, spec: LayerSpec, sinks: torch.Tensor | None) -> None:
+    """q/out [N, H, D]; key/value [1, H_kv, N, D] (the step's new rows, already in the pool);
+    meta: the layer's KV-cache group's decodes and prefills."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
     eager = spec.softcap is not None or sinks is not None
     for dec in meta.decodes:
-        k_ctx, v_ctx = _gather(meta.cache, layer, dec.slots)     # [B, T, H_kv, D]
+        k_ctx, v_ctx = _gather(cache, layer, dec.slots)     # [B, T, H_kv, D]
         b = k_ctx.shape[0]
         qd = q[dec.rows].view(b, num_kv_heads, group, head_dim)    # [B, H_kv, G, D]
         mask = dec.mask_for(spec.window)
@@ -88,7 +89,7 @@ def torch_attention(meta, layer: int, q: torch.Tensor, key: torch.Tensor, value:
         if chunk.context_slots is None:                            # whole context is this chunk
             kp, vp = key[:, :, chunk.rows], value[:, :, chunk.rows]  # [1, H_kv, q, D]
         else:
-            kc, vc = _gather(meta.cache, layer, chunk.context_slots)  # [T, H_kv, D]
+            kc, vc = _gather(cache, layer, chunk.context_slots)  # [T, H_kv, D]
             kp, vp = kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0)  # [1, H_kv, T, D]
         mask = chunk.mask_for(spec.window, q.device)
         if eager:
@@ -126,7 +127,7 @@ def _gather(cache: PagedKVCache, layer: int, slots: torch.Tensor) -> tuple[torch
     whose buffers inductor plans itself (a CUDA graph cannot hold the scratch buffer's
     reallocation, and would copy it in as an input on every replay)."""
     if torch.compiler.is_compiling():
-        return cache.k[layer][slots], cache.v[layer][slots]
+        return cache.k[cache.row(layer)][slots], cache.v[cache.row(layer)][slots]
     return cache.gather(layer, slots)
 
 
@@ -139,8 +140,8 @@ def build_torch_groups(meta, block_size: int, device, dec_rows, dec_tables, dec_
         lens = [dec_lens[i] for i in idx]
         t_max = lens[-1]
         width = -(-t_max // block_size)
-        tables = torch.tensor([dec_tables[i][:width] + [0] * (width - len(dec_tables[i][:width])) for i in idx],
-                              dtype=torch.long, device=device)             # [B, blocks]
+        tables = torch.tensor([_readable(dec_tables[i][:width]) + [0] * (width - len(dec_tables[i][:width]))
+                               for i in idx], dtype=torch.long, device=device)   # [B, blocks]
         lens_t = torch.tensor(lens, device=device)
         meta.decodes.append(DecodeGroup(
             rows=torch.tensor([dec_rows[i] for i in idx], dtype=torch.long, device=device),
@@ -151,11 +152,17 @@ def build_torch_groups(meta, block_size: int, device, dec_rows, dec_tables, dec_
         chunk = PrefillChunk(slice(row, row + n), None, None, start)
         if start > 0:                                                    # attends to earlier context
             length = start + n
-            table_t = torch.tensor(table[:-(-length // block_size)], dtype=torch.long, device=device)
+            table_t = torch.tensor(_readable(table[:-(-length // block_size)]), dtype=torch.long, device=device)
             chunk.context_slots = block_slots(table_t[None], block_size)[0, :length]  # [T]
             q_pos = torch.arange(start, length, device=device)
             chunk.mask = torch.arange(length, device=device)[None, :] <= q_pos[:, None]   # [q, T]
         meta.prefills.append(chunk)
+
+
+def _readable(table: list[int]) -> list[int]:
+    """A table whose entries returned by a sliding window (block_manager.FREED, negative)
+    point at block 0: they lie before every query's window, so the masks never let them in."""
+    return [max(b, 0) for b in table]
 
 
 def block_slots(tables: torch.Tensor, block_size: int) -> torch.Tensor:

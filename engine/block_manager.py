@@ -1,121 +1,128 @@
-"""KV block bookkeeping: fixed-size blocks, ref counts, a free queue, per-sequence block
-tables and prefix caching. Plain ints only; never imports torch.
+"""KV block bookkeeping: per-sequence block tables, one per KV-cache group, over one shared
+pool of blocks (block_pool.py), with prefix caching. Plain ints only; never imports torch.
 
-Prefix caching: a full, computed block is named by a chained hash of (previous block's
-hash, its token ids). A new sequence walks its prompt block by block and reuses every
-block whose hash is registered *and* whose stored tokens equal its own (the check that
-rules out false sharing). A block whose last owner frees it keeps its hash and goes to the
-back of the free queue; allocation takes from the front, so cached blocks are evicted
-least-recently-freed first (LRU) and a hit on a free block takes it back off the queue.
+KV-cache groups (kv_groups.py, as vLLM's hybrid KV cache manager): a model whose layers all
+attend alike has one group; a hybrid (Gemma 2/3, gpt-oss: some layers slide over a window,
+the others see the whole context) has a full-attention group and sliding groups, each layer
+reading its group's table. `windows` gives each group's window (None: full attention).
 
-Sliding windows (`sliding_window`, set where every layer of the model slides over the same
-window and the attention reads only the window: ModelRunner.kv_free_window): once a
-sequence's next query no longer sees a block (all its positions before p - window + 1 for
-the next position p), the block goes back to the pool and its table entry becomes FREED.
-Freed entries are always a prefix of the table (windows only move forward), are never read,
-and are skipped by every count, swap and release; a freed block keeps its prefix-cache hash,
-so another sequence can still reuse it until it is evicted.
+Sliding groups: once a sequence's next query no longer sees a block (all its positions
+before p - window + 1 for the next position p), the block goes back to the pool and its
+table entry becomes FREED. Freed entries are always a prefix of the table (windows only move
+forward), are never read, and are skipped by every count, swap and release; a freed block
+keeps its prefix-cache hash, so another sequence can still reuse it until it is evicted.
+The full group keeps every block.
+
+Prefix caching: a sequence's prompt is hashed block by block (one chain, shared by the
+groups); each group looks the hashes up in its own index. A hit of k blocks must be valid in
+every group: the full group holds blocks 0..k-1, and a sliding group holds the blocks the
+next query still sees (from the one holding position k*bs - window + 1 to k - 1); the
+entries before that are FREED. The longest such k wins (a sliding group's early blocks may
+be gone while later ones are cached).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-from array import array
-from collections import OrderedDict
-
+from .block_pool import FREED, BlockPool, block_hash, cdiv, tenant_salt
 from .sequence import Sequence
 
-
-FREED = -1      # a block_table entry whose block fell out of the sliding window and was returned
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@functools.lru_cache(maxsize=1024)
-def tenant_salt(tenant: str | None) -> bytes:
-    """The parent of a sequence's first block: its tenant's salt, so that no tenant's
-    blocks match another's (one tenant could otherwise learn, from its time to first token
-    and the hit rate, whether another recently sent a prefix). None (no tenant): b""."""
-    if tenant is None:
-        return b""
-    return hashlib.blake2b(tenant.encode("utf-8", "surrogatepass"), digest_size=16, person=b"sg-tenant").digest()
-
-
-def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
-    """Chained hash of one full block; 128-bit BLAKE2b, so collisions are not a concern."""
-    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
-
-
-class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
-
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_count = 0
-        self.hash: bytes | None = None
-        self.token_ids: tuple[int, ...] | None = None
+__all__ = ["FREED", "BlockManager", "block_hash", "cdiv", "tenant_salt"]
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0, sliding_window: int | None = None):
+                 num_host_blocks: int = 0, sliding_window: int | None = None,
+                 windows: tuple[int | None, ...] | None = None):
         self.block_size = block_size
-        self.sliding_window = sliding_window
+        self.windows = tuple(windows) if windows is not None else (sliding_window,)
         self.num_host_blocks = num_host_blocks
         self.host_free: list[int] = list(range(num_host_blocks))    # the swap pool
         # Host blocks released during a step stay unusable until the next step: a swap-in
         # copy reading one may still be pending when a swap-out in the same step writes.
         self.host_pending: list[int] = []
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.hash_to_block: dict[bytes, int] = {}
+        self.pool = BlockPool(num_blocks, len(self.windows))
+        self.blocks = self.pool.blocks
         self.prefix_hit_tokens = 0       # cumulative tokens served from the prefix cache
         self.prefix_query_tokens = 0     # cumulative prompt tokens looked up
 
     # -- capacity -----------------------------------------------------------------------
+    @property
+    def sliding_window(self) -> int | None:
+        """The window when every group slides over the same one, else None."""
+        return self.windows[0] if len(set(self.windows)) == 1 else None
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self.pool.free_queue)
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self.blocks) - len(self.free_queue)
+        return len(self.blocks) - len(self.pool.free_queue)
+
+    @property
+    def hash_to_block(self) -> dict[bytes, int]:
+        return self.pool.hash_to_block
 
     def blocks_for(self, num_tokens: int) -> int:
+        """Blocks one table needs for `num_tokens` tokens."""
         return cdiv(num_tokens, self.block_size)
 
+    def blocks_for_all(self, num_tokens: int) -> int:
+        """Blocks all of a sequence's tables need for `num_tokens` tokens at allocation (the
+        sliding groups give theirs back as the window moves on)."""
+        return self.num_groups * self.blocks_for(num_tokens)
+
+    def _first_seen(self, group: int, num_computed: int) -> int:
+        """The first block of `group` that the query at position `num_computed` sees."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, num_computed - window + 1) // self.block_size
+
     # -- prefix matching ----------------------------------------------------------------
-    def _match_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
-        """Cached blocks covering a prefix of `seq`. The last token is never served from
-        cache: the model must compute at least one position to produce logits."""
+    def _match_prefix(self, seq: Sequence) -> tuple[list[list[int]], list[bytes]]:
+        """Per group, the table prefix a hit gives (FREED where a sliding group needs no
+        block), and the hit blocks' hashes. The last token is never served from cache: the
+        model must compute at least one position to produce logits."""
+        none = [[] for _ in self.windows]
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return [], []                     # (prompt logprobs need every position's logits)
-        bs, ids, hashes, parent = self.block_size, [], [], tenant_salt(seq.tenant)
+            return none, []                   # (prompt logprobs need every position's logits)
+        bs, pool, parent = self.block_size, self.pool, tenant_salt(seq.tenant)
+        full = [g for g, w in enumerate(self.windows) if w is None]
+        hashes: list[bytes] = []
+        found: list[list[int | None]] = [[] for _ in self.windows]      # per group, per block
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.token_ids(i * bs, (i + 1) * bs)
             h = block_hash(parent, tokens)
-            bid = self.hash_to_block.get(h)
-            if bid is None or self.blocks[bid].token_ids != tuple(tokens):
+            hit = [pool.lookup(g, h, tokens) for g in range(len(self.windows))]
+            if any(hit[g] is None for g in full):                       # the full chain ends here
                 break
-            ids.append(bid)
             hashes.append(h)
+            for g, bid in enumerate(hit):
+                found[g].append(bid)
             parent = h
-        return ids, hashes
+        for k in range(len(hashes), 0, -1):                             # the longest hit valid everywhere
+            if all(b is not None for g in range(len(self.windows)) for b in found[g][self._first_seen(g, k * bs):k]):
+                tables = []
+                for g in range(len(self.windows)):
+                    lo = self._first_seen(g, k * bs)
+                    tables.append([FREED] * lo + found[g][lo:k])
+                return tables, hashes[:k]
+        return none, []
 
     def blocks_needed(self, seq: Sequence) -> int:
         """Free blocks that allocating all of `seq`'s tokens would take (cached hits on
         blocks nobody holds still leave the free queue)."""
-        hits, _ = self._match_prefix(seq)
-        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        return self.blocks_for(seq.num_tokens) - len(hits) + revived
+        tables, hashes = self._match_prefix(seq)
+        revived = sum(1 for t in tables for b in t if b != FREED and self.blocks[b].ref_count == 0)
+        return self.blocks_for_all(seq.num_tokens) - self.num_groups * len(hashes) + revived
 
     def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
         """Whether all of `seq`'s tokens fit, leaving `reserve` blocks free (the watermark)."""
@@ -123,125 +130,138 @@ class BlockManager:
 
     def num_exclusive_blocks(self, seq: Sequence) -> int:
         """Blocks that freeing `seq` would return to the free queue."""
-        return sum(1 for b in seq.block_table if b != FREED and self.blocks[b].ref_count == 1)
+        return sum(1 for t in seq.block_tables for b in t if b != FREED and self.blocks[b].ref_count == 1)
 
     def allocate(self, seq: Sequence) -> None:
-        """Give `seq` blocks for all its tokens, reusing cached prefix blocks."""
-        assert not seq.block_table, f"{seq.request_id} already holds blocks"
-        hits, hashes = self._match_prefix(seq)
-        for bid in hits:
-            block = self.blocks[bid]
-            if block.ref_count == 0:
-                del self.free_queue[bid]
-            block.ref_count += 1
-        seq.block_table = list(hits)
+        """Give `seq` blocks for all its tokens in every group, reusing cached prefix blocks."""
+        assert not any(seq.block_tables), f"{seq.request_id} already holds blocks"
+        tables, hashes = self._match_prefix(seq)
+        for table in tables:
+            for bid in table:
+                if bid != FREED:
+                    self.pool.take(bid)
+        seq.block_tables = tables
         seq.block_hashes = list(hashes)
-        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_cached_tokens = len(hashes) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
         self.prefix_hit_tokens += seq.num_cached_tokens
         self.prefix_query_tokens += seq.num_tokens
         self._grow(seq, seq.num_tokens)
 
     # -- growth -------------------------------------------------------------------------
+    def _need(self, seq: Sequence, num_tokens: int) -> int:
+        want = self.blocks_for(num_tokens)
+        return sum(max(0, want - len(t)) for t in seq.block_tables) if seq.block_tables \
+            else self.blocks_for_all(num_tokens)
+
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
-        need = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return need <= self.num_free_blocks
+        return self._need(seq, seq.num_computed_tokens + num_new_tokens) <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> None:
         """Make room for the next `num_new_tokens` tokens to be computed."""
         self._grow(seq, seq.num_computed_tokens + num_new_tokens)
 
     def rollback(self, seq: Sequence) -> None:
-        """Give back the blocks past `seq`'s tokens (slots of rejected speculative tokens,
-        never hashed: only computed tokens' blocks are). Stale slots in the blocks kept are
-        written again when their positions are computed."""
+        """Give back every group's blocks past `seq`'s tokens (slots of rejected speculative
+        tokens, never hashed: only computed tokens' blocks are). `commit` must not have seen
+        the rejected tokens as computed, or a sliding group may have returned a block the
+        accepted position's window still reads."""
         keep = self.blocks_for(seq.num_tokens)
-        self._release(seq.block_table[keep:])
-        del seq.block_table[keep:]
+        for table in seq.block_tables:
+            self.pool.release(table[keep:])
+            del table[keep:]
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
-        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        need = self._need(seq, num_tokens)
         if need > self.num_free_blocks:
             raise RuntimeError(f"out of KV blocks: {seq.request_id} needs {need}, {self.num_free_blocks} free")
-        for _ in range(need):
-            seq.block_table.append(self._pop_free())
-
-    def _pop_free(self) -> int:
-        bid, _ = self.free_queue.popitem(last=False)
-        block = self.blocks[bid]
-        if block.hash is not None:            # evict its cache entry
-            if self.hash_to_block.get(block.hash) == bid:
-                del self.hash_to_block[block.hash]
-            block.hash = block.token_ids = None
-        block.ref_count = 1
-        return bid
+        if not seq.block_tables:
+            seq.block_tables = [[] for _ in self.windows]
+        want = self.blocks_for(num_tokens)
+        for table in seq.block_tables:
+            while len(table) < want:
+                table.append(self.pool.pop_free())
 
     # -- after the model ran --------------------------------------------------------------
     def commit(self, seq: Sequence) -> None:
         """Register the hashes of blocks that the last step filled with computed tokens, then
-        (sliding windows) return the blocks the next query no longer sees."""
+        (sliding groups) return the blocks the next query no longer sees."""
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs if self.enable_prefix_caching else 0):
             tokens = seq.token_ids(i * bs, (i + 1) * bs)
             parent = seq.block_hashes[-1] if seq.block_hashes else tenant_salt(seq.tenant)
             h = block_hash(parent, tokens)
             seq.block_hashes.append(h)
-            if seq.block_table[i] == FREED:                 # re-hashed after a swap: the chain only
+            for g, table in enumerate(seq.block_tables):
+                if table[i] != FREED:                 # FREED: re-hashed after a swap, the chain only
+                    self.pool.register(g, table[i], h, tokens)
+        for g, table in enumerate(seq.block_tables):
+            if self.windows[g] is None:
                 continue
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is None and h not in self.hash_to_block:
-                block.hash, block.token_ids = h, tuple(tokens)
-                self.hash_to_block[h] = block.block_id
-        if self.sliding_window:
-            table = seq.block_table
-            unseen = max(0, seq.num_computed_tokens - self.sliding_window + 1) // bs   # blocks wholly before
-            for i in range(min(len(table), unseen) - 1, -1, -1):
-                if table[i] == FREED:
-                    break
-                self._release([table[i]])
+            # Oldest first, so that the free queue evicts the window's oldest blocks first.
+            for i in range(self.num_freed(seq, g), min(len(table), self._first_seen(g, seq.num_computed_tokens))):
+                self.pool.release([table[i]])
                 table[i] = FREED
 
     @staticmethod
-    def num_freed(seq: Sequence) -> int:
-        """Leading table entries returned by the sliding window."""
+    def num_freed(seq: Sequence, group: int = 0) -> int:
+        """Leading entries of `group`'s table returned by the sliding window."""
+        table = seq.block_tables[group] if seq.block_tables else []
         n = 0
-        while n < len(seq.block_table) and seq.block_table[n] == FREED:
+        while n < len(table) and table[n] == FREED:
             n += 1
         return n
 
     def free(self, seq: Sequence) -> None:
         """Release all of `seq`'s blocks (device and host); it has nothing computed after."""
-        self._release(seq.block_table)
-        self.host_pending.extend(seq.host_table)
-        seq.block_table, seq.host_table, seq.block_hashes = [], [], []
+        for table in seq.block_tables:
+            self.pool.release(table)
+        for host in seq.host_tables:
+            self.host_pending.extend(host)
+        seq.block_tables, seq.host_tables, seq.block_hashes = [], [], []
         seq.num_computed_tokens = 0
 
     # -- swapping (the host pool) ---------------------------------------------------------
+    def _live(self, seq: Sequence) -> int:
+        return sum(len(t) - self.num_freed(seq, g) for g, t in enumerate(seq.block_tables))
+
     def can_swap_out(self, seq: Sequence) -> bool:
-        return 0 < len(seq.block_table) - self.num_freed(seq) <= len(self.host_free)
+        return 0 < self._live(seq) <= len(self.host_free)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move `seq` to host blocks; returns (device block, host block) pairs to copy.
         The copies must run before the device blocks are written again (the runner does
-        them before the step's forward pass)."""
-        freed = self.num_freed(seq)
-        live = seq.block_table[freed:]
-        pairs = [(bid, self.host_free.pop()) for bid in live]
-        self._release(live)
-        seq.host_table = [h for _, h in pairs]
-        seq.block_table, seq.block_hashes = [FREED] * freed, []     # freed entries stay freed
+        them before the step's forward pass). Freed entries stay freed."""
+        pairs: list[tuple[int, int]] = []
+        seq.host_tables = []
+        for g, table in enumerate(seq.block_tables):
+            freed = self.num_freed(seq, g)
+            live = table[freed:]
+            mine = [(bid, self.host_free.pop()) for bid in live]
+            self.pool.release(live)
+            seq.host_tables.append([h for _, h in mine])
+            seq.block_tables[g] = [FREED] * freed
+            pairs += mine
+        seq.block_hashes = []
         return pairs
 
+    def swap_in_need(self, seq: Sequence) -> int:
+        """Free blocks that swapping `seq` back in takes."""
+        return sum(self.blocks_for(seq.num_tokens) - self.num_freed(seq, g) for g in range(len(seq.block_tables)))
+
     def can_swap_in(self, seq: Sequence, reserve: int = 0) -> bool:
-        return self.blocks_for(seq.num_tokens) - self.num_freed(seq) + reserve <= self.num_free_blocks
+        return self.swap_in_need(seq) + reserve <= self.num_free_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Give `seq` fresh device blocks for all its tokens; returns (host block, device
         block) pairs to copy back. Its computed tokens stay computed."""
+        freed = [self.num_freed(seq, g) for g in range(len(seq.block_tables))]
         self._grow(seq, seq.num_tokens)
-        pairs = list(zip(seq.host_table, seq.block_table[self.num_freed(seq):]))
-        self.host_pending.extend(seq.host_table)
-        seq.host_table = []
+        pairs: list[tuple[int, int]] = []
+        for g, host in enumerate(seq.host_tables):
+            pairs += zip(host, seq.block_tables[g][freed[g]:])
+            self.host_pending.extend(host)
+        seq.host_tables = []
         return pairs
 
     def end_step(self) -> None:
@@ -249,35 +269,21 @@ class BlockManager:
         self.host_free.extend(self.host_pending)
         self.host_pending.clear()
 
-    def _release(self, table: list[int]) -> None:
-        """Drop one reference to each block. Tail blocks are queued first, so among cached
-        blocks the tails are evicted before the prefixes; uncached blocks are reused first."""
-        for bid in reversed(table):
-            if bid == FREED:
-                continue
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {bid} freed twice"
-            if block.ref_count == 0:
-                if block.hash is None:
-                    self.free_queue[bid] = None
-                    self.free_queue.move_to_end(bid, last=False)   # uncached: reuse first
-                else:
-                    self.free_queue[bid] = None
-
     # -- introspection (tests, stats) -----------------------------------------------------
     def check_invariants(self, live: list[Sequence]) -> None:
-        """Every block is either free (ref 0) or owned exactly ref_count times by `live`."""
+        """Every block is either free (ref 0) or owned exactly ref_count times by `live`;
+        every sequence has one table per group, of which only sliding ones have FREED entries,
+        all leading."""
         owners: dict[int, int] = {}
         for seq in live:
-            for bid in seq.block_table[self.num_freed(seq):]:
-                owners[bid] = owners.get(bid, 0) + 1
-        for block in self.blocks:
-            expected = owners.get(block.block_id, 0)
-            assert block.ref_count == expected, f"block {block.block_id}: ref {block.ref_count} != {expected} owners"
-            assert (block.block_id in self.free_queue) == (expected == 0), f"block {block.block_id} free-queue state wrong"
-        for h, bid in self.hash_to_block.items():
-            assert self.blocks[bid].hash == h, f"stale hash entry for block {bid}"
-        held = [h for seq in live for h in seq.host_table]
+            assert len(seq.block_tables) in (0, self.num_groups), f"{seq.request_id}: {len(seq.block_tables)} tables"
+            for g, table in enumerate(seq.block_tables):
+                freed = self.num_freed(seq, g)
+                assert FREED not in table[freed:], f"{seq.request_id}: group {g} has a FREED entry after a live one"
+                assert freed == 0 or self.windows[g] is not None, f"{seq.request_id}: full group {g} lost blocks"
+                for bid in table[freed:]:
+                    owners[bid] = owners.get(bid, 0) + 1
+        self.pool.check(owners)
+        held = [h for seq in live for host in seq.host_tables for h in host]
         assert len(held) == len(set(held)), "a host block is owned twice"
         assert sorted(held + self.host_free + self.host_pending) == list(range(self.num_host_blocks)), "host blocks lost"

@@ -28,6 +28,7 @@ SERVED: dict[str, bool] = {
     "ministral": False, "olmo3": False, "exaone4": False, "cohere2": False, "starcoder2": False,
     "gemma": False, "phi": False, "glm4": False, "helium": False, "seed_oss": False, "cohere": False,
     "arcee": False, "qwen2_moe": False, "olmoe": False, "granitemoe": False,
+    "gpt2": False,      # learned absolute positions: wpe(position_ids), the engine's positions
 }
 # Families without `layer_types` whose every layer slides when `sliding_window` is set.
 _GLOBAL_WINDOW = ("mistral", "mixtral", "phi3", "qwen3_moe", "qwen2_moe", "starcoder2")
@@ -91,6 +92,9 @@ def describe(config) -> FamilySpec:
     if getattr(config, "attention_chunk_size", None):
         raise UnsupportedModel(f"model family {family!r}: config.attention_chunk_size = {config.attention_chunk_size}: "
                                f"chunked attention is not supported")
+    if getattr(config, "add_cross_attention", False):
+        raise UnsupportedModel(f"model family {family!r}: config.add_cross_attention is set: cross-attention "
+                               f"(an encoder's states) is not supported")
     if family not in SERVED:
         raise UnsupportedModel(f"model family {family!r} (config.model_type) is not supported by the paged engine "
                                f"(supported: {', '.join(SERVED)})")

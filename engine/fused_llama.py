@@ -133,7 +133,7 @@ class FusedLlama:
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)                           # new [N, H(_kv), D]
             ops.rotary(q, k, cos, sin)
-            cache.write(i, k, v, paged.slot_mapping)
+            cache.write(i, k, v, paged.batch(i).slot_mapping)
             out, _ = paged_attention(layer.attn, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                      v.transpose(0, 1)[None], None, scaling=layer.attn.scaling,
                                      sliding_window=layer.window, paged=paged)

@@ -1,7 +1,9 @@
 """Paged KV cache: one pool of blocks per layer, written through a slot mapping.
 
 Layout per layer: `[num_blocks * block_size, H_kv, D]` (a flat slot axis), so token slot
-`s = block_id * block_size + offset` is one row. Hugging Face models call `update()` on the
+`s = block_id * block_size + offset` is one row. A hybrid model's KV-cache groups
+(kv_groups.py) share the rows: the pool has one row per layer of a group, and layer l uses
+row `layer_row[l]` of the blocks in its group's table. Hugging Face models call `update()` on the
 object passed as `cache=`; it writes the step's new keys/values into their slots and hands
 them back unchanged. The attention function (attention.py) then reads each sequence's
 context from the pool through its slots.
@@ -14,8 +16,12 @@ import torch
 
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, num_host_blocks: int = 0):
+                 head_dim: int, dtype: torch.dtype, device: torch.device, num_host_blocks: int = 0,
+                 layer_row: tuple[int, ...] | None = None):
+        # num_layers: the pool's rows per block. A hybrid model's KV-cache groups
+        # (kv_groups.py) share the rows: layer l lives in row layer_row[l] of its group's blocks.
         self.num_layers = num_layers
+        self.layer_row = layer_row
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
@@ -39,16 +45,21 @@ class PagedKVCache:
                         dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    def row(self, layer: int) -> int:
+        """The pool row that holds `layer`'s keys and values."""
+        return layer if self.layer_row is None else self.layer_row[layer]
+
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        """key/value: [N, H_kv, D] for the N packed tokens; slots: [N] int64."""
-        self.k[layer].index_copy_(0, slots, key)
-        self.v[layer].index_copy_(0, slots, value)
+        """key/value: [N, H_kv, D] for the N packed tokens; slots: [N] int64 (the layer's group's)."""
+        row = self.row(layer)
+        self.k[row].index_copy_(0, slots, key)
+        self.v[row].index_copy_(0, slots, value)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: dict | None = None,
                **_: object) -> tuple[torch.Tensor, torch.Tensor]:
         """The Hugging Face cache hook. key/value: [1, H_kv, N, D] (RoPE applied)."""
         meta = (kwargs or {})["paged"]
-        self.write(layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping)
+        self.write(layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.batch(layer_idx).slot_mapping)
         return key, value
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> int:
@@ -81,6 +92,7 @@ class PagedKVCache:
             rows = max(n, 2 * self._scratch[0].shape[0])
             self._scratch = tuple(t.new_empty((rows, t.shape[-1])) for t in (self._k_rows[0], self._v_rows[0]))
         shape = (*slots.shape, *self.k.shape[2:])
-        k = torch.index_select(self._k_rows[layer], 0, flat, out=self._scratch[0][:n])
-        v = torch.index_select(self._v_rows[layer], 0, flat, out=self._scratch[1][:n])
+        row = self.row(layer)
+        k = torch.index_select(self._k_rows[row], 0, flat, out=self._scratch[0][:n])
+        v = torch.index_select(self._v_rows[row], 0, flat, out=self._scratch[1][:n])
         return k.view(shape), v.view(shape)

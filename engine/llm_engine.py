@@ -52,21 +52,24 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
         # One sequence must always fit alone with the watermark left free, or a long
         # preempted sequence could never be readmitted.
+        # A hybrid model's prompt takes blocks in every KV-cache group at allocation.
+        groups = self.runner.kv_groups
         usable = self.runner.num_blocks - int(config.watermark * self.runner.num_blocks)
-        capacity = usable * config.block_size
+        capacity = usable // groups.num_groups * config.block_size
         self.max_model_len = min(config.max_model_len or self.runner.max_position_embeddings or capacity, capacity)
         if not config.chunked_prefill:           # a whole (re)computed prompt must fit one step
             self.max_model_len = min(self.max_model_len, config.max_num_batched_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           num_host_blocks=config.num_swap_blocks,
-                                          sliding_window=getattr(self.runner, "kv_free_window", None))
+                                          windows=groups.windows)
         self.scheduler = Scheduler(config, self.block_manager, clock, self.max_model_len)
         self.limits = EngineLimits(
             max_model_len=self.max_model_len, vocab_size=self.vocab_size, block_size=config.block_size,
             num_kv_blocks=self.block_manager.num_blocks,
             usable_kv_blocks=self.block_manager.num_blocks - self.scheduler.watermark_blocks,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_queued_requests=config.max_queued_requests, max_queued_tokens=config.max_queued_tokens)
+            max_queued_requests=config.max_queued_requests, max_queued_tokens=config.max_queued_tokens,
+            kv_groups=self.block_manager.num_groups)
         self.metrics = EngineMetrics(self.snapshot)
         self.swapped_bytes = 0
         self.eos_token_ids = _eos_ids(self.tokenizer, self.runner.model)

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from .attention import AttentionMetadata, CompiledKVCache
+from .attention import AttentionMetadata, CompiledKVCache, GroupBatch
 from .attention_kernel import has_features, kernel_batch, register_fakes
 from .attention_torch import build_torch_groups
 from .config import EngineConfig
@@ -18,6 +18,7 @@ from .fused_llama import maybe_fuse
 from .kernels import paged_attention_op
 from .kv_cache import PagedKVCache
 from .threads import ThreadTuner
+from .kv_groups import plan_groups
 from .models import load_model
 from .packed_linear import maybe_pack
 from .prompt_logprobs import rows as prompt_logprob_rows
@@ -41,14 +42,20 @@ class ModelRunner:
         self.max_position_embeddings = getattr(hf, "max_position_embeddings", None)
         num_kv_heads = (getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads) // tp   # this rank's
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        self.num_blocks = config.num_kv_blocks or self._auto_num_blocks(hf.num_hidden_layers, num_kv_heads, head_dim)
+        # KV-cache groups (kv_groups.py): a hybrid model's sliding layers get their own block
+        # tables, whose blocks the block manager returns once they leave the window.
+        self.kv_groups = plan_groups(tuple(layer.window for layer in self.family.layers))
+        self.num_blocks = config.num_kv_blocks or self._auto_num_blocks(self.kv_groups.rows, num_kv_heads, head_dim)
         plain = all(layer.plain for layer in self.family.layers)
         use_graphs = config.compile and config.cuda_graphs and self.device.type == "cuda" and plain
         # Compiled, one block more than the block manager hands out: the scratch block (block
         # num_blocks) that padded rows read and write.
         pool = CompiledKVCache if config.compile else PagedKVCache
-        self.kv_cache = pool(hf.num_hidden_layers, self.num_blocks + int(config.compile), config.block_size,
-                             num_kv_heads, head_dim, self.dtype, self.device, config.num_swap_blocks)
+        hybrid = self.kv_groups.num_groups > 1
+        self.kv_cache = pool(self.kv_groups.rows, self.num_blocks + int(config.compile), config.block_size,
+                             num_kv_heads, head_dim, self.dtype, self.device, config.num_swap_blocks,
+                             layer_row=self.kv_groups.layer_row if hybrid else None)
+        self.layer_group = self.kv_groups.layer_group if hybrid else None
         # The path, decided once: per layer, the kernel or the torch backend (a layer whose
         # features the built kernel lacks takes the torch one); the fused or generic forward.
         kernel = self._use_kernel(config)
@@ -58,15 +65,12 @@ class ModelRunner:
         self.use_kernel = any(self.on_kernel)
         self.use_torch = not all(self.on_kernel)
         self.pad_rows = _PAD_ROWS if config.compile and self.use_kernel else 0
-        log.info("%s: dtype %s, attention backend %s", self.family.model_type, self.dtype,
+        log.info("%s: dtype %s, attention backend %s, KV-cache groups %s", self.family.model_type, self.dtype,
                  "kernel" if not self.use_torch else "torch" if not self.use_kernel else
-                 f"kernel on {sum(self.on_kernel)} of {len(self.on_kernel)} layers, torch on the rest")
+                 f"kernel on {sum(self.on_kernel)} of {len(self.on_kernel)} layers, torch on the rest",
+                 " + ".join(f"{len(ls)} layers {'full' if w is None else f'window {w}'}"
+                            for w, ls in zip(self.kv_groups.windows, self.kv_groups.layers)))
         self.forward = maybe_fuse(self.model, config, self.device, self.dtype, self.family) or self.model
-        # Every layer sliding over one window, attended by the kernel (which reads only the
-        # window): the block manager returns blocks that fell out of it (block_manager.py).
-        windows = {layer.window for layer in self.family.layers}
-        one = len(windows) == 1 and None not in windows and all(self.on_kernel)
-        self.kv_free_window = windows.pop() if one else None
         if self.forward is self.model:
             maybe_pack(self.model, config, self.device, self.dtype)
         eager_cpu = self.device.type == "cpu" and not config.compile and tp == 1
@@ -103,13 +107,14 @@ class ModelRunner:
                 sample_rows += [len(ids) + n - 1] if samples else []
                 ids += [0] * n
                 kernel.append((ctx, n, [scratch] * -(-ctx // bs)))
+            groups = range(self.kv_groups.num_groups)
+            slots_g, kernel_g = [list(slots) for _ in groups], [list(kernel) for _ in groups]
             if self.use_kernel:
-                meta = self._pad(ids, pos, slots, sample_rows, kernel)
-            else:
-                meta = self._meta(torch.tensor(slots, device=dev))
-            if self.use_torch:
-                build_torch_groups(meta, bs, dev, [0], [kernel[0][2]], [kernel[0][0]],
-                                   [(row, ctx - n, n, table) for row, (ctx, n, table) in zip((1, 10, 14), kernel[1:])])
+                self._pad(ids, pos, slots_g, sample_rows, kernel_g)
+            torch_parts = ([0], [kernel[0][0]], [[kernel[0][2]] for _ in groups],
+                           [[(row, ctx - n, n, table) for row, (ctx, n, table) in zip((1, 10, 14), kernel[1:])]
+                            for _ in groups]) if self.use_torch else ([], [], [[] for _ in groups], [[] for _ in groups])
+            meta = self._meta(slots_g, kernel_g if self.use_kernel else [[] for _ in groups], *torch_parts)
             forward(input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([pos], device=dev),
                     cache=self.kv_cache, use_cache=False, paged=meta,
                     logits_to_keep=torch.tensor(sample_rows, device=dev))
@@ -117,27 +122,35 @@ class ModelRunner:
         log.info("torch.compile: model compiled in %.1f s", self.compile_time_s)
         return forward
 
-    def _pad(self, ids, pos, slots, sample_rows, kernel: list[tuple[int, int, list[int]]]) -> AttentionMetadata:
+    def _pad(self, ids, pos, slots, sample_rows, kernel) -> None:
         """Compiled with the kernel: append a dummy sequence of two rows on the scratch block,
         both sampled (run() drops their logits), so that rows, sequences, sampled rows and
         block-table width are all >= 2 in every step. torch specializes sizes 0 and 1, so
         without it a lone prompt, one sampled row or none each cost one more graph, compiled
-        mid-serving (minutes for SmolLM2 on this CPU: docs/BENCHMARKS.md §8.11). Returns the
-        step's attention metadata; kernel: (context length, new tokens, block table) per
-        sequence."""
+        mid-serving (minutes for SmolLM2 on this CPU: docs/BENCHMARKS.md §8.11). slots and
+        kernel ((context length, new tokens, block table) per sequence): per KV-cache group."""
         bs, scratch = self.config.block_size, self.num_blocks
         sample_rows += [len(ids), len(ids) + 1]
         ids += [0] * _PAD_ROWS
         pos += [bs - 1, bs]                                            # a 2-block context
-        slots += [scratch * bs + bs - 1, scratch * bs]
-        kernel.append((bs + 1, _PAD_ROWS, [scratch, scratch]))
-        meta = self._meta(torch.tensor(slots, dtype=torch.long, device=self.device))
-        meta.kernel = kernel_batch(kernel, bs)
-        return meta
+        for group_slots, group_kernel in zip(slots, kernel):
+            group_slots += [scratch * bs + bs - 1, scratch * bs]
+            group_kernel.append((bs + 1, _PAD_ROWS, [scratch, scratch]))
 
-    def _meta(self, slots: torch.Tensor) -> AttentionMetadata:
-        return AttentionMetadata(self.kv_cache, slots, [], [], layers=self.family.layers,
-                                 on_kernel=None if not self.use_torch else self.on_kernel)
+    def _meta(self, slots, kernel, dec_rows, dec_lens, dec_tables, prefills) -> AttentionMetadata:
+        """The step's attention metadata; slots, kernel, dec_tables, prefills: per KV-cache group."""
+        bs, dev = self.config.block_size, self.device
+        batches = []
+        for group_slots, group_kernel, group_tables, group_prefills in zip(slots, kernel, dec_tables, prefills):
+            batch = GroupBatch(torch.tensor(group_slots, dtype=torch.long, device=dev), [], [])
+            if group_kernel:
+                batch.kernel = kernel_batch(group_kernel, bs)
+            build_torch_groups(batch, bs, dev, dec_rows, group_tables, dec_lens, group_prefills)
+            batches.append(batch)
+        first = batches[0]
+        return AttentionMetadata(self.kv_cache, first.slot_mapping, first.decodes, first.prefills, first.kernel,
+                                 layers=self.family.layers, on_kernel=None if not self.use_torch else self.on_kernel,
+                                 groups=tuple(batches[1:]), layer_group=self.layer_group)
 
     def _use_kernel(self, config: EngineConfig) -> bool:
         if config.attention_backend == "torch" or self.device.type != "cpu":
@@ -219,58 +232,56 @@ class ModelRunner:
         return logits[0].float()                                      # [K, V]
 
     def _prepare(self, batch: SchedulerOutput):
-        bs, dev = self.config.block_size, self.device
+        bs, dev, groups = self.config.block_size, self.device, range(self.kv_groups.num_groups)
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
         sample_rows: list[int] = []
         dec_rows: list[int] = []
-        dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
-        prefills: list[tuple[int, int, int, list[int]]] = []       # (row, start_pos, n, block table)
-        kernel: list[tuple[int, int, list[int]]] = []               # (context, new tokens, table) for the kernel
+        # Per KV-cache group (kv_groups.py): each reads the sequences' tables of its own.
+        slots: list[list[int]] = [[] for _ in groups]
+        dec_tables: list[list[list[int]]] = [[] for _ in groups]
+        prefills: list[list[tuple[int, int, int, list[int]]]] = [[] for _ in groups]   # (row, start, n, table)
+        kernel: list[list[tuple[int, int, list[int]]]] = [[] for _ in groups]          # (context, new, table)
         entry_rows: list[int] = []
         draft_rows: list[int] = []                                  # verified rows, after the sampled ones
         for seq, n, samples, is_decode, drafts in zip(batch.seqs, batch.num_new_tokens, batch.samples,
                                                       batch.is_decode, batch.drafts):
-            start, row, table = seq.num_computed_tokens, len(ids), seq.block_table
+            start, row = seq.num_computed_tokens, len(ids)
             entry_rows.append(row)
             ids.extend(seq.token_ids(start, start + n - len(drafts)) + drafts)
             pos.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if drafts:                                              # a decode and its proposals: a chunk
                 draft_rows.extend(range(row, row + n))
                 is_decode = False
             elif samples:
                 sample_rows.append(row + n - 1)
-            # The kernel takes every row, decode or chunk, compiled or eager: since its softmax is
-            # vectorized it is level with or ahead of gather + SDPA up to the 512-token budget but
-            # for a full chunk deep in a long context (0.95x, docs/BENCHMARKS.md §8.15), and no
-            # context is copied.
-            if self.use_kernel and drafts:          # one decode row per position: a short chunk's tile
-                kernel.extend((start + j + 1, 1, table) for j in range(n))   # path is ~8x slower a query
-            elif self.use_kernel:
-                kernel.append((start + n, n, table))
-            if not self.use_torch:
-                continue
-            if is_decode:
+            if self.use_torch and is_decode:
                 dec_rows.append(row)
-                dec_tables.append(table)
                 dec_lens.append(start + 1)
-            else:
-                prefills.append((row, start, n, table))
+            for g, table in enumerate(seq.block_tables):
+                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                # The kernel takes every row, decode or chunk, compiled or eager: since its softmax is
+                # vectorized it is level with or ahead of gather + SDPA up to the 512-token budget but
+                # for a full chunk deep in a long context (0.95x, docs/BENCHMARKS.md §8.15), and no
+                # context is copied. Drafts go as one decode row per position: a short chunk's tile
+                # path is ~8x slower a query.
+                if self.use_kernel and drafts:
+                    kernel[g].extend((start + j + 1, 1, table) for j in range(n))
+                elif self.use_kernel:
+                    kernel[g].append((start + n, n, table))
+                if self.use_torch and is_decode:
+                    dec_tables[g].append(table)
+                elif self.use_torch:
+                    prefills[g].append((row, start, n, table))
         sample_rows += draft_rows
         sample_rows += [entry_rows[i] + off + j for i, off, count in prompt_logprob_rows(batch) for j in range(count)]
         if self.pad_rows:
-            meta = self._pad(ids, pos, slots, sample_rows, kernel)
-        else:
-            meta = self._meta(torch.tensor(slots, dtype=torch.long, device=dev))
-            if kernel:
-                meta.kernel = kernel_batch(kernel, bs)
+            self._pad(ids, pos, slots, sample_rows, kernel)
+        meta = self._meta(slots, kernel, dec_rows, dec_lens, dec_tables, prefills)
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)      # [1, N]
         positions = torch.tensor([pos], dtype=torch.long, device=dev)      # [1, N]
         sample_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        build_torch_groups(meta, bs, dev, dec_rows, dec_tables, dec_lens, prefills)
         return input_ids, positions, sample_t, meta
 
 

@@ -38,9 +38,11 @@ class EngineLimits:
     max_num_batched_tokens: int  # tokens in one step (the token budget's ceiling)
     max_queued_requests: int    # waiting requests before EngineOverloaded
     max_queued_tokens: int      # waiting tokens before EngineOverloaded
+    kv_groups: int = 1          # block tables per sequence (kv_groups.py: a hybrid sliding model's)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        """KV blocks a sequence of `num_tokens` holds at allocation, every group's table."""
+        return self.kv_groups * -(-num_tokens // self.block_size)
 
 
 def check_request(limits: EngineLimits, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

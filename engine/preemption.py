@@ -77,7 +77,7 @@ class Preemption:
             return True
         lower.sort(key=lambda s: self.policy.victim_key(s, now), reverse=True)
         # Preempt only if giving up all of them would be enough: never lose work for nothing.
-        need = self.bm.blocks_for(seq.num_tokens) if swapping else self.bm.blocks_needed(seq)
+        need = self.bm.swap_in_need(seq) if swapping else self.bm.blocks_needed(seq)
         freeable = sum(self.bm.num_exclusive_blocks(s) for s in lower)
         seats = self.config.max_num_seqs - len(self.running) + len(lower)
         if seats < 1 or need + self.watermark_blocks > self.bm.num_free_blocks + freeable:

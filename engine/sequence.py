@@ -46,8 +46,8 @@ class Sequence:
         self.eos_token_ids = eos_token_ids
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
-        self.block_table: list[int] = []
-        self.host_table: list[int] = []       # host-pool blocks while SWAPPED
+        self.block_tables: list[list[int]] = []   # one per KV-cache group (block_manager.py)
+        self.host_tables: list[list[int]] = []    # host-pool blocks per group while SWAPPED
         self.block_hashes: list[bytes] = []   # hashes of this sequence's full, computed blocks
         self._num_computed_tokens = 0
         # The most prompt tokens ever held computed (prefix-cache hits included): freeing
@@ -92,6 +92,15 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV-cache group's table (the only one unless the model is hybrid)."""
+        return self.block_tables[0] if self.block_tables else []
+
+    @property
+    def host_table(self) -> list[int]:
+        return [h for host in self.host_tables for h in host]
 
     @property
     def num_output_tokens(self) -> int:

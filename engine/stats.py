@@ -81,10 +81,11 @@ def collect(engine) -> EngineStats:
     cfg, now = engine.config, engine.clock()
     filled: dict[int, int] = {}
     for seq in sched.running:
-        for i, bid in enumerate(seq.block_table):
-            if bid < 0:                              # returned by the sliding window
-                continue
-            filled[bid] = max(filled.get(bid, 0), min(bm.block_size, seq.num_computed_tokens - i * bm.block_size))
+        for table in seq.block_tables:
+            for i, bid in enumerate(table):
+                if bid < 0:                          # returned by the sliding window
+                    continue
+                filled[bid] = max(filled.get(bid, 0), min(bm.block_size, seq.num_computed_tokens - i * bm.block_size))
     fair = getattr(sched.policy, "counters", {})
     return EngineStats(
         waiting=len(sched.waiting),

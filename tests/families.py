@@ -46,6 +46,20 @@ FAMILIES = {
     "seed_oss": ("seed_oss", {}), "cohere": ("cohere", {}), "arcee": ("arcee", {}),
     "qwen2_moe": ("qwen2_moe", _MOE_EXTRA), "olmoe": ("olmoe", _MOE_EXTRA),
     "granitemoe": ("granitemoe", dict(_MOE_EXTRA, num_local_experts=4)),
+    # Rope scaling types, scaled from 64 original positions so the test prompts pass them.
+    "llama-rope-llama3": ("llama", dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
+    "qwen3-rope-yarn": ("qwen3", dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64))),
+    # longrope switches every position to its long factors once a forward's largest position
+    # passes the original length, which batching and chunking change (see ENGINE.md): here
+    # the short factors only, as for contexts within Phi-4-mini's original 4k.
+    "phi3-rope-longrope": ("phi3", dict(original_max_position_embeddings=2048, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=2048,
+        short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.5 * i for i in range(8)]))),
+    # Learned absolute positions (wpe); GPT-2 has no grouped KV heads.
+    "gpt2": ("gpt2", dict(num_key_value_heads=4)),
 }
 
 

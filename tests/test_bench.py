@@ -101,3 +101,21 @@ def test_the_runtime_wheel_leaves_bench_out_and_the_bench_distribution_has_every
     assert set(bench["tool"]["setuptools"]["packages"]) == {"bench", *wings}
     assert wings == {"bench.engine", "bench.serving", "bench.isolation", "bench.peers"}
     assert bench["project"]["scripts"]["streamgate-bench"] == "bench.__main__:main"
+
+
+def test_families_benchmark_kv_and_speed(capsys, tiny_model, tmp_path):
+    """`bench.engine.families kv`: freeing holds less than one table for all layers at the end of the
+    conversation, for the all-sliding and the hybrid layouts; `speed` times a decode step of
+    Llama's and gpt-oss's tiny models and estimates the MoE blocks' grouped GEMM."""
+    from bench.engine import families
+
+    kv = families.run_kv(type("A", (), {"tokens": 600, "prompt": 500, "block_size": 16})())
+    for name in families.LAYOUTS:
+        free, keep = kv[f"{name} / free"], kv[f"{name} / keep"]
+        assert free["layer_blocks_end"] < keep["layer_blocks_end"] == keep["rows"] * 38
+    rows = families.run_speed(type("A", (), {"families": "llama,gpt_oss", "seqs": 2, "steps": 3, "threads": 1,
+                                             "smol": False, "profile": False})())
+    assert rows["llama"]["generic"]["step_ms"] > 0 and rows["gpt_oss"]["fused"] is None
+    moe = rows["gpt_oss"]["moe"]
+    assert moe["moe_mlp_ms"] > 0 and 0 < moe["grouped_gemm_ms_estimate"]
+    assert "gpt_oss MoE blocks" in capsys.readouterr().out

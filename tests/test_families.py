@@ -12,6 +12,7 @@ import pytest
 import transformers
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.block_manager import FREED
 from engine.families import UnsupportedModel, describe
 from tests.bf16 import assert_tokens_within_noise
 from tests.families import WINDOW, build_family_model, load_eager_reference
@@ -52,7 +53,8 @@ def test_description_reads_windows_softcaps_and_sinks_per_layer():
     (lambda: transformers.Lfm2Config(num_hidden_layers=4, full_attn_idxs=[1]), "config.layer_types[0] = 'conv'"),
     (lambda: transformers.FalconH1Config(num_hidden_layers=2), "config.layer_types[0] = 'hybrid'"),
     (lambda: transformers.GraniteMoeHybridConfig(num_hidden_layers=2), "config.layer_types[0]"),
-    (lambda: transformers.GPT2Config(n_layer=2), "'gpt2' (config.model_type)"),
+    (lambda: transformers.BloomConfig(n_layer=2), "'bloom' (config.model_type)"),
+    (lambda: transformers.GPT2Config(n_layer=2, add_cross_attention=True), "config.add_cross_attention"),
 ])
 def test_unservable_families_are_refused_at_load_naming_the_field(tmp_path, config, field):
     config().save_pretrained(tmp_path)                # the refusal comes before any weights load
@@ -104,18 +106,30 @@ def test_family_greedy_parity_chunked_with_prefix_hits(family_model, family):
 
 
 MORE_FAMILIES = ["ministral", "olmo3", "exaone4", "cohere2", "starcoder2", "gemma", "phi", "glm4", "helium",
-                 "seed_oss", "cohere", "arcee", "qwen2_moe", "olmoe", "granitemoe"]
+                 "seed_oss", "cohere", "arcee", "qwen2_moe", "olmoe", "granitemoe", "gpt2"]
 
 
 @pytest.mark.parametrize("family", MORE_FAMILIES)
 def test_more_families_greedy_parity(family_model, family):
     """Families whose differences all live in transformers' modeling code (parallel blocks,
-    LayerNorm, biases, partial rotary, logit scales, shared experts) or in their sliding
-    layers: a lighter workload (a prompt crossing the window twice, one sharing its prefix,
+    LayerNorm, biases, partial rotary, logit scales, shared experts, GPT-2's learned absolute
+    positions read at the engine's position ids) or in their sliding layers: a lighter workload (a prompt crossing the window twice, one sharing its prefix,
     a short one), chunked, staggered."""
     rng = random.Random(4)
     first = [rng.randrange(100, 40_000) for _ in range(60)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [("a", first, params)], 2: [("b", [7, 8, 9], params)], 6: [("c", first[:48] + [1, 2], params)]}
+    check_parity(family_model(family), arrivals)
+
+
+@pytest.mark.parametrize("family", ["llama-rope-llama3", "qwen3-rope-yarn", "phi3-rope-longrope"])
+def test_rope_scaling_greedy_parity(family_model, family):
+    """Rope scaling types, `llama3` and `yarn` on the fused forward scaled from 64 original
+    positions (prompts and outputs on both sides of them), `longrope` on Phi-3's forward
+    within its original length (its short factors)."""
+    rng = random.Random(5)
+    first = [rng.randrange(100, 40_000) for _ in range(60)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     arrivals = {0: [("a", first, params)], 2: [("b", [7, 8, 9], params)], 6: [("c", first[:48] + [1, 2], params)]}
     check_parity(family_model(family), arrivals)
 
@@ -150,14 +164,19 @@ def test_family_bf16_on_the_kernel(family_model, family):
                                        load=lambda dtype: load_eager_reference(model_dir, dtype))
 
 
-@pytest.mark.parametrize("family, mode, blocks", [("gpt_oss", "recompute", 24), ("gemma3_text", "swap", 24),
+@pytest.mark.parametrize("family, mode, blocks", [("gpt_oss", "recompute", 40), ("gemma3_text", "swap", 40),
+                                                  ("gpt_oss", "swap", 40), ("gemma3_text", "recompute", 40),
                                                   ("mistral", "swap", 15), ("qwen3-sliding", "recompute", 15)])
 def test_family_greedy_parity_under_preemption(family_model, family, mode, blocks):
     """A pool too small for every request: sequences are preempted (recomputed, or swapped
-    to the host pool and back) mid-generation, and still equal HF. Mistral and the sliding
-    Qwen3 return blocks that left the window (fewer blocks make them preempt), and are
-    swapped or recomputed with those entries returned."""
-    engine = check_parity(family_model(family), workload(seed=2, max_new=24), num_kv_blocks=blocks, watermark=0.0,
+    to the host pool and back) mid-generation, and still equal HF. Every family here returns
+    blocks that left the window (the hybrids from their sliding layers' tables, kv_groups.py;
+    their blocks are half the size, so twice as many hold the same memory); the requests
+    arrive together so that the pool runs short even so, and are swapped or recomputed with
+    those entries returned."""
+    arrivals = workload(seed=2, max_new=24)
+    arrivals = {0: [r for step, reqs in sorted(arrivals.items()) if step < 40 for r in reqs], 40: arrivals[40]}
+    engine = check_parity(family_model(family), arrivals, num_kv_blocks=blocks, watermark=0.0,
                           preemption_mode=mode, num_swap_blocks=64, swap_min_tokens=1)
     assert engine.stats()["num_preemptions"] > 0
 
@@ -197,45 +216,59 @@ def test_system_role_is_merged_where_the_template_rejects_it(family_model, tmp_p
 
 
 # -- sliding-window block freeing ---------------------------------------------------------------
-@pytest.mark.parametrize("family", ["qwen3-sliding", "mistral"])
-def test_sliding_window_blocks_return_to_the_pool(family_model, family):
-    """Every layer slides over 24 tokens: during a 150-token generation the sequence holds at
-    most the blocks its window spans (KV flat once the window fills), never reads a returned
-    block (outputs equal HF), and later requests sharing the first prompt's prefix, whose
-    blocks were returned and partly reused meanwhile, still equal HF."""
+@pytest.mark.parametrize("family, blocks", [("qwen3-sliding", 24), ("mistral", 24), ("gemma3_text", 48),
+                                            ("gpt_oss", 48)])
+def test_sliding_window_blocks_return_to_the_pool(family_model, family, blocks):
+    """Every layer slides over 24 tokens (Mistral, the sliding Qwen3), or every other one (the
+    hybrids Gemma 3 and gpt-oss, whose full-attention layers keep their own table): during a
+    150-token generation the sliding tables hold at most the blocks the window spans (KV flat
+    once the window fills: all of it, or all but the full group's one block per 8 tokens),
+    never read a returned block (outputs equal HF). A 90-token prompt then evicts the oldest
+    returned blocks, and later requests sharing the first prompt's prefix still hit the cache
+    where every group holds what its window sees, and equal HF."""
+    from engine.block_manager import block_hash
+
     rng = random.Random(11)
     prompt = [rng.randrange(100, 40_000) for _ in range(40)]
     greedy = dict(temperature=0.0, ignore_eos=True)
     arrivals = {0: [("long", prompt, SamplingParams(max_tokens=150, **greedy))],
+                50: [("filler", [rng.randrange(100, 40_000) for _ in range(90)], SamplingParams(max_tokens=4, **greedy))],
                 60: [("hit", prompt + [5, 6, 7], SamplingParams(max_tokens=30, **greedy))],
                 64: [("hit2", prompt[:33] + [9] * 20, SamplingParams(max_tokens=30, **greedy))]}
-    engine = LLMEngine(EngineConfig(model=family_model(family), block_size=8, num_kv_blocks=24,
+    engine = LLMEngine(EngineConfig(model=family_model(family), block_size=8, num_kv_blocks=blocks,
                                     max_num_batched_tokens=32, max_num_seqs=8, watermark=0.0))
     bm = engine.block_manager
-    assert bm.sliding_window == WINDOW
+    sliding = [g for g, w in enumerate(bm.windows) if w is not None]
+    assert sliding and all(bm.windows[g] == WINDOW for g in sliding)
     held: list[int] = []
     outputs: dict[str, list[int]] = {}
+    first_block = block_hash(b"", prompt[:8])
     for step in range(400):
         for rid, p, params in arrivals.get(step, []):
             engine.add_request(rid, p, params)
         for out in engine.step():
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-        bm.check_invariants(list(engine.scheduler.running))
-        if step < 60:
-            held.append(bm.num_used_blocks)
+        running = list(engine.scheduler.running)
+        bm.check_invariants(running)
+        if step < 50:
+            long = running[0]
+            full = sum(len(t) for g, t in enumerate(long.block_tables) if g not in sliding)
+            held.append(bm.num_used_blocks - full)
+        if step == 60:
+            hit = engine.seqs["hit"]
+            # The prompt's first block left every sliding index (evicted by the filler), yet the
+            # hit holds 5 blocks: the sliding tables start FREED.
+            assert all(first_block not in bm.pool.indexes[g] for g in sliding)
+            assert hit.num_cached_tokens == 40
+            assert all(hit.block_tables[g][0] == FREED for g in sliding)
         if not engine.has_unfinished() and step > 64:
             break
-    # The window spans at most ceil((24 - 1) / 8) + 1 = 4 blocks, plus the next token's.
-    assert max(held) <= 5 and held[-1] <= 5, held
+    # The window spans at most ceil((24 - 1) / 8) + 1 = 4 blocks, plus the next token's, per group.
+    assert max(held) <= 5 * len(sliding) and held[-1] <= 5 * len(sliding), held
     ref = load_eager_reference(family_model(family))
     for reqs in arrivals.values():
         for rid, p, params in reqs:
             assert len(outputs[rid]) == params.max_tokens
             assert_greedy_parity(ref, p, outputs[rid], TOL)
     assert bm.num_used_blocks == 0
-
-
-def test_hybrid_models_keep_their_blocks(family_model):
-    """Gemma 2 has full-attention layers beside its sliding ones: nothing is returned."""
-    engine = LLMEngine(EngineConfig(model=family_model("gemma2"), num_kv_blocks=32))
-    assert engine.block_manager.sliding_window is None
+    assert engine.stats()["kv_blocks_used"] == 0
