@@ -4,7 +4,8 @@ given the ones before it, and the top k alternatives, from the prefill's own log
 The logits at position p predict token p + 1, so a chunk computing positions [start, end)
 yields prompt tokens start + 1 .. end (the prompt's last position predicts the first output
 token: it is sampled, not recorded). `rows(batch)` names, per batch entry, the positions
-whose logits the runner keeps beside the sampled rows — its rows come after them, in this
+whose logits the runner keeps beside the sampled rows — its rows come after them (and after
+speculative drafts' rows, spec_decode.py), in this
 order — and `record` turns those logits into `Sequence.prompt_logprobs`, which starts as
 [None] (the first token has no context). Positions already recorded are never asked again,
 so a sequence recomputed after preemption records nothing twice. A request asking for them

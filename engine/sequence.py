@@ -74,7 +74,7 @@ class Sequence:
         self.prompt_logprobs_sent = False
         self.spec_state = None                # speculative.py's n-gram index and acceptance
         # Text and stop strings (an engine.detokenizer.IncrementalDetokenizer, or None: no
-        # text): fed by Scheduler.update, which finishes the sequence on a stop string.
+        # text): fed by Scheduler.append_token, which finishes the sequence on a stop string.
         self.detokenizer = None
         self.new_text = ""                    # the text of the token sampled last ("" if none)
 

@@ -18,7 +18,8 @@ uniform (tests/test_speculative.py checks both against torch).
 
 Committing a run goes token by token through what a decode step does (catch up one
 position and commit full blocks, append and charge the token, stop tokens and lengths,
-then stop strings in LLMEngine._emit), so a run ends exactly where the plain run would.
+stop strings, all in Scheduler.append_token, then LLMEngine._emit), so a run ends exactly
+where the plain run would.
 The KV of rejected drafts is rolled back: the sequence's computed length covers only kept
 positions, and blocks past its tokens go back to the pool (BlockManager.rollback).
 """
@@ -72,17 +73,18 @@ def step(engine: LLMEngine, batch: SchedulerOutput) -> list[RequestOutput]:
     masks = engine.grammars.masks(plain)                      # constrained rows never draft
     plan = prompt_logprob_rows(batch)
     logits = engine.runner.run(batch)
+    end = len(plain) + sum(1 + len(drafts) for _, drafts in batch.drafted)
     if plan:                                                  # prompt positions' rows come last
-        end = len(plain) + sum(1 + len(drafts) for _, drafts in batch.drafted)
         record_prompt_logprobs(batch, plan, logits[end:])
     tokens, logprobs = sample_step(logits[:len(plain)], plain, masks and masks.result(logits.device))
     engine.grammars.advance(plain, tokens)
-    runs = verify(logits[len(plain):], batch.drafted)
+    runs = verify(logits[len(plain):end], batch.drafted)
     now = engine.clock()
     outputs = []
     for j, seq in enumerate(sched.update(batch, tokens)):
         outputs.append(engine._emit(seq, now))
-        outputs[-1].logprobs = None if logprobs is None or logprobs[j] is None else [logprobs[j]]
+        if logprobs is not None and logprobs[j] is not None and outputs[-1].new_token_ids:
+            outputs[-1].logprobs = [logprobs[j]]           # (none for max_tokens 0: no token)
     for (seq, drafts), run in zip(batch.drafted, runs):
         sched.speculator.record(seq, len(drafts), len(run) - 1)
         out = None

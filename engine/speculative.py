@@ -97,7 +97,8 @@ class Speculator:
 
     def extend(self, out: SchedulerOutput, bm: BlockManager, reserve: int, max_model_len: int) -> None:
         """Add proposals to the step's decode entries while the budget (what decodes,
-        prefills and admissions left) and free KV blocks (beyond `reserve`) allow."""
+        prefills and admissions left) and free KV blocks (beyond `reserve`, shared by every KV
+        group's table) allow."""
         if not self.k:
             return
         for i, seq in enumerate(out.seqs):
@@ -107,7 +108,9 @@ class Speculator:
             if not (out.is_decode[i] and out.samples[i]) or seq.computes_prompt or not seq.can_sample \
                     or not plain_sampling(seq.params):
                 continue
-            room = (len(seq.block_table) + bm.num_free_blocks - reserve) * bm.block_size - seq.num_tokens
+            # Every KV group's table grows by the same blocks (kv_groups.py), out of one pool.
+            free = (bm.num_free_blocks - reserve) // bm.num_groups
+            room = (len(seq.block_table) + free) * bm.block_size - seq.num_tokens
             k = min(self.k, left, room, seq.params.max_tokens - seq.num_output_tokens - 1,
                     max_model_len - seq.num_tokens - 1)
             drafts = self._propose(seq, k) if k > 0 else []

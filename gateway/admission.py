@@ -43,7 +43,6 @@ class Admission:
     billed: int | None = None   # set once the lease is settled
     prompt_text: str | None = None      # the rendered prompt (None: the client sent token ids)
     prompt_logprobs: list | None = None     # the engine's, when asked (completions' echo + logprobs)
-    prompt_logprobs: list | None = None     # the engine's, when asked (completions' echo + logprobs)
 
 
 class Admitter:
