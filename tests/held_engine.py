@@ -2,9 +2,9 @@
 never by a model slow enough (a test's verdict must not depend on the host's speed).
 
 `HeldEngine(config, steps=N)` is an `AsyncEngine` over a real `LLMEngine` whose `step()`
-runs freely N times, then holds: requests stay running (blocks, slot and lease taken)
-without producing tokens until the test calls `allow(n)` (n more steps) or `release()`
-(no limit again). While held the engine thread still does everything but decode:
+runs freely N times (None: without limit), then holds: requests stay running (blocks,
+slot and lease taken) without producing tokens until the test calls `allow(n)` (n more
+steps) or `release()` (no limit again); `hold(n)` limits it to n steps from now. While held the engine thread still does everything but decode:
 
 - adds and aborts are drained at once (the held step returns to the thread's loop);
 - an abort's final output goes out at once (one real step delivers it, which may give
@@ -42,6 +42,12 @@ class StepGate:
     def allow(self, n: int | None) -> None:
         with self._lock:
             self._permits = None if n is None or self._permits is None else self._permits + n
+        if self.thread is not None:
+            self.thread.wake.set()
+
+    def hold(self, n: int) -> None:
+        with self._lock:
+            self._permits = n
         if self.thread is not None:
             self.thread.wake.set()
 
@@ -95,6 +101,10 @@ class HeldEngine(AsyncEngine):
     def allow(self, n: int) -> None:
         """n more steps (thread-safe: call it from the test's thread)."""
         self.gate.allow(n)
+
+    def hold(self, steps: int = 0) -> None:
+        """`steps` more steps, then held (thread-safe)."""
+        self.gate.hold(steps)
 
     def release(self) -> None:
         """Step freely from now on."""
