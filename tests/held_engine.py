@@ -4,7 +4,8 @@ never by a model slow enough (a test's verdict must not depend on the host's spe
 `HeldEngine(config, steps=N)` is an `AsyncEngine` over a real `LLMEngine` whose `step()`
 runs freely N times (None: without limit), then holds: requests stay running (blocks,
 slot and lease taken) without producing tokens until the test calls `allow(n)` (n more
-steps) or `release()` (no limit again); `hold(n)` limits it to n steps from now. While held the engine thread still does everything but decode:
+steps) or `release()` (no limit again); `hold(n)` limits it to n steps from now. While
+held the engine thread still does everything but decode:
 
 - adds and aborts are drained at once (the held step returns to the thread's loop);
 - an abort's final output goes out at once (one real step delivers it, which may give
