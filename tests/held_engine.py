@@ -30,10 +30,11 @@ from engine.llm_engine import LLMEngine
 class StepGate:
     """An `LLMEngine` whose `step()` waits for a permit (everything else passes through)."""
 
-    def __init__(self, engine: LLMEngine, steps: int | None):
+    def __init__(self, engine: LLMEngine, steps: int | None, hold_when=None):
         self._engine = engine
         self._lock = threading.Lock()
         self._permits = steps          # None: no limit
+        self._hold_when = hold_when    # engine -> bool: held whatever the permits (see long_held)
         self.thread = None             # the EngineThread, set once it exists
         self.steps = 0                 # real steps taken
 
@@ -53,6 +54,8 @@ class StepGate:
             self.thread.wake.set()
 
     def _take_permit(self) -> bool:
+        if self._hold_when is not None and self._hold_when(self._engine):
+            return False
         with self._lock:
             if self._permits is None:
                 return True
@@ -83,11 +86,25 @@ class StepGate:
         return self._engine.step()
 
 
-class HeldEngine(AsyncEngine):
-    """The real engine: `steps` free steps (None: all), then held until `allow`/`release`."""
+def long_held(min_max_tokens: int = 1000, after: int = 16):
+    """A `hold_when` for a whole server's life: held while every unfinished request that
+    asked for at least `min_max_tokens` has produced `after` tokens (and there is one), so
+    such a stream runs until it is aborted (a disconnect, a drain, a kill) and short
+    requests beside it wait. Used by tests.held_serve for real `streamgate serve` processes."""
 
-    def __init__(self, config: EngineConfig, steps: int | None = 0):
-        self.gate = StepGate(LLMEngine(config), steps)
+    def hold(engine: LLMEngine) -> bool:
+        long = [s for s in list(engine.seqs.values())
+                if not s.status.finished and s.params.max_tokens >= min_max_tokens]
+        return bool(long) and all(len(s.output_token_ids) >= after for s in long)
+    return hold
+
+
+class HeldEngine(AsyncEngine):
+    """The real engine: `steps` free steps (None: all), then held until `allow`/`release`;
+    with `hold_when`, also held whenever it says so."""
+
+    def __init__(self, config: EngineConfig, steps: int | None = 0, hold_when=None):
+        self.gate = StepGate(LLMEngine(config), steps, hold_when)
         super().__init__(config, engine=self.gate)
 
     async def start(self) -> None:
