@@ -13,7 +13,8 @@ held the engine thread still does everything but decode:
 - a stats request gets its snapshot at once;
 - a running or waiting request whose deadline the engine's clock has passed gets the one
   step that lets the scheduler end it (so deadline tests wait on the engine's clock);
-- stop ends the thread.
+- stop ends the thread;
+- a failed tensor-parallel rank ends the engine (its health is checked as between steps).
 
 Test-only: it reads two engine internals (the engine thread's command queue and wake
 event, and `LLMEngine._pending`), which is why it lives here and not in engine/.
@@ -76,6 +77,7 @@ class StepGate:
             if t is None:
                 return []
             t.wake.clear()              # cleared before the checks: a setter sets state first
+            self._engine.check_health()  # a tensor-parallel rank that died ends the engine, as between steps
             if not t.running or not t.commands.empty() or t.stats_asked != t._stats_built:
                 return []               # let the thread drain, publish a snapshot or stop
             if not self._take_permit():
