@@ -11,9 +11,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.2,
             tie_word_embeddings=False)
-# "llama-slow": a real Llama wide and deep enough that a token costs milliseconds, for tests
-# whose long stream must outlast a wait (another request arriving, a drain grace). The 2-layer
-# tiny model writes 1,900 tokens in under 2 s on a fast host, and such tests then raced it.
+# "llama-slow": a deeper, wider Llama (12 layers, head_dim 64: the bf16 dot-product decode
+# paths, logits spread wider) for the parity and bf16-contract tests. A test
+# whose stream must outlast a wait holds it on tests/held_engine.py instead (an event, not
+# a model slow enough to outlast a timer on one host).
 SLOW = dict(TINY, hidden_size=256, intermediate_size=1024, num_hidden_layers=12)
 
 

@@ -15,7 +15,9 @@ from tenants import hash_key
 
 from .redis_server import started, wait_healthy
 
-STREAMGATE = [sys.executable, "-m", "gateway.cli"]
+# `streamgate` with its real engine holding a long stream after 16 tokens until it is
+# aborted (tests/held_serve.py): the tests' long streams outlast their waits by that hold.
+STREAMGATE = [sys.executable, "-m", "tests.held_serve"]
 LIMITS = {  # tenant -> limits; each test uses its own tenant, so they share two replicas
     "rpm": {"requests_per_minute": 6},
     "conc": {"max_concurrent": 3},
@@ -23,7 +25,7 @@ LIMITS = {  # tenant -> limits; each test uses its own tenant, so they share two
     "free": {},
 }
 TTL = 4.0  # lease TTL: a killed replica's slots are free again within it
-LONG = {"max_tokens": 1500, "ignore_eos": True, "stream": True}  # seconds on the "llama-slow" model
+LONG = {"max_tokens": 1500, "ignore_eos": True, "stream": True}  # held after 16 tokens until aborted
 
 
 def key(tenant: str) -> str:
@@ -75,6 +77,6 @@ def redis_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def replicas(tiny_model, redis_server, tmp_path_factory):
-    pair = Replicas(tiny_model("llama-slow"), redis_server.url, tmp_path_factory.mktemp("replicas"))
+    pair = Replicas(tiny_model("llama"), redis_server.url, tmp_path_factory.mktemp("replicas"))
     yield pair
     pair.stop()

@@ -14,7 +14,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.live import KEYS, serve, wait_until
+from tests.held_engine import HeldEngine
+from tests.live import KEYS, engine_config, serve, wait_until
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {"type": "function", "function": {
@@ -31,7 +32,10 @@ CLOCK = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def live(tiny_model, tmp_path_factory):
-    with serve(tiny_model("llama"), tmp_path_factory.mktemp("api-chat")) as server:
+    """The tiny model's real engine, stepping freely unless a test holds it (tests/held_engine.py)."""
+    model = tiny_model("llama")
+    engine = HeldEngine(engine_config(model), steps=None)
+    with serve(model, tmp_path_factory.mktemp("api-chat"), engine=engine) as server:
         yield server
 
 
@@ -172,12 +176,20 @@ def test_leaving_an_n_stream_aborts_every_choice_and_settles(live):
     ledger = live.gateway.quotas.ledger
     before = ledger.used_today("acme")
     body = {"messages": MESSAGES, "max_tokens": 1500, "n": 3, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {KEYS['acme']}"}) as r:
-        lines = r.iter_lines()
-        seen = [next(lines) for _ in range(8)]
-    assert any('"index": 2' in line for line in seen)
-    assert wait_until(lambda: live.gateway.quotas.in_flight("acme") == 0, timeout=30)
-    assert wait_until(lambda: live.engine_stats()["running"] == 0, timeout=30)
+    engine = live.gateway.engine
+    engine.hold(16)         # then two steps per line read: the choices are still running when it leaves
+    try:
+        with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEYS['acme']}"}) as r:
+            lines = r.iter_lines()
+            seen = []
+            for _ in range(8):
+                seen.append(next(lines))
+                engine.allow(2)
+        assert any('"index": 2' in line for line in seen)
+        assert wait_until(lambda: live.gateway.quotas.in_flight("acme") == 0, timeout=30)
+        assert wait_until(lambda: live.engine_stats()["running"] == 0, timeout=30)
+    finally:
+        engine.release()    # (only now: released earlier, the choices could run to 1500 before their aborts land)
     billed = ledger.used_today("acme") - before
     assert 0 < billed < 3 * 1500

@@ -77,21 +77,33 @@ async def test_slow_consumer_gets_merged_deltas_and_does_not_slow_others(aeng):
     assert t_fast < t_slow
 
 
-async def test_abort_mid_stream_frees_blocks_and_spares_other_streams(aeng):
+async def test_abort_mid_stream_frees_blocks_and_spares_other_streams(tiny_model):
     """Aborting one stream ends it with 'abort', frees its blocks by the next step, and the
     other stream still produces all its tokens."""
-    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-    other = asyncio.create_task(collect(aeng, "other", [9, 9, 9], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))
-    got = []
-    async for out in aeng.generate("victim", list(range(100, 180)), long):
-        got.append(out)
-        if sum(len(o.new_token_ids) for o in got) >= 3 and not out.finished:
-            await aeng.abort("victim")
-    assert got[-1].finish_reason == "abort" and sum(o.finished for o in got) == 1
-    toks, _, finals = await other
-    assert len(toks) == 40 and finals == ["length"]
-    stats = await aeng.stats()
-    assert stats.kv_blocks_used == 0 and stats.running == 0
+    from tests.held_engine import HeldEngine
+
+    # Held after 24 steps (tests/held_engine.py) until the abort is sent: the victim is still
+    # running when its abort lands, however fast this host writes its 400 tokens.
+    aeng = HeldEngine(EngineConfig(model=tiny_model("llama"), max_num_batched_tokens=64, max_num_seqs=16,
+                                   num_kv_blocks=256), steps=24)
+    await aeng.start()
+    try:
+        long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        other = asyncio.create_task(collect(aeng, "other", [9, 9, 9],
+                                            SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))
+        got = []
+        async for out in aeng.generate("victim", list(range(100, 180)), long):
+            got.append(out)
+            if sum(len(o.new_token_ids) for o in got) >= 3 and not out.finished:
+                await aeng.abort("victim")
+                aeng.release()
+        assert got[-1].finish_reason == "abort" and sum(o.finished for o in got) == 1
+        toks, _, finals = await other
+        assert len(toks) == 40 and finals == ["length"]
+        stats = await aeng.stats()
+        assert stats.kv_blocks_used == 0 and stats.running == 0
+    finally:
+        await aeng.stop()
 
 
 async def test_leaving_the_iterator_aborts_the_request(aeng):

@@ -16,7 +16,8 @@ import pytest
 from playwright.sync_api import Page, expect, sync_playwright
 
 from tenants import Registry
-from tests.live import serve, wait_until
+from tests.held_engine import HeldEngine
+from tests.live import engine_config, serve, wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
@@ -30,11 +31,14 @@ pytestmark = pytest.mark.browser
 @pytest.fixture(scope="module")
 def live(tiny_model, tmp_path_factory):
     """The real app with the shipped tenants file, so the page's default demo key must work
-    (its max_tokens raised to 1990, so that an answer lasts long enough to be stopped)."""
+    (its max_tokens raised to 1990, for a long answer to stop), on the tiny model's real engine,
+    stepping freely unless a test holds it (tests/held_engine.py)."""
     tmp = tmp_path_factory.mktemp("browser")
     tenants = tmp / "tenants.toml"
     tenants.write_text(TENANTS_FILE.read_text().replace("max_tokens = 1024", "max_tokens = 1990"))
-    with serve(tiny_model("llama"), tmp, registry=Registry.from_file(str(tenants))) as server:
+    model = tiny_model("llama")
+    engine = HeldEngine(engine_config(model), steps=None)
+    with serve(model, tmp, engine=engine, registry=Registry.from_file(str(tenants))) as server:
         yield server
 
 
@@ -153,16 +157,20 @@ def test_chat_streams_multi_turn_and_stats_update(tab):
 def test_stop_aborts_the_answer_and_frees_the_engine(tab, live):
     """Stop sends chat.cancel: the answer ends with finish reason abort and the engine frees its blocks."""
     page = tab.page
-    # Near the tiny model's 2048 positions, and Stop clicked from inside the page the moment
-    # the first answer text arrives: on a fast host the tiny model writes all 1900 tokens in
-    # under 2 s, sooner than polling from the test saw it streaming (the answer had ended).
-    tab.watch_streaming_text(click_stop=True)
-    tab.ask("Tell me a long story.", max_tokens=1900)
-    tab.wait_streaming_text()
-    answer = page.get_by_test_id("answer").last
-    expect(answer.get_by_test_id("finish-reason")).to_have_text("abort")
-    assert 0 < int(answer.get_by_test_id("tokens").text_content()) < 1900
-    assert wait_until(lambda: engine_idle(live)), live.engine_stats()
+    # The 1900-token answer is held after 16 engine steps until it is stopped (the tiny model
+    # writes all of it in under 2 s on a fast host); Stop is clicked from inside the page the
+    # moment the first answer text arrives.
+    live.gateway.engine.hold(16)
+    try:
+        tab.watch_streaming_text(click_stop=True)
+        tab.ask("Tell me a long story.", max_tokens=1900)
+        tab.wait_streaming_text()
+        answer = page.get_by_test_id("answer").last
+        expect(answer.get_by_test_id("finish-reason")).to_have_text("abort")
+        assert 0 < int(answer.get_by_test_id("tokens").text_content()) < 1900
+        assert wait_until(lambda: engine_idle(live)), live.engine_stats()
+    finally:
+        live.gateway.engine.release()
     expect(page.locator("#stop")).to_be_disabled()
     expect(page.locator("#send")).to_be_enabled()
     assert tab.problems == []

@@ -9,8 +9,9 @@ import httpx
 import openai
 import pytest
 
+from tests.held_engine import HeldEngine
 from tests.idle import idle_after  # noqa: F401 - fixture
-from tests.live import KEYS, serve, tenants
+from tests.live import KEYS, engine_config, serve, tenants
 
 MESSAGES = [{"role": "user", "content": "Tell me about paged attention."}]
 
@@ -19,9 +20,12 @@ pytestmark = pytest.mark.usefixtures("idle_after")     # every test leaves the s
 
 @pytest.fixture(scope="module")
 def live(tiny_model, tmp_path_factory):
-    """The slow tiny model: the 400-token stream must outlast several 50 ms keep-alives."""
+    """The tiny model's real engine, stepping freely unless a test holds it (the keep-alive
+    test: its stream must outlast several 50 ms keep-alives)."""
     reg = tenants(other={"max_tokens": 16, "max_prompt_tokens": 200})
-    with serve(tiny_model("llama-slow"), tmp_path_factory.mktemp("http"), registry=reg, keepalive_s=0.05) as server:
+    model = tiny_model("llama")
+    engine = HeldEngine(engine_config(model), steps=None)
+    with serve(model, tmp_path_factory.mktemp("http"), engine=engine, registry=reg, keepalive_s=0.05) as server:
         yield server
 
 
@@ -77,13 +81,23 @@ def test_errors_surface_as_openai_exceptions_with_status_and_field(live):
 def test_raw_sse_headers_keepalives_and_done(live):
     """The stream has SSE headers set before the first byte, keep-alive comments and ends with [DONE]."""
     body = {"messages": MESSAGES, "stream": True, "max_tokens": 400, "temperature": 0}
-    with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {KEYS['acme']}"}) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        assert r.headers["x-accel-buffering"] == "no"
-        assert "x-ratelimit-remaining-requests" not in r.headers    # acme has no request limit
-        lines = [line for line in r.iter_lines() if line]
+    engine = live.gateway.engine
+    engine.hold(16)                 # the stream stalls after 16 steps until a keep-alive came
+    try:
+        with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEYS['acme']}"}) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            assert r.headers["x-accel-buffering"] == "no"
+            assert "x-ratelimit-remaining-requests" not in r.headers    # acme has no request limit
+            lines = []
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if line.startswith(":"):
+                    engine.release()
+    finally:
+        engine.release()
     assert lines[-1] == "data: [DONE]"
     assert any(line.startswith(":") for line in lines), "no keep-alive comment"
     payloads = [json.loads(line[6:]) for line in lines[:-1] if line.startswith("data: ")]

@@ -13,8 +13,9 @@ import httpx
 import pytest
 import websockets
 
+from tests.held_engine import HeldEngine
 from tests.idle import idle_after  # noqa: F401 - fixture
-from tests.live import KEYS, serve, tenants, wait_until
+from tests.live import KEYS, engine_config, serve, tenants, wait_until
 
 HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
 AUTH = {"Authorization": f"Bearer {KEYS['acme']}"}
@@ -240,7 +241,10 @@ def test_sigterm_during_the_model_load_exits_without_waiting_for_it(tiny_model, 
 def test_a_second_sigterm_ends_queued_requests_with_a_json_503(tiny_model, tmp_path):
     """On the second signal a request still waiting for its first token gets a JSON 503
     server_draining (not a plain-text 500), a running one its final error event, and the server exits."""
-    with serve(tiny_model("llama-slow"), tmp_path, drain_grace_s=60, engine_kw={"max_num_seqs": 1}) as live:
+    # the real engine held after 16 steps: the long stream runs until the signals end it
+    model = tiny_model("llama")
+    engine = HeldEngine(engine_config(model, max_num_seqs=1), steps=16)
+    with serve(model, tmp_path, engine=engine, drain_grace_s=60, engine_kw={"max_num_seqs": 1}) as live:
         async def scenario():
             async with websockets.connect(live.ws_url, additional_headers=AUTH) as ws:
                 await recv(ws)
@@ -257,7 +261,7 @@ def test_a_second_sigterm_ends_queued_requests_with_a_json_503(tiny_model, tmp_p
                 while final["type"] == "chat.delta":
                     final = await recv(ws)
                 return final, await queued
-        final, queued = asyncio.run(scenario())
+        final, queued = asyncio.run(asyncio.wait_for(scenario(), 60))     # a bound, should it hang
         assert final["type"] == "error" and final["error"]["code"] == "server_draining"
         assert queued.status_code == 503 and queued.headers["content-type"] == "application/json"
         assert queued.json()["error"]["code"] == "server_draining"

@@ -1,5 +1,8 @@
 """How requests end: client disconnects, deadlines before and after the first token,
-loading, and draining on SIGTERM — each frees blocks and leases and bills exactly once."""
+loading, and draining on SIGTERM — each frees blocks and leases and bills exactly once.
+
+A stream that must outlast a wait (a disconnect, a deadline, a drain grace) runs on the
+real engine held after a few steps (tests/held_engine.py), not on a model slow enough."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import pytest
 import websockets
 
 from engine import AsyncEngine
+from tests.held_engine import HeldEngine
 from tests.live import KEYS, engine_config, serve, wait_until
 
 HELLO = [{"role": "user", "content": "Write a long story about a lighthouse."}]
@@ -25,7 +29,14 @@ def idle(live) -> bool:
         live.gateway.quotas.in_flight("acme") == 0
 
 
-def sse_lines(live, body: dict, limit: int | None = None) -> list[str]:
+def held(tiny_model, steps: int = 16, **engine_kw) -> tuple[str, HeldEngine]:
+    """The 2-layer model's real engine, held after `steps` steps: a stream lasts until an
+    event ends it, however fast this host runs the model."""
+    model = tiny_model("llama")
+    return model, HeldEngine(engine_config(model, **engine_kw), steps=steps)
+
+
+def sse_lines(live, body: dict, limit: int | None = None, on_line=None) -> list[str]:
     lines = []
     with httpx.stream("POST", f"{live.url}/v1/chat/completions", json={"stream": True, **body}, headers=AUTH,
                       timeout=60) as r:
@@ -33,6 +44,8 @@ def sse_lines(live, body: dict, limit: int | None = None) -> list[str]:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 lines.append(line[6:])
+                if on_line is not None:
+                    on_line()
                 if limit is not None and len(lines) >= limit:
                     break           # leaving the block closes the connection mid-stream
     return lines
@@ -40,8 +53,10 @@ def sse_lines(live, body: dict, limit: int | None = None) -> list[str]:
 
 def test_disconnect_mid_stream_aborts_frees_and_bills_what_was_produced(tiny_model, tmp_path):
     """Closing the HTTP stream aborts the engine request within a step; blocks, slot and lease return."""
-    with serve(tiny_model("llama-slow"), tmp_path) as live:
-        lines = sse_lines(live, {"messages": HELLO, "max_tokens": 1500}, limit=5)
+    model, engine = held(tiny_model)
+    with serve(model, tmp_path, engine=engine) as live:
+        # two more steps per line read: the stream reaches 5 lines, never its 1500 tokens
+        lines = sse_lines(live, {"messages": HELLO, "max_tokens": 1500}, limit=5, on_line=lambda: engine.allow(2))
         assert len(lines) == 5
         assert wait_until(lambda: idle(live)), live.engine_stats()
         billed = live.gateway.quotas.ledger.used_today("acme")
@@ -54,7 +69,8 @@ def test_disconnect_mid_stream_aborts_frees_and_bills_what_was_produced(tiny_mod
 
 def test_deadline_before_first_token_is_a_504_and_bills_nothing(tiny_model, tmp_path):
     """With the only slot busy, a request whose deadline passes in the queue gets 504 deadline_exceeded."""
-    with serve(tiny_model("llama-slow"), tmp_path, engine_kw={"max_num_seqs": 1}) as live:
+    model, engine = held(tiny_model, max_num_seqs=1)
+    with serve(model, tmp_path, engine=engine, engine_kw={"max_num_seqs": 1}) as live:
         async def scenario():
             async with websockets.connect(live.ws_url, additional_headers=AUTH) as ws:
                 await ws.recv()
@@ -69,7 +85,7 @@ def test_deadline_before_first_token_is_a_504_and_bills_nothing(tiny_model, tmp_
                     pass
                 assert msg["type"] == "chat.done" and msg["finish_reason"] == "abort"
                 return r
-        r = asyncio.run(scenario())
+        r = asyncio.run(asyncio.wait_for(scenario(), 60))   # a bound, should it hang
         assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
         assert wait_until(lambda: idle(live))
         assert live.engine_stats()["deadline_drops"] == 1
@@ -77,13 +93,15 @@ def test_deadline_before_first_token_is_a_504_and_bills_nothing(tiny_model, tmp_
 
 def test_deadline_after_first_token_is_an_in_stream_error(tiny_model, tmp_path):
     """A deadline that passes mid-answer ends the stream with a deadline_exceeded error event (no [DONE])."""
-    with serve(tiny_model("llama-slow"), tmp_path) as live:
+    model, engine = held(tiny_model)
+    with serve(model, tmp_path, engine=engine) as live:
         lines = sse_lines(live, {"messages": HELLO, "max_tokens": 1900, "deadline_ms": 400})
         assert lines[-1] != "[DONE]"
         assert json.loads(lines[-1])["error"]["code"] == "deadline_exceeded"
         produced = sum(1 for line in lines[1:-1] if json.loads(line)["choices"][0]["delta"].get("content"))
         assert produced > 0
         assert wait_until(lambda: idle(live))
+        engine.allow(16)        # the next stream's first tokens, then held again
         client = openai.OpenAI(base_url=f"{live.url}/v1", api_key=KEYS["acme"], max_retries=0)
         with pytest.raises(openai.APIError, match="deadline"):
             for _ in client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=1900, stream=True,
@@ -119,17 +137,22 @@ def test_health_is_503_while_the_model_loads(tiny_model, tmp_path):
 
 def test_sigterm_drains_then_aborts_with_a_final_event(tiny_model, tmp_path):
     """On SIGTERM: new work gets 503/1012, a short stream finishes, long ones end with server_draining."""
-    with serve(tiny_model("llama-slow"), tmp_path, drain_grace_s=1.0) as live:
+    model, engine = held(tiny_model)
+    with serve(model, tmp_path, engine=engine, drain_grace_s=1.0) as live:
         async def scenario():
             async with websockets.connect(live.ws_url, additional_headers=AUTH) as ws:
                 await ws.recv()
                 await ws.send(json.dumps({"type": "chat.request", "id": "long", "messages": HELLO,
                                           "max_tokens": 1900}))
                 assert json.loads(await ws.recv())["type"] == "chat.delta"
+                streaming = threading.Event()
                 sse = asyncio.ensure_future(asyncio.to_thread(sse_lines, live, {"messages": HELLO,
-                                                                                "max_tokens": 1900}))
+                                                                                "max_tokens": 1900},
+                                                              on_line=streaming.set))
                 # (on a busy host the SSE request can take a while to arrive: wait for it)
                 assert await asyncio.to_thread(wait_until, lambda: len(live.gateway.chat.active) == 2, 30)
+                engine.allow(16)        # the SSE stream's first tokens (its headers go with the first)
+                assert await asyncio.to_thread(streaming.wait, 30)
                 live.sigterm()
                 await asyncio.sleep(0.2)
                 refused = await asyncio.to_thread(httpx.post, f"{live.url}/v1/chat/completions", headers=AUTH,
@@ -143,7 +166,7 @@ def test_sigterm_drains_then_aborts_with_a_final_event(tiny_model, tmp_path):
                         if msg["type"] != "chat.delta":
                             events.append(msg)
                 return refused, health, events, closed.value.rcvd.code, await sse
-        refused, health, events, code, sse = asyncio.run(scenario())
+        refused, health, events, code, sse = asyncio.run(asyncio.wait_for(scenario(), 60))   # a bound, should it hang
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_draining"
         assert health.status_code == 503
         by_id = {e["id"]: e for e in events}

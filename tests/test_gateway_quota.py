@@ -9,7 +9,8 @@ import json
 import httpx
 import websockets
 
-from tests.live import KEYS, FakeClock, fake_quotas, serve, tenants, wait_until
+from tests.held_engine import HeldEngine
+from tests.live import KEYS, FakeClock, engine_config, fake_quotas, serve, tenants, wait_until
 
 HELLO = [{"role": "user", "content": "Hi!"}]
 
@@ -66,7 +67,10 @@ def test_tokens_per_minute_reserves_prompt_plus_max_tokens_and_refunds(tiny_mode
 def test_concurrent_streams_cap_and_lease_return(tiny_model, tmp_path):
     """max_concurrent=1: a second request while one streams gets 429 max_concurrent; afterwards it passes."""
     reg = tenants(acme={"max_concurrent": 1})
-    with serve(tiny_model("llama-slow"), tmp_path, registry=reg, engine_kw={"max_num_seqs": 2}) as live:
+    # the real engine held after 16 steps: the first stream runs until cancelled, whatever this host's speed
+    model = tiny_model("llama")
+    engine = HeldEngine(engine_config(model, max_num_seqs=2), steps=16)
+    with serve(model, tmp_path, engine=engine, registry=reg, engine_kw={"max_num_seqs": 2}) as live:
         async def scenario():
             async with websockets.connect(live.ws_url) as ws:
                 await ws.send(json.dumps({"type": "auth", "api_key": KEYS["acme"]}))
@@ -79,7 +83,8 @@ def test_concurrent_streams_cap_and_lease_return(tiny_model, tmp_path):
                     pass
                 assert msg["type"] == "chat.done" and msg["finish_reason"] == "abort"
                 return refused
-        refused = asyncio.run(scenario())
+        refused = asyncio.run(asyncio.wait_for(scenario(), 60))     # a bound, should it hang
+        engine.release()
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "max_concurrent"
         assert refused.headers["retry-after"] == "1"
         assert wait_until(lambda: live.gateway.quotas.in_flight("acme") == 0)

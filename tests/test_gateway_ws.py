@@ -9,8 +9,9 @@ import json
 import pytest
 import websockets
 
+from tests.held_engine import HeldEngine
 from tests.idle import idle_after  # noqa: F401 - fixture
-from tests.live import KEYS, serve, tenants, wait_until
+from tests.live import KEYS, engine_config, serve, tenants, wait_until
 
 HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
 
@@ -19,9 +20,12 @@ pytestmark = pytest.mark.usefixtures("idle_after")     # every test leaves the s
 
 @pytest.fixture(scope="module")
 def live(tiny_model, tmp_path_factory):
-    """The slow tiny model (milliseconds a token): a stream that is cancelled must still be
-    running when the cancel arrives."""
-    with serve(tiny_model("llama-slow"), tmp_path_factory.mktemp("ws"), registry=tenants(),
+    """The tiny model's real engine, stepping freely unless a test holds it (tests/held_engine.py):
+    a stream that is cancelled must still be running when the cancel arrives, whatever this
+    host's speed."""
+    model = tiny_model("llama")
+    engine = HeldEngine(engine_config(model), steps=None)
+    with serve(model, tmp_path_factory.mktemp("ws"), engine=engine, registry=tenants(),
                max_frame_bytes=64 * 1024) as server:
         yield server
 
@@ -40,20 +44,26 @@ async def recv(ws) -> dict:
 
 async def test_two_interleaved_requests_on_one_socket(live):
     """Deltas of two requests arrive interleaved by id; each ends with exactly one chat.done."""
-    async with await connect(live) as ws:
-        for rid in ("a", "b"):
-            await ws.send(json.dumps({"type": "chat.request", "id": rid, "messages": HELLO, "max_tokens": 20,
-                                      "temperature": 0}))
-        order, done = [], {}
-        while len(done) < 2:
-            msg = await recv(ws)
-            assert msg["type"] in ("chat.delta", "chat.done"), msg
-            if msg["type"] == "chat.delta":
-                assert msg["id"] not in done
-                order.append(msg["id"])
-            else:
-                assert msg["id"] not in done
-                done[msg["id"]] = msg
+    engine = live.gateway.engine
+    engine.hold(4)      # then two steps per delta read: the engine never runs far ahead of the reader
+    try:
+        async with await connect(live) as ws:
+            for rid in ("a", "b"):
+                await ws.send(json.dumps({"type": "chat.request", "id": rid, "messages": HELLO, "max_tokens": 20,
+                                          "temperature": 0}))
+            order, done = [], {}
+            while len(done) < 2:
+                msg = await recv(ws)
+                assert msg["type"] in ("chat.delta", "chat.done"), msg
+                if msg["type"] == "chat.delta":
+                    assert msg["id"] not in done
+                    order.append(msg["id"])
+                    engine.allow(2)
+                else:
+                    assert msg["id"] not in done
+                    done[msg["id"]] = msg
+    finally:
+        engine.release()
     switches = sum(1 for x, y in zip(order, order[1:]) if x != y)
     assert switches >= 2, order
     for msg in done.values():
@@ -63,15 +73,20 @@ async def test_two_interleaved_requests_on_one_socket(live):
 
 async def test_cancel_ends_the_request_and_frees_blocks_and_lease(live):
     """chat.cancel gets chat.done(abort); the engine frees the request's blocks and the lease returns."""
-    async with await connect(live) as ws:
-        await ws.send(json.dumps({"type": "chat.request", "id": 7, "messages": HELLO, "max_tokens": 1000}))
-        assert (await recv(ws))["type"] == "chat.delta"
-        await ws.send(json.dumps({"type": "chat.cancel", "id": 7}))
-        msg = await recv(ws)
-        while msg["type"] == "chat.delta":
+    engine = live.gateway.engine
+    engine.hold(16)                 # the stream is still running when the cancel arrives
+    try:
+        async with await connect(live) as ws:
+            await ws.send(json.dumps({"type": "chat.request", "id": 7, "messages": HELLO, "max_tokens": 1000}))
+            assert (await recv(ws))["type"] == "chat.delta"
+            await ws.send(json.dumps({"type": "chat.cancel", "id": 7}))
             msg = await recv(ws)
-        assert msg["type"] == "chat.done" and msg["id"] == 7 and msg["finish_reason"] == "abort"
-        assert 0 < msg["usage"]["completion_tokens"] < 1000
+            while msg["type"] == "chat.delta":
+                msg = await recv(ws)
+            assert msg["type"] == "chat.done" and msg["id"] == 7 and msg["finish_reason"] == "abort"
+            assert 0 < msg["usage"]["completion_tokens"] < 1000
+    finally:
+        engine.release()
     assert wait_until(lambda: live.engine_stats()["running"] == 0 and live.engine_stats()["kv_blocks_used"] == 0)
     assert live.gateway.quotas.in_flight("acme") == 0
 
@@ -137,22 +152,29 @@ async def test_cross_site_origin_is_refused(live):
 
 async def test_stats_stream_is_aggregate_only(live):
     """stats.subscribe pushes queue, KV and token-split numbers, and no request text."""
-    async with await connect(live) as ws:
-        await ws.send(json.dumps({"type": "stats.subscribe", "interval_ms": 100}))
-        # Long enough to span several 100 ms stats ticks: ~1 s on the "llama-slow" model (the
-        # 2-layer one wrote 400 tokens within one tick on a fast host, and the test failed).
-        await ws.send(json.dumps({"type": "chat.request", "id": "s", "messages": HELLO, "max_tokens": 400}))
-        seen_running, text = False, ""
-        for _ in range(4000):
-            msg = await recv(ws)
-            if msg["type"] == "stats":
-                eng = msg["engine"]
-                assert {"waiting", "running", "swapped", "kv_blocks_used", "kv_blocks_total",
-                        "num_decode_tokens", "num_prefill_tokens", "num_preemptions"} <= set(eng)
-                seen_running |= eng["running"] > 0
-                assert "Hello there" not in json.dumps(msg)
-            elif msg["type"] == "chat.delta":
-                text += msg["text"]
-            elif msg["type"] == "chat.done":
-                break
-        assert seen_running and text
+    engine = live.gateway.engine
+    # The stream is held after 16 steps until a 100 ms stats tick has shown it running (the
+    # 2-layer model wrote 400 tokens within one tick on a fast host), then runs to its end.
+    engine.hold(16)
+    try:
+        async with await connect(live) as ws:
+            await ws.send(json.dumps({"type": "stats.subscribe", "interval_ms": 100}))
+            await ws.send(json.dumps({"type": "chat.request", "id": "s", "messages": HELLO, "max_tokens": 400}))
+            seen_running, text = False, ""
+            for _ in range(4000):
+                msg = await recv(ws)
+                if msg["type"] == "stats":
+                    eng = msg["engine"]
+                    assert {"waiting", "running", "swapped", "kv_blocks_used", "kv_blocks_total",
+                            "num_decode_tokens", "num_prefill_tokens", "num_preemptions"} <= set(eng)
+                    seen_running |= eng["running"] > 0
+                    assert "Hello there" not in json.dumps(msg)
+                elif msg["type"] == "chat.delta":
+                    text += msg["text"]
+                elif msg["type"] == "chat.done":
+                    break
+                if seen_running and text:
+                    engine.release()
+            assert seen_running and text
+    finally:
+        engine.release()

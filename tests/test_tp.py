@@ -191,7 +191,9 @@ def test_killed_rank_fails_the_stream_and_health_and_sigterm_ends_the_tree(tiny_
     tenants.write_text(f'[tenants.acme]\napi_key_sha256 = ["{hash_key(key)}"]\n')
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--model", tiny_model("llama-slow"),
+    # tests.held_serve: the real command, its engine holding the 1500-token stream after 16
+    # tokens, so the stream is still running when rank 1 is killed whatever this host's speed
+    proc = subprocess.Popen([sys.executable, "-m", "tests.held_serve", "serve", "--model", tiny_model("llama"),
                              "--tenants", str(tenants), "--port", str(port), "--drain-grace", "1",
                              "--tensor-parallel-size", "2", "--tp-timeout-s", str(TP_TIMEOUT_S),
                              "--attention-backend", "torch"],
