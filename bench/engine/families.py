@@ -252,9 +252,13 @@ def main(argv=None) -> int:
     for p in (kv, sp):
         p.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
+    from bench.provenance import finish, provenance
+
+    prov = provenance("engine.families", argv)
     result = run_kv(args) if args.mode == "kv" else run_speed(args)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"args": vars(args), "result": result}, indent=2))
+        Path(args.json_out).write_text(json.dumps({"provenance": finish(prov), "args": vars(args), "result": result},
+                                                  indent=2))
     return 0
 
 

@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from bench.provenance import finish, provenance
+
+    prov = provenance("engine.speculative", argv)
     from bench.engine.roofline import WEIGHT_BYTES, Rates, Shapes, cpu_info, decode_step_s, read_bandwidth
     from engine import EngineConfig, LLMEngine, SamplingParams
     from engine.models import resolve_model
@@ -123,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['speedup_decode']:.2f}x | {accepted} / {drafted} | {same} |", flush=True)
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "host": platform.node(), "cpu": cpu_info()["model"],
+    out.write_text(json.dumps({"provenance": finish(prov), "args": vars(args), "host": platform.node(),
+                               "cpu": cpu_info()["model"],
                                "dtype": dtype, "bandwidth": bandwidth, "rows": rows}, indent=1))
     for e in engines.values():
         e.close()
