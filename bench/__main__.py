@@ -2,7 +2,8 @@
 `bench/WING/NAME.py`, NAME written `WING.NAME` (`engine.offline`, `serving.serve`, `isolation`,
 `peers`), with its own flags (`streamgate-bench NAME --help`). The flat names from before the
 wings (`offline`, `serve`, `peers_setup`, ...) still work for one release. The benchmarks have
-their own entry point so the gateway never imports them."""
+their own entry point so the gateway never imports them. `streamgate-bench report [--check]`
+rewrites docs/BENCHMARKS.md's generated tables from the published runs' JSON (bench/report.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ RUNS = {"isolation": "isolation.run", "peers": "peers.run"}   # a wing run as a 
 
 # The flat names bench/ had before the wings; kept one release (a deprecation line when used).
 OLD_NAMES = {"peers_setup": "peers.setup", "isolation_attacks": "isolation.attacks"}
+TOOLS = {"report": "report"}          # not benchmarks: bench/NAME.py, outside the wings
 
 
 def benchmarks() -> dict[str, str]:
@@ -31,6 +33,8 @@ def benchmarks() -> dict[str, str]:
 
 def resolve(name: str) -> str | None:
     """The module (under bench) that NAME names, new or old spelling; None if none."""
+    if name in TOOLS:
+        return TOOLS[name]
     names = benchmarks()
     if name in names:
         return names[name]
@@ -47,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     module = resolve(argv[0]) if argv and not argv[0].startswith("-") else None
     if module is None:
         asked = bool(argv) and argv[0] in ("-h", "--help")
-        print(f"{__doc__}\n\nbenchmarks: {', '.join(benchmarks())}", file=sys.stdout if asked else sys.stderr)
+        print(f"{__doc__}\n\nbenchmarks: {', '.join(benchmarks())}\ntools: {', '.join(TOOLS)}",
+              file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2
     run = importlib.import_module(f"bench.{module}").main
     if inspect.signature(run).parameters:

@@ -257,6 +257,7 @@ def main(argv=None) -> int:
     prov = provenance("engine.families", argv)
     result = run_kv(args) if args.mode == "kv" else run_speed(args)
     if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps({"provenance": finish(prov), "args": vars(args), "result": result},
                                                   indent=2))
     return 0
