@@ -25,13 +25,19 @@ def _git(*args: str) -> str | None:
 
 
 def _cpu() -> str:
+    """'AMD EPYC, family 25 model 17' from /proc/cpuinfo (the family and model tell the
+    generations apart where the name does not); the platform's name elsewhere."""
+    info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    if "model name" not in info:
+        return platform.processor() or platform.machine()
+    family = f", family {info['cpu family']} model {info.get('model', '?')}" if "cpu family" in info else ""
+    return info["model name"] + family
 
 
 def _now() -> str:
