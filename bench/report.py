@@ -23,6 +23,8 @@ import re
 import sys
 from pathlib import Path
 
+from bench.renderers import RENDERERS  # one module per benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "BENCHMARKS.md"
 RESULTS = ROOT / "docs" / "bench" / "results"
@@ -32,101 +34,6 @@ OPEN = re.compile(r"^<!-- generated: ([\w.-]+) -->$", re.M)
 
 class ReportError(Exception):
     pass
-
-
-def _n(x: int | float | None) -> str:
-    return "—" if x is None else f"{x:,}"
-
-
-def _utc(stamp: str | None) -> str:
-    """'2026-12-02T00:53:10Z' -> '00:53:10' (the date goes in the caption once)."""
-    return "?" if not stamp else stamp.split("T", 1)[-1].rstrip("Z")
-
-
-def caption(data: dict, name: str, extra: str = "") -> str:
-    """Command, build, host, date and load of the run, and where its JSON is."""
-    p = data.get("provenance") or {}
-    build = f"commit `{p.get('commit') or '?'}`" + (" with uncommitted changes" if p.get("dirty") else "")
-    host = p.get("host_label") or (f"`{p['host']}`" if p.get("host") else "host not recorded")
-    cpu = f" ({p['cpu']})" if p.get("cpu") else ""
-    date = (p.get("started") or "?").split("T", 1)[0]
-    when = f"{date} {_utc(p.get('started'))}–{_utc(p.get('finished'))} UTC"
-    loads = data.get("loadavg_range") or [v for v in (p.get("loadavg_start"), p.get("loadavg_end")) if v is not None]
-    load = f", load average {min(loads):.1f}–{max(loads):.1f}" if loads else ""
-    text = f"`{p.get('command', '?')}`, {build}, {host}{cpu}, {when}{load}{extra}."
-    if data.get("transcribed"):         # {"from_commit", "note"}: re-created from a published table
-        text += (f" **Transcribed** from the table published at `{data['transcribed']['from_commit']}` "
-                 "(the run's raw JSON was not kept).")
-    return f"{text} JSON: [docs/bench/results/{name}.json](bench/results/{name}.json)."
-
-
-# -- bench.engine.families kv ------------------------------------------------------------------------
-KV_LAYOUTS = {"all-sliding-512 (32 layers)": "32 layers, all sliding over 512",
-              "gemma3-1b (5:1, window 512)": "Gemma 3 1B (26 layers, 5 sliding over 512 : 1 full)",
-              "gpt-oss-20b (1:1, window 128)": "gpt-oss-20b (24 layers, 1 sliding over 128 : 1 full)"}
-
-
-def render_families_kv(data: dict, name: str) -> str:
-    a, result = data["args"], data["result"]
-    lines = [caption(data, name, f"; {a['tokens']:,} tokens, {a['prompt']:,}-token prompt, blocks of {a['block_size']}"),
-             "",
-             "| layout | freeing | groups x rows | blocks at admission | blocks at the end | layer-blocks at admission "
-             "| layer-blocks at the end |",
-             "|---|---|---|---:|---:|---:|---:|"]
-    layouts = dict.fromkeys(key.rsplit(" / ", 1)[0] for key in result)
-    for layout in layouts:
-        free, keep = result.get(f"{layout} / free"), result.get(f"{layout} / keep")
-        for i, (label, r) in enumerate((("yes", free), ("no", keep))):
-            if r is None:
-                continue
-            end = _n(r["layer_blocks_end"])
-            if label == "yes" and keep:
-                end = f"**{end}** ({keep['layer_blocks_end'] / r['layer_blocks_end']:.1f}x less)"
-            lines.append(f"| {KV_LAYOUTS.get(layout, layout) if i == 0 or free is None else ''} | {label} | "
-                         f"{r['groups']} x {r['rows']} | {_n(r['admission'])} | {_n(r['end'])} | "
-                         f"{_n(r['layer_blocks_admission'])} | {end} |")
-    return "\n".join(lines)
-
-
-# -- bench.engine.speculative ------------------------------------------------------------------------
-SPEC_WORKLOADS = {"chat": "open chat"}
-
-
-def _span(values: list | None) -> str:
-    if not values:
-        return "—"
-    lo, hi = min(values), max(values)
-    return _n(lo) if lo == hi else f"{lo:,}–{hi:,}"
-
-
-def render_speculative(data: dict, name: str) -> str:
-    rows = data["rows"]
-    bound = rows[0]["bound_tok_s"] if rows else None
-    extra = f"; {data.get('dtype', '?')}, k = {data['args']['k']}"
-    if data.get("bandwidth"):
-        extra += f", read bandwidth {data['bandwidth'] / 1e9:.1f} GB/s, one-row decode bound {bound:.1f} tok/s"
-    loads = [r["load"] for r in rows if r.get("load") is not None]
-    if loads and not data.get("loadavg_range"):
-        data = {**data, "loadavg_range": loads + [v for v in (data.get("provenance", {}).get(k) for k in
-                                                               ("loadavg_start", "loadavg_end")) if v is not None]}
-
-    def rate(pair: list[float]) -> str:
-        share = f", {round(100 * pair[1] / bound)} %" if bound else ""
-        return f"{pair[0]:.1f} ({pair[1]:.1f}{share})"
-
-    lines = [caption(data, name, extra), "",
-             "| workload | prompt tokens | output tokens | off: tok/s (decode, % of bound) | on: tok/s (decode, % of bound) "
-             "| decode on/off | drafts accepted | same tokens |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        lines.append(f"| {SPEC_WORKLOADS.get(r['workload'], r['workload'])} | {_span(r.get('prompt_tokens'))} | "
-                     f"{_n(r.get('output_tokens'))} | {rate(r['off_tok_s'])} | {rate(r['on_tok_s'])} | "
-                     f"{r['speedup_decode']:.2f}× | {r['accepted']} / {r['drafted']} | "
-                     f"{'yes' if r['same_tokens'] else 'no'} |")
-    return "\n".join(lines)
-
-
-RENDERERS = {"engine.families kv": render_families_kv, "engine.speculative": render_speculative}
 
 
 def renderer_for(data: dict):

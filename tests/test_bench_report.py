@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from bench import report
+from bench.renderers.families import render_families_kv
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,4 +94,4 @@ def test_a_benchmark_json_names_its_command_build_host_and_time(tmp_path):
     assert prov["command"] == f"python -m bench.engine.families kv --tokens 600 --prompt 500 --json-out {out}"
     assert prov["benchmark"] == "engine.families" and prov["commit"] == head.stdout.strip()
     assert prov["host"] and prov["cpu"] and prov["started"] <= prov["finished"]
-    assert report.renderer_for(json.loads(out.read_text())) is report.render_families_kv
+    assert report.renderer_for(json.loads(out.read_text())) is render_families_kv
