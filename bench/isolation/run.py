@@ -38,6 +38,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from bench import server
+from bench.provenance import provenance, write_json
 from bench.isolation.attacks import ATTACKS
 from bench.isolation.report import check_targets, report
 from bench.isolation.victim import Victim, probe_ws
@@ -216,7 +217,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--parse-requests", type=int, default=200, help="overquota_parse: ~1 MB bodies over quota")
     p.add_argument("--write-timeout", type=float, default=3.0,
                    help="the started server's --write-timeout (stuck_readers: streams no one reads are cut after it)")
-    p.add_argument("--out", default="bench/results/isolation.json")
+    p.add_argument("--out", "--json-out", dest="out", default="bench/results/isolation.json")
     args = p.parse_args(argv)
     args.attacks = [a for a in args.attacks.split(",") if a]
     if unknown := [a for a in args.attacks if a not in ATTACKS]:
@@ -260,16 +261,21 @@ def server_flags(args) -> list[str]:
     return ["--model", args.model, "--write-timeout", str(args.write_timeout), *shlex.split(args.server_args)]
 
 
+def shown_argv(argv: list[str]) -> list[str]:
+    """ARGV as recorded in the JSON, with API keys left out."""
+    secret = ("--key-a", "--key-b")
+    return ["<key>" if prev in secret else (a.split("=")[0] + "=<key>" if a.startswith(secret) and "=" in a else a)
+            for prev, a in zip([None, *argv], argv)]
+
+
 def command_line(argv: list[str]) -> str:
     """The command as run, for the JSON, with API keys left out."""
-    secret = ("--key-a", "--key-b")
-    shown = ["<key>" if prev in secret else (a.split("=")[0] + "=<key>" if a.startswith(secret) and "=" in a else a)
-             for prev, a in zip([None, *argv], argv)]
-    return shlex.join(["python", "-m", "bench.isolation", *shown])
+    return shlex.join(["python", "-m", "bench.isolation", *shown_argv(argv)])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    prov = provenance("isolation", shown_argv(sys.argv[1:] if argv is None else argv))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)      # the server inherits it: 1024+ sockets
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
     phases: dict[str, dict] = {}
@@ -283,13 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(report(phases, targets)))
     if crashed:
         print(f"the server exited by itself during: {', '.join(crashed)}")
-    out = {"command": command_line(argv if argv is not None else sys.argv[1:]),
-           "server": {"url": args.url, "flags": None if args.url else server_flags(args), "exited_during": crashed},
-           "args": {k: v for k, v in vars(args).items() if k not in ("key_a", "key_b")}, "phases": phases,
-           "targets": targets, "host": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.out}")
+    path = write_json(args.out, prov, server={"url": args.url, "flags": None if args.url else server_flags(args),
+                                              "exited_during": crashed},
+                      args={k: v for k, v in vars(args).items() if k not in ("key_a", "key_b")}, phases=phases,
+                      targets=targets)
+    print(f"wrote {path}")
     return 0
 
 

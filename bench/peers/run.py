@@ -33,6 +33,7 @@ from bench.peers import clients as peers_clients
 from bench.peers import report as peers_report
 from bench.peers import servers as peers_servers
 from bench.peers.clients import Load
+from bench.provenance import provenance, write_json
 from engine.config_cli import add_engine_args
 
 PEERS_DIR = Path(os.environ.get("STREAMGATE_PEERS_DIR", "/work/peers"))
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-load", type=float, default=0.5, help="warn when the 1-min load average is above this")
     p.add_argument("--out-dir", default="bench/results")
     args = p.parse_args(argv)
+    prov = provenance("peers", argv)
 
     try:
         specs = [peers_servers.parse_server(s) for s in args.server or peers_servers.DEFAULT_SERVERS]
@@ -156,16 +158,17 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:                # e.g. it did not start: recorded, the next one runs
             report["servers"][spec.name] = {"rows": [], "errors": [f"failed: {str(exc)[:3000]}"]}
             print(f"{spec.name}: {exc}", file=sys.stderr, flush=True)
-        write(report, out, args.peer)                   # after each server: a later failure loses nothing
-    results, notes = write(report, out, args.peer)
+        write(report, out, args.peer, prov)             # after each server: a later failure loses nothing
+    results, notes = write(report, out, args.peer, prov)
     print("\n".join(peers_report.format_text(results, args.peer)))
     print("\n".join(notes))
     print(f"wrote {out / 'peers.json'} and {out / 'peers.md'}")
     return 0 if all(s["rows"] for s in report["servers"].values()) and report["servers"] else 1
 
 
-def write(report: dict, out: Path, peer: str) -> tuple[dict, list[str]]:
-    """peers.json and peers.md in `out` from what has been measured so far."""
+def write(report: dict, out: Path, peer: str, prov: dict) -> tuple[dict, list[str]]:
+    """peers.json (with the run's provenance: `streamgate-bench report` renders it,
+    bench/renderers/peers.py) and peers.md in `out` from what has been measured so far."""
     results = {name: s["rows"] for name, s in report["servers"].items()}
     notes = list(report["skipped"])
     for name, s in report["servers"].items():
@@ -175,7 +178,7 @@ def write(report: dict, out: Path, peer: str) -> tuple[dict, list[str]]:
                          f"threads {json.dumps(threads)}")
         notes += [f"{name}: {e.splitlines()[0]}" for e in s["errors"]]
     report["notes"] = notes
-    (out / "peers.json").write_text(json.dumps(report, indent=1))
+    write_json(out / "peers.json", prov, **report)
     (out / "peers.md").write_text(peers_report.format_markdown(results, peer, notes))
     return results, notes
 

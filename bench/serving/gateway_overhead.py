@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 
 from bench import server
+from bench.provenance import provenance, write_json
 from bench.workload import _text
 from engine.config_cli import add_engine_args
 
@@ -257,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run each gateway mode with the Redis quota backend (default: a local redis-server)")
     p.add_argument("--json-out", default="bench/results/gateway_overhead.json")
     args = p.parse_args(argv)
+    prov = provenance("serving.gateway_overhead", argv)
     if args.model == "default":
         from engine.models import resolve_model
         args.model = resolve_model("default")
@@ -284,10 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                     server.stop(proc)
     if results:
         print("\n".join(report(results)))
-    out = {"args": {k: v for k, v in vars(args).items()}, "results": results, "cpus": os.cpu_count()}
-    Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json_out).write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.json_out}")
+    print(f"wrote {write_json(args.json_out, prov, args=vars(args), results=results)}")
     return 0
 
 

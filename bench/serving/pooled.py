@@ -19,11 +19,10 @@ Presets and flags are `bench.serving.serve`'s; JSON with every record goes to --
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
-from pathlib import Path
 
+from bench.provenance import provenance, write_json
 from bench.serving.loadgen import load_workload, make_requests
 from bench.serving.serve import parse_presets, run_once
 from bench.serving.servestats import percentile, request_metrics
@@ -58,16 +57,29 @@ def totals(runs: list[dict]) -> tuple[float, float]:
     return tps, preempted / max(1, sum(len(r["requests"]) for r in runs))
 
 
-def summarize(pooled: dict[str, list[float]], per_seed: dict[str, list[float]], runs: list[dict],
-              alone: str) -> list[str]:
+def summary(pooled: dict[str, list[float]], per_seed: dict[str, list[float]], runs: list[dict],
+            alone: str) -> list[dict]:
+    """One row per system (the tenant alone first): requests, pooled TTFT p50/p90/p99 (s) and
+    their multiples of alone's, output tokens/s, preemptions per request, each seed's p99
+    multiple. What the table prints and the JSON keeps for `streamgate-bench report`."""
     base = {q: percentile(pooled[alone], q) for q in QS}
+    rows = []
+    for label, xs in pooled.items():
+        tps, pre = totals([r for r in runs if r["label"] == label])
+        rows.append({"system": label, "requests": len(xs), **{f"p{q}_s": percentile(xs, q) for q in QS},
+                     **{f"p{q}_x": percentile(xs, q) / base[q] for q in QS},
+                     "output_tps": tps, "preemptions_per_request": pre, "per_seed_p99_x": per_seed[label]})
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[str]:
     lines = [f"{'system':>14s}  n    " + "  ".join(f"p{q} s (x alone)" for q in QS)
              + "  out tok/s  preempt/req  per-seed p99 x alone"]
-    for label, xs in pooled.items():
-        cells = "  ".join(f"{percentile(xs, q):5.2f} (x{percentile(xs, q) / base[q]:.2f})" for q in QS)
-        tps, pre = totals([r for r in runs if r["label"] == label])
-        seeds = " ".join(f"{x:.2f}" for x in per_seed[label])
-        lines.append(f"{label:>14s} {len(xs):3d}  {cells}  {tps:9.1f}  {pre:11.2f}  [{seeds}]")
+    for r in rows:
+        cells = "  ".join(f"{r[f'p{q}_s']:5.2f} (x{r[f'p{q}_x']:.2f})" for q in QS)
+        seeds = " ".join(f"{x:.2f}" for x in r["per_seed_p99_x"])
+        lines.append(f"{r['system']:>14s} {r['requests']:3d}  {cells}  {r['output_tps']:9.1f}  "
+                     f"{r['preemptions_per_request']:11.2f}  [{seeds}]")
     return lines
 
 
@@ -83,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=600.0)
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
+    prov = provenance("serving.pooled", argv)
     args.url, args.kv_tokens = None, 0                       # what run_once reads besides these
     wl = load_workload(args.workload)
     if args.tenant not in {t.name for t in wl.tenants}:
@@ -107,10 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         for label in pooled:                                 # this seed's p99 as a multiple of alone's
             per_seed[label].append(p99[label] / p99[alone])
     print(f"{args.tenant} TTFT in workload {wl.name}, seeds {args.seeds}, pooled over every seed")
-    print("\n".join(summarize(pooled, per_seed, runs, alone)))
-    out = Path(args.json_out or f"bench/results/pooled-{wl.name}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "runs": runs, "pooled": pooled}, indent=1))
+    rows = summary(pooled, per_seed, runs, alone)
+    print("\n".join(summarize(rows)))
+    out = write_json(args.json_out or f"bench/results/pooled-{wl.name}.json", prov, args=vars(args),
+                     workload=wl.name, summary=rows, runs=runs, pooled=pooled)
     print(f"wrote {out}")
     return 0
 

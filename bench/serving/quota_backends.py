@@ -33,6 +33,7 @@ from pathlib import Path
 from tenants import Ledger, Limits, QuotaManager, Tenant
 from tenants.redis_quota import RedisQuotas
 
+from bench.provenance import provenance, write_json
 from bench.redis_server import RedisServer
 
 TENANT = Tenant("bench", ("0" * 64,), limits=Limits(
@@ -115,7 +116,9 @@ async def main_async(args) -> dict:
                     for q in ("p50_ms", "p99_ms"):
                         row[f"{name}_added_{q}"] = round(row[name]["admit+settle"][q]
                                                          - row["embedded"]["admit+settle"][q], 3)
-                row["redis_billed_tokens"] = billed  # every settlement reached Redis
+                row["redis_billed_tokens"] = billed  # every settlement reached Redis ...
+                # ... and no more: the warm-ups (2 x 100) and the measured requests each settled USED
+                row["redis_settled_tokens"] = USED * (200 + len(lat["redis"]) + len(lat["redis_two_step"]))
                 row["ping_round_trip"] = summary(ping)
                 # Time the scripts themselves take inside Redis (admission, settlement, renew).
                 row["server_us_per_evalsha"] = stats.get("cmdstat_evalsha", {}).get("usec_per_call")
@@ -126,20 +129,21 @@ async def main_async(args) -> dict:
     return results
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=3000, help="back to back (rate 0)")
     p.add_argument("--rates", type=float, nargs="+", default=[0, 50, 200],
                    help="requests/s (Poisson); 0 = one client back to back")
     p.add_argument("--seconds", type=float, default=10.0, help="per backend at each rate")
     p.add_argument("--redis", default=None, help="an existing Redis URL (default: start one)")
-    p.add_argument("--out", default="bench/results/quota_backends.json")
-    args = p.parse_args()
+    p.add_argument("--out", "--json-out", dest="out", default="bench/results/quota_backends.json")
+    args = p.parse_args(argv)
+    prov = provenance("serving.quota_backends", argv)
     results = asyncio.run(main_async(args))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
+    print(f"wrote {write_json(args.out, prov, args=vars(args), results=results)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
