@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, _terminate)
 
     report = {"args": vars(args), "model_dir": model_dir, "cpus": os.cpu_count(), "loads": [asdict(ld) for ld in loads],
-              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "servers": {}, "skipped": []}
+              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "servers": {}, "skipped": [],
+              "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}   # vLLM's thread layout
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for spec in specs:
