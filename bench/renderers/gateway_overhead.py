@@ -8,6 +8,10 @@ from bench.renderers.common import caption
 MODES = {"inprocess": "in-process `AsyncEngine`", "sse": "gateway, SSE", "ws": "gateway, WebSocket"}
 
 
+def _s(ms) -> str:
+    return "—" if ms is None else f"{ms / 1000:.2f} s"
+
+
 def mode_label(mode: str) -> str:
     """'sse+redis' -> 'gateway, SSE, Redis quotas'."""
     base, _, redis = mode.partition("+")
@@ -28,7 +32,7 @@ def render_gateway_overhead(data: dict, name: str) -> str:
         ratio = "—" if same else f"**{r['tokens_per_s'] / base['tokens_per_s'] - 1:+.1%}**"
         added = "—" if same else f"**{r['idle_ttft_p50_ms'] - base['idle_ttft_p50_ms']:+.1f} ms**"
         lines.append(f"| {mode_label(mode)} | {r['tokens_per_s']:.1f} | {ratio} | "
-                     f"{r['ttft_p50_ms'] / 1000:.2f} / {r['ttft_p99_ms'] / 1000:.2f} s | {r['idle_ttft_p50_ms']:.1f} ms | "
+                     f"{_s(r.get('ttft_p50_ms'))} / {_s(r.get('ttft_p99_ms'))} | {r['idle_ttft_p50_ms']:.1f} ms | "
                      f"{added} |")
     return "\n".join(lines)
 

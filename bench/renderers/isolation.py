@@ -10,6 +10,8 @@ def _ms(x) -> str:
 
 
 def _ws(probe: dict) -> str:
+    if probe.get("connected") is None:          # not recorded (a transcribed run)
+        return "—"
     if probe.get("connected"):
         return f"ok, {probe['ms']:,.0f} ms" if probe.get("ms") is not None else "ok"
     why = (f"closed {probe['close_code']}" if probe.get("close_code") else
@@ -35,11 +37,14 @@ def render_isolation(data: dict, name: str) -> str:
     loads = [ph["loadavg_1m"] for ph in phases.values() if ph.get("loadavg_1m") is not None]
     p = data.get("provenance") or {}
     loads += [v for v in (p.get("loadavg_start"), p.get("loadavg_end")) if v is not None]
+    named = {"gap": f"B's largest gap ≤ {_ms(targets['gap_limit_ms'])} (max(250 ms, 3× baseline))",
+             "health": "`/health` ≤ 100 ms", "rss": "RSS growth ≤ 100 MB", "ws": "B's WebSocket connects",
+             "idle": "gauges idle within 15 s"}
+    checked = {t for c in targets["attacks"].values() for t in c}
     extra = (f"; B streams {a['b_max_tokens']}-token answers, "
-             f"{'one server for every attack' if a.get('shared_server') else 'a fresh server per attack'}; "
-             f"targets: B's largest gap ≤ {_ms(targets['gap_limit_ms'])} (max(250 ms, 3× baseline)), `/health` ≤ 100 ms, "
-             f"RSS growth ≤ 100 MB, B's WebSocket connects, gauges idle within 15 s: "
-             f"**{passed} of {len(checks)} checks pass**")
+             f"{'one server for every attack' if a.get('shared_server') else 'a fresh server per attack'}; targets: "
+             + ", ".join(text for t, text in named.items() if t in checked)
+             + f": **{passed} of {len(checks)} checks pass**")
     if (data.get("server") or {}).get("exited_during"):
         extra += f"; **the server exited by itself during {', '.join(data['server']['exited_during'])}**"
     lines = [caption({**data, "loadavg_range": loads}, name, extra), "",
