@@ -34,7 +34,8 @@ def render_isolation(data: dict, name: str) -> str:
     a, phases, targets = data["args"], data["phases"], data["targets"]
     checks = [v for c in targets["attacks"].values() for v in c.values()]
     passed = sum(v == "PASS" for v in checks)
-    loads = [ph["loadavg_1m"] for ph in phases.values() if ph.get("loadavg_1m") is not None]
+    loads = list(data.get("loadavg_range") or [])          # a transcribed run's, else each phase's and the ends'
+    loads += [ph["loadavg_1m"] for ph in phases.values() if ph.get("loadavg_1m") is not None]
     p = data.get("provenance") or {}
     loads += [v for v in (p.get("loadavg_start"), p.get("loadavg_end")) if v is not None]
     named = {"gap": f"B's largest gap ≤ {_ms(targets['gap_limit_ms'])} (max(250 ms, 3× baseline))",

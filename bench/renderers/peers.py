@@ -26,7 +26,7 @@ def _pair(a, b, unit: str = " ms") -> str:
 
 def _loads(data: dict) -> list[float]:
     p = data.get("provenance") or {}
-    loads = [p.get("loadavg_start"), p.get("loadavg_end")]
+    loads = [*(data.get("loadavg_range") or []), p.get("loadavg_start"), p.get("loadavg_end")]
     loads += [s.get(k) for s in data["servers"].values() for k in ("load_before", "load_after")]
     return [x for x in loads if x is not None]
 
