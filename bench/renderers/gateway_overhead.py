@@ -22,7 +22,8 @@ def render_gateway_overhead(data: dict, name: str) -> str:
     a, results = data["args"], data["results"]
     first = next(iter(results))                 # the baseline: in process when it ran
     base = results[first]
-    extra = (f"; {a['requests']} chat requests, Poisson {a['rate']:g} req/s, {a['max_tokens'] // 4}–{a['max_tokens']} "
+    arrivals = f"Poisson {a['rate']:g} req/s" if a["rate"] else "all at once"
+    extra = (f"; {a['requests']} chat requests, {arrivals}, {max(1, a['max_tokens'] // 4)}–{a['max_tokens']} "
              f"output tokens each, idle TTFT the median of {a['idle']} one-token requests")
     lines = [caption(data, name, extra), "",
              f"| mode | output tok/s | vs {mode_label(first)} | TTFT p50 / p99 (trace) | idle TTFT p50 | added |",
