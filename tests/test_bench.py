@@ -87,7 +87,8 @@ def test_benchmarks_have_their_own_entry_point_and_the_gateway_never_imports_the
 
 def test_the_runtime_wheel_leaves_bench_out_and_the_bench_distribution_has_every_wing():
     """pyproject.toml packages engine, gateway and tenants only; bench/pyproject.toml lists bench
-    and every wing on disk (a new wing not listed there would be missing from its wheel)."""
+    and every wing on disk, and the report's renderers (a new package not listed there would be
+    missing from its wheel)."""
     import tomllib
     from fnmatch import fnmatch
     from pathlib import Path
@@ -99,7 +100,7 @@ def test_the_runtime_wheel_leaves_bench_out_and_the_bench_distribution_has_every
     bench = tomllib.loads(Path("bench/pyproject.toml").read_text())
     wings = {f"bench.{p.parent.name}" for p in Path("bench").glob("*/__init__.py")}
     assert set(bench["tool"]["setuptools"]["packages"]) == {"bench", *wings}
-    assert wings == {"bench.engine", "bench.serving", "bench.isolation", "bench.peers"}
+    assert wings == {"bench.engine", "bench.serving", "bench.isolation", "bench.peers", "bench.renderers"}
     assert bench["project"]["scripts"]["streamgate-bench"] == "bench.__main__:main"
 
 

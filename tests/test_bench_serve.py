@@ -52,41 +52,38 @@ def _run(tmp_path, model: str, *extra: str) -> tuple[subprocess.CompletedProcess
     return proc, json.loads(out.read_text())
 
 
-def test_serve_bench_writes_results_and_plots(tiny_model, tmp_path):
-    """Every request succeeds with exactly max_tokens tokens (ignore_eos); the JSON has the
-    summary, per-request timings and stats samples; every plot is a non-empty PNG."""
-    proc, res = _run(tmp_path, tiny_model("llama"))
-    (run,) = res["runs"]
-    s = run["summary"]
-    assert s["requests"] == s["ok"] == len(run["requests"]) > 0 and s["failures"] == {}
-    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "queue_ms"):
-        assert set(s[key]) >= {"p50", "p90", "p99", "max"}
-    assert s["ttft_ms"]["p50"] > 0 and s["output_tps"] > 0 and 0 <= s["goodput"]["fraction"] <= 1
-    assert abs(sum(t["share"] for t in s["tenants"].values()) - 1) < 1e-9
-    for r in run["requests"]:
-        assert r["output_tokens"] == r["max_tokens"] and r["finish"] == "length"
-        assert r["send"] <= r["deltas"][0][0] <= r["end"] and r["queue_s"] is not None
-    assert run["stats"] and {"waiting", "running", "kv_cache_usage", "num_preemptions"} <= set(run["stats"][0])
-    # The server's per-tenant counters (GET /metrics) from before the first request to after
-    # the last equal what the client was served: every prompt once, every output token.
-    first, last = run["served"][0]["served"], run["served"][-1]["served"]
-    for tenant in ("a", "b"):
-        mine = [r for r in run["requests"] if r["tenant"] == tenant]
-        got = [x - y for x, y in zip(last[tenant], first.get(tenant, (0, 0)))]
-        assert got == [sum(r["prompt_tokens"] for r in mine), sum(r["output_tokens"] for r in mine)]
-    assert s["weighted_service"]["client"]["pair"] == ["a", "b"]
-    pngs = sorted((tmp_path / "plots").glob("*.png"))
-    assert {p.name for p in pngs} == {"tiny-latency_cdf.png", "tiny-ws-itl_time.png", "tiny-ws-tenant_tokens.png"}
-    assert all(p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size > 1000 for p in pngs)
-    assert "TTFT" in proc.stdout and " ms" in proc.stdout
-
-
-def test_serve_bench_compare_presets(tiny_model, tmp_path):
-    """`--compare static,chunked` runs each preset on its own server and prints them side by side."""
-    proc, res = _run(tmp_path, tiny_model("llama"), "--compare", "static,chunked", "--no-plots",
-                     "--num-requests", "3")
+def test_serve_bench_compares_presets_and_writes_results_and_plots(tiny_model, tmp_path):
+    """`--compare static,chunked` runs each preset on its own server and prints them side by
+    side. In each run every request succeeds with exactly max_tokens tokens (ignore_eos); the
+    JSON has the summary, per-request timings and stats samples; every plot is a non-empty PNG.
+    (One run of the benchmark for both checks: each server start is seconds of the suite.)"""
+    proc, res = _run(tmp_path, tiny_model("llama"), "--compare", "static,chunked", "--num-requests", "4")
     assert [r["label"] for r in res["runs"]] == ["static", "chunked"]
     assert res["runs"][0]["flags"] == ["--batching", "static"] and res["runs"][1]["flags"] == []
-    assert all(r["summary"]["ok"] == r["summary"]["requests"] == 3 for r in res["runs"])
+    for run in res["runs"]:
+        s = run["summary"]
+        assert s["requests"] == s["ok"] == len(run["requests"]) == 4 and s["failures"] == {}, run["label"]
+        for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "queue_ms"):
+            assert set(s[key]) >= {"p50", "p90", "p99", "max"}
+        assert s["ttft_ms"]["p50"] > 0 and s["output_tps"] > 0 and 0 <= s["goodput"]["fraction"] <= 1
+        assert abs(sum(t["share"] for t in s["tenants"].values()) - 1) < 1e-9
+        for r in run["requests"]:
+            assert r["output_tokens"] == r["max_tokens"] and r["finish"] == "length"
+            assert r["send"] <= r["deltas"][0][0] <= r["end"] and r["queue_s"] is not None
+        assert run["stats"] and {"waiting", "running", "kv_cache_usage", "num_preemptions"} <= set(run["stats"][0])
+        # The server's per-tenant counters (GET /metrics) from before the first request to after
+        # the last equal what the client was served: every prompt once, every output token.
+        first, last = run["served"][0]["served"], run["served"][-1]["served"]
+        for tenant in ("a", "b"):
+            mine = [r for r in run["requests"] if r["tenant"] == tenant]
+            assert mine, (run["label"], tenant)
+            got = [x - y for x, y in zip(last[tenant], first.get(tenant, (0, 0)))]
+            assert got == [sum(r["prompt_tokens"] for r in mine), sum(r["output_tokens"] for r in mine)]
+        assert s["weighted_service"]["client"]["pair"] == ["a", "b"]
+    pngs = sorted((tmp_path / "plots").glob("*.png"))
+    assert {p.name for p in pngs} == {"tiny-latency_cdf.png"} | {f"tiny-{label}-{plot}.png" for label in (
+        "static", "chunked") for plot in ("itl_time", "tenant_tokens")}
+    assert all(p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size > 1000 for p in pngs)
     header = proc.stdout.splitlines()[1]
     assert "static" in header and "chunked" in header
+    assert "TTFT" in proc.stdout and " ms" in proc.stdout
