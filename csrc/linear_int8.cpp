@@ -11,14 +11,15 @@
 // latency does not bound it; four rows share one widened weight row. Blocks are split over
 // the threads. Activations in bf16/fp16 are converted to fp32 once per call (a few rows).
 //
-// dequantize_int8 writes q * s in the model's dtype as a plain [N, K] weight: steps of many
-// rows (a prefill chunk) dequantize one layer into a reused scratch buffer and run the
-// dtype's GEMM, so no dequantized copy is kept.
+// dequantize_int8 writes q * s in the model's dtype as a plain transposed weight [K, N]: steps
+// of many rows (a prefill chunk) dequantize one layer into a reused scratch buffer and run
+// the dtype's GEMM, so no dequantized copy is kept.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -56,8 +57,10 @@ inline lanes_t widen(const int8_t* p) {
 constexpr int kParts = kBlock / kLanes;
 
 // y[j, 0:valid] = (x[j] . block) * scale + bias for R rows j; U accumulators per row over k.
+// Not inlined: inside parallel_for's lambda GCC kept the accumulators on the stack (a store
+// and a reload per FMA, 3x slower).
 template <int R, int U>
-inline void block_rows(const float* x, int64_t xs, const int8_t* block, int64_t K, const float* scale,
+__attribute__((noinline)) void block_rows(const float* x, int64_t xs, const int8_t* block, int64_t K, const float* scale,
                        const float* bias, float* y, int64_t ys, int64_t valid) {
   lanes_t acc[U][R][kParts];
   for (int u = 0; u < U; ++u)
@@ -152,12 +155,32 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
   return x.scalar_type() == torch::kFloat ? y : y.to(x.scalar_type());
 }
 
-// out[n, k] = packed code (n, k) * scales[n], rounded once to out's dtype: 16 x 16 tiles are
-// widened and scaled as vectors, then transposed into out's rows.
+// Scaled fp32 lanes -> dst in T: bf16 rounded to nearest even as vectors (q * s is finite),
+// fp32 copied, fp16 through c10's scalar conversion.
+template <typename T>
+inline void store_lanes(lanes_t v, T* dst) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, &v, sizeof v);
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    typedef uint32_t bits_t __attribute__((vector_size(sizeof(lanes_t))));
+    typedef uint16_t half_t __attribute__((vector_size(sizeof(lanes_t) / 2)));
+    bits_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    const half_t rounded = __builtin_convertvector((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16, half_t);
+    std::memcpy(dst, &rounded, sizeof rounded);
+  } else {
+    float f[kLanes];
+    std::memcpy(f, &v, sizeof f);
+    for (int i = 0; i < kLanes; ++i) dst[i] = static_cast<T>(f[i]);
+  }
+}
+
+// out[k, n] = packed code (n, k) * scales[n], rounded once to out's dtype: the transposed
+// weight [K, N], so each packed row of 16 codes is widened, scaled, rounded and stored as 16
+// contiguous outputs (no transpose); y = x @ out is the dtype's plain GEMM.
 template <typename T>
 void dequantize_blocks(const int8_t* wp, const float* sp, T* op, int64_t N, int64_t K, int64_t blocks) {
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    float tile[kBlock][kBlock];                                   // [k][lane]
     for (int64_t b = b0; b < b1; ++b) {
       const int8_t* block = wp + b * K * kBlock;
       const int64_t n0 = b * kBlock, valid = std::min(kBlock, N - n0);
@@ -165,26 +188,21 @@ void dequantize_blocks(const int8_t* wp, const float* sp, T* op, int64_t N, int6
       std::memcpy(sv, sp + n0, valid * sizeof(float));
       lanes_t s[kParts];
       std::memcpy(s, sv, sizeof s);
-      for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
-        const int64_t kn = std::min(kBlock, K - k0);
-        for (int64_t kk = 0; kk < kn; ++kk)
-          for (int p = 0; p < kParts; ++p) {
-            const lanes_t v = widen(block + (k0 + kk) * kBlock + p * kLanes) * s[p];
-            std::memcpy(tile[kk] + p * kLanes, &v, sizeof v);
-          }
-        for (int64_t lane = 0; lane < valid; ++lane) {
-          T* row = op + (n0 + lane) * K + k0;
-          for (int64_t kk = 0; kk < kn; ++kk) row[kk] = static_cast<T>(tile[kk][lane]);
-        }
+      T tail[kBlock];
+      for (int64_t k = 0; k < K; ++k) {
+        T* dst = valid == kBlock ? op + k * N + n0 : tail;
+        for (int p = 0; p < kParts; ++p) store_lanes(widen(block + k * kBlock + p * kLanes) * s[p], dst + p * kLanes);
+        if (valid < kBlock) std::memcpy(op + k * N + n0, tail, valid * sizeof(T));
       }
     }
   });
 }
 
-// packed codes and scales -> out [N, K] (fp32, bf16 or fp16, contiguous), written in place.
+// packed codes and scales -> out [K, N] (the weight transposed; fp32, bf16 or fp16,
+// contiguous), written in place.
 void dequantize_int8(const torch::Tensor& packed, const torch::Tensor& scales, torch::Tensor out) {
-  TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.is_contiguous(), "dequantize_int8: out must be [N, K], contiguous");
-  const int64_t N = out.size(0), K = out.size(1);
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.is_contiguous(), "dequantize_int8: out must be [K, N], contiguous");
+  const int64_t K = out.size(0), N = out.size(1);
   check_packed(packed, scales, N, "dequantize_int8");
   TORCH_CHECK(packed.size(1) == K, "dequantize_int8: packed codes do not match out's K");
   const int8_t* wp = packed.data_ptr<int8_t>();

@@ -17,7 +17,12 @@ tests/test_quantization.py checks exactly that. Two paths compute the same y = x
   512-row GEMM costs far more than dequantizing its weight, and no dequantized copy is held.
 Both round q s once to the activations' dtype at most, so a sequence's tokens do not depend on
 whether it decoded alone (to the GEMM libraries' summation order).
-Measured on the Zen 4 development host (docs/BENCHMARKS.md §10, `python -m bench.engine.int8`).
+Measured on the Zen 4 development host (2026-12-02, shared, one thread): the kernel runs at
+~40 G MACs/s cache-resident (fp32 linear.cpp: ~30); over SmolLM2's decoder weights (out of cache)
+it beats dequantize + GEMM up to 16 rows by 1.6-9x and ties it at 32-48 rows, hence the
+crossover; dequantizing costs ~0.17 ns a weight (0.3 ms for the fused gate/up, 3 % of its
+512-row GEMM), but the GEMM then runs on an unpacked weight (oneDNN reorders it per call).
+Whole-step numbers: docs/BENCHMARKS.md §10 (`python -m bench.engine.int8`).
 Without the C++ kernels (no compiler) every step takes the dequantizing path on unpacked codes.
 torch's `aten._weight_int8pack_mm`, used before, was compute-bound here (about 4 G MACs/s, a
 one-row decode step 1.1-1.4x bf16) and needed the dequantized copy for every other step.
@@ -36,7 +41,7 @@ from .kernels import load_kernels
 
 log = logging.getLogger("streamgate.engine")
 
-KERNEL_MAX_ROWS = 16           # the kernel up to here, dequantize + GEMM above (measured crossover, §10)
+KERNEL_MAX_ROWS = 32           # the kernel up to here, dequantize + GEMM above (measured crossover, above)
 SCRATCH_ELEMENTS = 1 << 22     # the largest slice dequantized at once (8 MB in bf16): an lm_head is split
 _BLOCK = 16                    # outputs per packed block (csrc/linear_int8.cpp)
 _scratch = threading.local()
@@ -79,15 +84,16 @@ class Int8Weight:
 
     def dequantized(self, dtype: torch.dtype, rows: tuple[int, int] | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
-        """q * s (rounded once to `dtype`) for output rows [n0, n1) (all by default) -> [n1 - n0, K]."""
+        """q * s (rounded once to `dtype`) for output rows [n0, n1) (all by default), transposed:
+        [K, n1 - n0], written into `out` if given."""
         n0, n1 = rows or (0, self.out_features)
         if out is None:
-            out = torch.empty(n1 - n0, self.in_features, dtype=dtype)
+            out = torch.empty(self.in_features, n1 - n0, dtype=dtype)
         if self.kernel:                      # whole packed blocks: n0 is a multiple of 16
             assert n0 % _BLOCK == 0, n0
             torch.ops.streamgate.dequantize_int8(self.codes[n0 // _BLOCK:-(-n1 // _BLOCK)], self.scales[n0:n1], out)
         else:
-            torch.mul(self.codes[n0:n1], self.scales[n0:n1, None], out=out)
+            torch.mul(self.codes[n0:n1].t(), self.scales[n0:n1], out=out)
         return out
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,8 +114,8 @@ class Int8Weight:
         pieces = []
         for n0 in range(0, N, step):
             n1 = min(N, n0 + step)
-            w = self.dequantized(x2.dtype, (n0, n1), buf[:(n1 - n0) * K].view(n1 - n0, K))
-            pieces.append(F.linear(x2, w, None if bias is None else bias[n0:n1]))
+            wt = self.dequantized(x2.dtype, (n0, n1), buf[:(n1 - n0) * K].view(K, n1 - n0))    # [K, n]
+            pieces.append(torch.mm(x2, wt) if bias is None else torch.addmm(bias[n0:n1], x2, wt))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
 

@@ -92,15 +92,15 @@ def test_linear_int8_takes_strided_and_fp16_activations():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dequantize_int8_rounds_exactly_as_torch(dtype):
-    """q * s computed in fp32 and rounded once to the dtype, bit for bit, whole or by row slices
-    of whole blocks (the last one partial)."""
+    """q * s computed in fp32 and rounded once to the dtype, bit for bit, written transposed
+    ([K, N]), whole or by output slices of whole blocks (the last one partial)."""
     w, _ = _weight(53, 37, seed=7)
     codes, scales = quantize_int8(w)
     want = (codes.float() * scales[:, None]).to(dtype)
     weight = Int8Weight(w)
-    assert torch.equal(weight.dequantized(dtype), want)
-    assert torch.equal(weight.dequantized(dtype, (16, 48)), want[16:48])
-    assert torch.equal(weight.dequantized(dtype, (32, 53)), want[32:53])
+    assert torch.equal(weight.dequantized(dtype), want.t())                    # [K, N]: transposed
+    assert torch.equal(weight.dequantized(dtype, (16, 48)), want[16:48].t())
+    assert torch.equal(weight.dequantized(dtype, (32, 53)), want[32:53].t())
 
 
 @pytest.mark.parametrize("scratch_elements", [1 << 22, 16 * 70])      # whole, and 16 outputs at a time
@@ -129,3 +129,19 @@ def test_many_rows_dequantize_into_the_scratch_buffer(monkeypatch, scratch_eleme
     assert ((few.double() - ref_k).abs() <= tol_k).all()
     weight_rounding = (2.0 ** -9 if dtype == torch.bfloat16 else U) * mag[:m]     # q s in the dtype or not
     assert ((few.double() - y[:m].double()).abs() <= tol_k + tol[:m] + weight_rounding).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_without_the_kernels_every_step_dequantizes_the_unpacked_codes(dtype):
+    """Where the C++ kernels did not build, the codes stay [N, K] and torch dequantizes them:
+    the same product as the kernel's path, one row or many."""
+    w, b = _weight(37, 70, seed=13)
+    w, b = w.to(dtype), b.to(dtype)
+    fast, slow = Int8Weight(w, b), Int8Weight(w, b)
+    codes, scales = quantize_int8(w)
+    slow.kernel, slow.codes = False, codes                       # as built without the kernels
+    assert torch.equal(slow.dequantized(dtype), fast.dequantized(dtype))
+    for rows in (1, quantization.KERNEL_MAX_ROWS + 3):
+        x = torch.randn(rows, 70).to(dtype)
+        ref, tol, mag = _reference_and_tolerance(x, _dequantized(codes, scales).to(dtype), b, dtype)
+        assert ((slow.linear(x).double() - ref).abs() <= tol).all()
