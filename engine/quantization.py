@@ -15,8 +15,9 @@ tests/test_quantization.py checks exactly that. Two paths compute the same y = x
   `SCRATCH_ELEMENTS` weights at a time, into one scratch buffer of the activations' dtype
   (per thread, reused by every layer) and the dtype's GEMM runs on it (oneDNN for bf16). A
   512-row GEMM costs far more than dequantizing its weight, and no dequantized copy is held.
-Both round q s once to the activations' dtype at most, so a sequence's tokens do not depend on
-whether it decoded alone (to the GEMM libraries' summation order).
+The kernel keeps q s in fp32, the GEMM path rounds it once to the activations' dtype: in fp32
+the two differ in summation order only, in bf16 also by that rounding (as two GEMM libraries'
+results do), so a bf16 sequence's tokens may depend on whether a step had more than 32 rows.
 Measured on the Zen 4 development host (2026-12-02, shared, one thread): the kernel runs at
 ~40 G MACs/s cache-resident (fp32 linear.cpp: ~30); over SmolLM2's decoder weights (out of cache)
 it beats dequantize + GEMM up to 16 rows by 1.6-9x and ties it at 32-48 rows, hence the
