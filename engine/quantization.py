@@ -20,9 +20,9 @@ the two differ in summation order only, in bf16 also by that rounding (as two GE
 results do), so a bf16 sequence's tokens may depend on whether a step had more than 32 rows.
 Measured on the Zen 4 development host (2026-12-02, shared, one thread): the kernel runs at
 ~40 G MACs/s cache-resident (fp32 linear.cpp: ~30); over SmolLM2's decoder weights (out of cache)
-it beats dequantize + GEMM up to 16 rows by 1.6-9x and ties it at 32-48 rows, hence the
+it beats dequantize + GEMM up to 16 rows by 1.6-10x and ties it at 32-48 rows, hence the
 crossover; dequantizing costs ~0.17 ns a weight (0.3 ms for the fused gate/up, 3 % of its
-512-row GEMM), but the GEMM then runs on an unpacked weight (oneDNN reorders it per call).
+512-row GEMM, which on the unpacked weight took the time of oneDNN's prepacked one).
 Whole-step numbers: docs/BENCHMARKS.md §10 (`python -m bench.engine.int8`).
 Without the C++ kernels (no compiler) every step takes the dequantizing path on unpacked codes.
 torch's `aten._weight_int8pack_mm`, used before, was compute-bound here (about 4 G MACs/s, a
@@ -35,7 +35,6 @@ import logging
 import threading
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .kernels import load_kernels
