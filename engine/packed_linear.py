@@ -11,8 +11,9 @@ core idle at a few rows. Two packed forms, best first:
 Either differs from MKL in the last bits (another summation order), as between any two GEMM
 libraries. bf16 weights (the fused Llama forward in bf16) take the "onednn" form: with
 AVX512-BF16 or AMX, oneDNN's bf16 GEMM on its packed layout is faster than any fp32 form at
-every row count (docs/BENCHMARKS.md §8.16). A third kind, "int8", holds an int8 weight-only
-copy (quantization.py) where `EngineConfig.quantization` is "int8".
+every row count (docs/BENCHMARKS.md §8.16). A third kind, "int8", holds int8 weight-only
+codes in the kernel's block layout (quantization.py, csrc/linear_int8.cpp) where
+`EngineConfig.quantization` is "int8".
 """
 
 from __future__ import annotations
@@ -36,17 +37,17 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features, self.kind = linear.in_features, linear.out_features, kind
         weight = linear.weight.detach()
         with torch.no_grad():
-            if kind == "int8":
-                self.packed = Int8Weight(weight)
+            if kind == "int8":                   # holds the bias itself (an fp32 copy for its kernel)
+                self.packed = Int8Weight(weight, linear.bias)
             elif kind == "streamgate":
                 self.packed = torch.ops.streamgate.pack_linear(weight)
             else:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
-        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self.bias = None if linear.bias is None or kind == "int8" else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:     # [..., in] -> [..., out]
         if self.kind == "int8":
-            return self.packed.linear(x, self.bias)
+            return self.packed.linear(x)
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         y = torch.ops.streamgate.linear(x.reshape(-1, self.in_features), self.packed, self.bias, self.out_features)

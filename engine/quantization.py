@@ -2,40 +2,49 @@
 
 Each output channel n of a weight W [N, K] gets a symmetric scale s_n = max_k |W[n, k]| / 127
 and int8 codes q = round(W / s_n), so the weight's bytes are halved against bf16 (a quarter
-of fp32) and a decode step, bound by reading them, reads half as much. Activations stay in the
-model's dtype: y = (x @ q^T) * s, computed by torch's `aten._weight_int8pack_mm` (int8 codes
-widened in registers, fp32 accumulation). The error against the unquantized layer is bounded
-per output by |W - q s| <= s_n / 2 elementwise: |y_n - y_q,n| <= s_n / 2 * sum_k |x_k| (plus the
-activation dtype's rounding); tests/test_quantization.py checks exactly that.
-
-`_weight_int8pack_mm` is a GEMV-style kernel, and on the Zen 4 development host it is compute-
-bound, not bandwidth-bound: all of SmolLM2's linears at one row on one thread (weights out of
-cache) took 33.6 ms in int8 against 35.9 ms for oneDNN's packed bf16 (best of 15, 2026-12-01,
-shared host): 1.07x, about 4 G int8 MACs/s, far from halving the step. Per layer, cache-resident,
-it is 1.0-1.9x at one row but already 0.9x at 2 rows, 0.3-0.5x at 8 and 0.2x at 512, and
-dequantizing the codes per call costs 10-100x the GEMM. So each layer
-also keeps its dequantized weight q * s in the model's dtype (oneDNN-packed in bf16, as
-packed_linear.py does) for steps of more than `INT8MM_MAX_ROWS` rows: a one-row decode step
-reads int8 weights, a batched step or a prefill chunk runs at the dtype's speed, and both
-compute the same quantized model (to the dtype's rounding), so a sequence's tokens do not
-depend on whether it decoded alone. Memory: int8 + the dtype's copy.
-torch 2.13's kernel reads out of bounds (NaN, segfaults) for bf16 activations when K % 16 != 0,
-so such layers always take the dtype's copy.
-A C++ int8 kernel in csrc/linear.cpp's block layout (codes widened in registers, or VNNI) is what
-would make int8 pay, and drop the second copy (not built).
+of fp32) and a decode step, bound by reading them, reads half as much. Only the codes (packed
+as csrc/linear.cpp packs fp32 weights, [ceil(N/16), K, 16]) and the fp32 scales are kept; the
+error against the unquantized layer is bounded per output by |W - q s| <= s_n / 2 elementwise:
+|y_n - y_q,n| <= s_n / 2 * sum_k |x_k| (plus the activation dtype's rounding);
+tests/test_quantization.py checks exactly that. Two paths compute the same y = x (q s)^T + b:
+- steps of up to `KERNEL_MAX_ROWS` rows (decode, speculative verification): the C++ kernel
+  (csrc/linear_int8.cpp) widens the codes to fp32 in registers, FMAs them with the
+  activations (converted to fp32 once per call), accumulates in fp32 and applies s and b at
+  the end: it reads one byte per weight;
+- steps of more rows (a prefill chunk): the codes are dequantized, a slice of at most
+  `SCRATCH_ELEMENTS` weights at a time, into one scratch buffer of the activations' dtype
+  (per thread, reused by every layer) and the dtype's GEMM runs on it (oneDNN for bf16). A
+  512-row GEMM costs far more than dequantizing its weight, and no dequantized copy is held.
+The kernel keeps q s in fp32, the GEMM path rounds it once to the activations' dtype: in fp32
+the two differ in summation order only, in bf16 also by that rounding (as two GEMM libraries'
+results do), so a bf16 sequence's tokens may depend on whether a step had more than 32 rows.
+Measured on the Zen 4 development host (2026-12-02, shared, one thread): the kernel runs at
+~40 G MACs/s cache-resident (fp32 linear.cpp: ~30); over SmolLM2's decoder weights (out of cache)
+it beats dequantize + GEMM up to 16 rows by 1.6-10x and ties it at 32-48 rows, hence the
+crossover; dequantizing costs ~0.17 ns a weight (0.3 ms for the fused gate/up, 3 % of its
+512-row GEMM, which on the unpacked weight took the time of oneDNN's prepacked one).
+Whole-step numbers: docs/BENCHMARKS.md §10 (`python -m bench.engine.int8`).
+Without the C++ kernels (no compiler) every step takes the dequantizing path on unpacked codes.
+torch's `aten._weight_int8pack_mm`, used before, was compute-bound here (about 4 G MACs/s, a
+one-row decode step 1.1-1.4x bf16) and needed the dequantized copy for every other step.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .kernels import load_kernels
 
 log = logging.getLogger("streamgate.engine")
 
-INT8MM_MAX_ROWS = 1        # measured crossover on the Zen 4 host (see above)
+KERNEL_MAX_ROWS = 32           # the kernel up to here, dequantize + GEMM above (measured crossover, above)
+SCRATCH_ELEMENTS = 1 << 22     # the largest slice dequantized at once (8 MB in bf16): an lm_head is split
+_BLOCK = 16                    # outputs per packed block (csrc/linear_int8.cpp)
+_scratch = threading.local()
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,39 +55,68 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.contiguous(), scales
 
 
+def scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """This thread's scratch buffer of `dtype`, at least `numel` elements (grown, never shrunk)."""
+    bufs = _scratch.__dict__.setdefault("bufs", {})
+    buf = bufs.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = bufs[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
+
+
 class Int8Weight:
-    """An int8 weight with its per-channel scales (one copy per activation dtype, made once)."""
+    """An int8 weight (packed codes), its per-channel scales and bias; `linear` runs it."""
 
-    def __init__(self, weight: torch.Tensor):
-        self.codes, self.scales = quantize_int8(weight)
-        self.out_features, self.in_features = self.codes.shape
-        self._scales = {torch.float32: self.scales, weight.dtype: self.scales.to(weight.dtype)}
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        codes, self.scales = quantize_int8(weight)
+        self.out_features, self.in_features = codes.shape
         self.dtype = weight.dtype
-        self.onednn = weight.dtype == torch.bfloat16 and _onednn_bf16()
-        # the weight for steps of more rows (see the module docstring): [N, K] or oneDNN-packed
-        wide = self.dequantized(weight.dtype)
-        self.wide = torch.ops.mkldnn._reorder_linear_weight(wide, 8) if self.onednn else wide
+        self.kernel = load_kernels()
+        self.codes = torch.ops.streamgate.pack_int8(codes) if self.kernel else codes   # [ceil(N/16), K, 16] or [N, K]
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.bias32 = None if bias is None else self.bias.float().contiguous()          # the kernel's
 
-    def scales_as(self, dtype: torch.dtype) -> torch.Tensor:
-        if dtype not in self._scales:
-            self._scales[dtype] = self.scales.to(dtype)
-        return self._scales[dtype]
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes, scales and bias."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.bias, self.bias32)
+                   if t is not None)
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        return (self.codes.to(torch.float32) * self.scales[:, None]).to(dtype)         # [N, K]
+    def dequantized(self, dtype: torch.dtype, rows: tuple[int, int] | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """q * s (rounded once to `dtype`) for output rows [n0, n1) (all by default), transposed:
+        [K, n1 - n0], written into `out` if given."""
+        n0, n1 = rows or (0, self.out_features)
+        if out is None:
+            out = torch.empty(self.in_features, n1 - n0, dtype=dtype)
+        if self.kernel:                      # whole packed blocks: n0 is a multiple of 16
+            assert n0 % _BLOCK == 0, n0
+            torch.ops.streamgate.dequantize_int8(self.codes[n0 // _BLOCK:-(-n1 // _BLOCK)], self.scales[n0:n1], out)
+        else:
+            torch.mul(self.codes[n0:n1].t(), self.scales[n0:n1], out=out)
+        return out
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         x2 = x.reshape(-1, self.in_features)                                             # [M, K]
-        if x2.shape[0] <= INT8MM_MAX_ROWS and (x.dtype == torch.float32 or self.in_features % 16 == 0):
-            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.codes, self.scales_as(x.dtype))
-            if bias is not None:
-                y = y + bias
-        elif self.onednn and x.dtype == torch.bfloat16:
-            y = torch.ops.mkldnn._linear_pointwise(x2, self.wide, bias, "none", [], "")
+        if self.kernel and x2.shape[0] <= KERNEL_MAX_ROWS:
+            y = torch.ops.streamgate.linear_int8(x2, self.codes, self.scales, self.bias32, self.out_features)
         else:
-            y = F.linear(x2, self.wide.to(x.dtype), bias)
+            y = self._dequantized_gemm(x2)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _dequantized_gemm(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 @ (q s)^T + b through the scratch buffer, SCRATCH_ELEMENTS weights at a time."""
+        N, K = self.out_features, self.in_features
+        step = max(_BLOCK, SCRATCH_ELEMENTS // K // _BLOCK * _BLOCK)
+        bias = None if self.bias is None else self.bias.to(x2.dtype)
+        buf = scratch(x2.dtype, min(N, step) * K)
+        pieces = []
+        for n0 in range(0, N, step):
+            n1 = min(N, n0 + step)
+            wt = self.dequantized(x2.dtype, (n0, n1), buf[:(n1 - n0) * K].view(K, n1 - n0))    # [K, n]
+            pieces.append(torch.mm(x2, wt) if bias is None else torch.addmm(bias[n0:n1], x2, wt))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
 
 class Int8Linear(nn.Module):
@@ -87,19 +125,22 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight_int8 = Int8Weight(linear.weight)
-        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self.weight_int8 = Int8Weight(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight_int8.linear(x, self.bias)
-
-
-def _onednn_bf16() -> bool:
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return self.weight_int8.linear(x)
 
 
 def available() -> bool:
-    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+    """int8 runs on any CPU: the kernel where the C++ kernels built, dequantize + GEMM elsewhere."""
+    return True
+
+
+def int8_bytes(model: nn.Module) -> int:
+    """Bytes of every int8 weight reachable from `model` (codes, scales, biases)."""
+    seen = {id(m.weight_int8): m.weight_int8 for m in model.modules() if isinstance(m, Int8Linear)}
+    seen.update({id(m.packed): m.packed for m in model.modules() if isinstance(getattr(m, "packed", None), Int8Weight)})
+    return sum(w.nbytes for w in seen.values())
 
 
 def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> int:
@@ -111,5 +152,6 @@ def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> int:
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, Int8Linear(mod))
-    log.info("linear layers: %d int8 weight-only (per-channel scales)", len(targets))
+    log.info("linear layers: %d int8 weight-only (per-channel scales, %s)", len(targets),
+             "C++ kernel up to %d rows" % KERNEL_MAX_ROWS if load_kernels() else "dequantized per step")
     return len(targets)

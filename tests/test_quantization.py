@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
-from engine.quantization import INT8MM_MAX_ROWS, Int8Linear, Int8Weight, available, quantize_int8
+from engine.quantization import KERNEL_MAX_ROWS, Int8Linear, Int8Weight, available, int8_bytes, quantize_int8
 
-pytestmark = pytest.mark.skipif(not available(), reason="this torch has no aten._weight_int8pack_mm")
+pytestmark = pytest.mark.skipif(not available(), reason="int8 is not available")
 
 
 def _linear(n: int = 37, k: int = 70, seed: int = 0) -> nn.Linear:
@@ -28,7 +28,7 @@ def _bound(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return scales[None, :].double() / 2 * x.double().abs().sum(-1, keepdim=True)       # [M, N]
 
 
-@pytest.mark.parametrize("rows", [1, INT8MM_MAX_ROWS + 4])      # the int8 GEMV and the dequantized GEMM
+@pytest.mark.parametrize("rows", [1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 4])      # the kernel and the dequantized GEMM
 def test_int8_linear_within_the_quantization_bound_of_the_fp32_linear(rows):
     """Int8Linear(x) is within s/2 * sum|x| (+ fp32 rounding) of the fp32 linear, per output,
     and equals x @ (q s)^T + b to fp32 rounding."""
@@ -51,7 +51,7 @@ def test_int8_linear_within_the_quantization_bound_of_the_fp32_linear(rows):
 def test_int8_linear_bf16_activations_within_the_bound_plus_bf16_rounding():
     """With bf16 activations (a bf16 model) both paths are within the bound plus bf16's own
     rounding of the weight copy and of the output (2^-8 relative)."""
-    for k, rows in ((64, 1), (64, INT8MM_MAX_ROWS + 7), (70, 1)):    # K=70: the guard around torch's K % 16 bug
+    for k, rows in ((64, 1), (64, KERNEL_MAX_ROWS + 7), (70, 1), (70, 5)):
         lin = _linear(k=k, seed=1).bfloat16()
         q = Int8Linear(lin)
         x = torch.randn(rows, k).bfloat16()
@@ -91,31 +91,45 @@ def _dequantized_reference(model_dir: str):
 
 
 @pytest.mark.parametrize("family, fused", [("llama", True), ("llama", False), ("qwen2", True)])
-def test_engine_with_int8_generates_the_dequantized_models_greedy_tokens(tiny_model, family, fused):
+def test_engine_with_int8_generates_the_dequantized_models_greedy_tokens(tiny_model, family, fused, monkeypatch):
     """An engine with quantization="int8" (fused Llama forward, or transformers' with Int8Linear
-    modules) generates, for two prompts batched together (multi-row prefill and decode steps,
-    then one-row steps once the shorter finishes), the greedy tokens of HF `generate` on the
-    same model with its linear weights replaced by their int8 round trip. Qwen2: q/k/v biases
-    ride in the fused int8 GEMM."""
+    modules) generates, for four prompts batched together, the greedy tokens of HF `generate` on
+    the same model with its linear weights replaced by their int8 round trip (fp32): prefill
+    chunks of more than KERNEL_MAX_ROWS rows (dequantized into the scratch buffer), decode
+    steps of four, three, two rows and one (the kernel), and steps mixing both. Qwen2: q/k/v
+    biases ride in the fused int8 GEMM. The model holds int8 codes, not a dequantized copy."""
     from engine import LLMEngine, SamplingParams
     from engine.fused_llama import FusedLlama
 
     model_dir = tiny_model(family)
     eng = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64, quantization="int8", fused_layers=fused,
-                                 max_num_batched_tokens=16, max_num_seqs=4))
+                                 max_num_batched_tokens=48, max_num_seqs=4))
+    model = eng.runner.model
     if fused:
         assert isinstance(eng.runner.forward, FusedLlama) and eng.runner.forward.lm_head.kind == "int8"
     else:
-        assert isinstance(eng.runner.model.lm_head, Int8Linear)
-        assert not any(type(m) is nn.Linear for m in eng.runner.model.modules())
-    prompts = {"a": list(range(100, 123)), "b": list(range(300, 309))}
-    lengths = {"a": 12, "b": 5}
+        assert isinstance(model.lm_head, Int8Linear)
+        assert not any(type(m) is nn.Linear for m in model.modules())
+    held = [p for p in list(model.parameters()) + list(model.buffers()) if p.dim() == 2 and p.dtype != torch.int8]
+    assert [tuple(p.shape) for p in held] == [tuple(model.get_input_embeddings().weight.shape)]   # no float weight but the embedding
+    assert int8_bytes(model) > 0
+    prompts = {"a": list(range(100, 140)), "b": list(range(300, 309)), "c": list(range(500, 525)), "d": [7, 8, 9]}
+    lengths = {"a": 12, "b": 5, "c": 9, "d": 16}
     for rid, ids in prompts.items():
         eng.add_request(rid, ids, SamplingParams(max_tokens=lengths[rid], temperature=0.0, ignore_eos=True))
     got: dict[str, list[int]] = {rid: [] for rid in prompts}
+    rows_seen: set[int] = set()
+    linear = Int8Weight.linear
+
+    def counting(self, x):
+        rows_seen.add(x.reshape(-1, self.in_features).shape[0])
+        return linear(self, x)
+
+    monkeypatch.setattr(Int8Weight, "linear", counting)
     while eng.has_unfinished():
         for out in eng.step():
             got[out.request_id] += out.new_token_ids
+    assert max(rows_seen) > KERNEL_MAX_ROWS and {1, 2, 3, 4} <= rows_seen, sorted(rows_seen)
     ref = _dequantized_reference(model_dir)
     for rid, ids in prompts.items():
         with torch.no_grad():

@@ -1,0 +1,230 @@
+// int8 weight-only linear layers on the CPU: y = (x q^T) * s + b, with q int8 codes and s one
+// fp32 scale per output channel (engine/quantization.py quantizes).
+//
+// A step of few rows (decode, speculative verification) is bound by reading the weights, and
+// int8 codes are half of bf16's bytes. The codes are packed as linear.cpp packs fp32 weights,
+// [ceil(N/16), K, 16]: block j holds outputs 16j..16j+15, K-major, one contiguous stream of
+// 16-byte rows. Each row is widened to sixteen fp32 lanes in registers (sign-extend + convert,
+// through GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones, four SSE ones) and
+// FMA'd with the activation, broadcast; accumulation is fp32, the scale and bias are applied
+// once at the end. One row keeps four independent accumulators (k unrolled by 4) so the FMA
+// latency does not bound it; four rows share one widened weight row. Blocks are split over
+// the threads. Activations in bf16/fp16 are converted to fp32 once per call (a few rows).
+//
+// dequantize_int8 writes q * s in the model's dtype as a plain transposed weight [K, N]: steps
+// of many rows (a prefill chunk) dequantize one layer into a reused scratch buffer and run
+// the dtype's GEMM, so no dequantized copy is kept.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 16;   // outputs per packed block, as in linear.cpp
+constexpr int64_t kRows = 4;     // query rows per pass over a block
+
+// A block's sixteen lanes are kParts vectors of kLanes fp32: one AVX-512 register, or two
+// 8-lane ones (AVX2 registers; GCC/Clang vector extensions elsewhere).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+typedef float lanes_t __attribute__((vector_size(64)));
+// codes p[part * kLanes ...] -> fp32 lanes (sign-extend, convert). A generic int8 -> float
+// __builtin_convertvector is scalarized by GCC, so x86 gets the instructions by name.
+inline lanes_t widen(const int8_t* p) {
+  return reinterpret_cast<lanes_t>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+}
+#else
+constexpr int kLanes = 8;
+typedef float lanes_t __attribute__((vector_size(32)));
+inline lanes_t widen(const int8_t* p) {
+#if defined(__AVX2__)
+  return reinterpret_cast<lanes_t>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  typedef int8_t bytes_t __attribute__((vector_size(8)));
+  typedef int32_t ints_t __attribute__((vector_size(32)));
+  bytes_t b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(__builtin_convertvector(b, ints_t), lanes_t);
+#endif
+}
+#endif
+constexpr int kParts = kBlock / kLanes;
+
+// y[j, 0:valid] = (x[j] . block) * scale + bias for R rows j; U accumulators per row over k.
+// Not inlined: inside parallel_for's lambda GCC kept the accumulators on the stack (a store
+// and a reload per FMA, 3x slower).
+template <int R, int U>
+__attribute__((noinline)) void block_rows(const float* x, int64_t xs, const int8_t* block, int64_t K, const float* scale,
+                       const float* bias, float* y, int64_t ys, int64_t valid) {
+  lanes_t acc[U][R][kParts];
+  for (int u = 0; u < U; ++u)
+    for (int j = 0; j < R; ++j)
+      for (int p = 0; p < kParts; ++p) acc[u][j][p] = lanes_t{};
+  int64_t k = 0;
+  for (; k + U <= K; k += U) {
+    __builtin_prefetch(block + (k + 256) * kBlock, 0, 0);       // 4 KB ahead in the stream
+    for (int u = 0; u < U; ++u)
+      for (int p = 0; p < kParts; ++p) {
+        const lanes_t w = widen(block + (k + u) * kBlock + p * kLanes);
+        for (int j = 0; j < R; ++j) acc[u][j][p] += x[j * xs + k + u] * w;
+      }
+  }
+  for (; k < K; ++k)
+    for (int p = 0; p < kParts; ++p) {
+      const lanes_t w = widen(block + k * kBlock + p * kLanes);
+      for (int j = 0; j < R; ++j) acc[0][j][p] += x[j * xs + k] * w;
+    }
+  for (int j = 0; j < R; ++j) {
+    float tmp[kBlock];
+    for (int p = 0; p < kParts; ++p) {
+      lanes_t sum = acc[0][j][p];
+      for (int u = 1; u < U; ++u) sum += acc[u][j][p];
+      std::memcpy(tmp + p * kLanes, &sum, sizeof sum);
+    }
+    for (int64_t n = 0; n < valid; ++n) y[j * ys + n] = tmp[n] * scale[n] + (bias ? bias[n] : 0.0f);
+  }
+}
+
+// codes [N, K] int8 -> packed [ceil(N/16), K, 16] int8, zero past N.
+torch::Tensor pack_int8(const torch::Tensor& codes) {
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == torch::kChar && codes.dim() == 2,
+              "pack_int8: codes must be a 2-d int8 CPU tensor");
+  const int64_t N = codes.size(0), K = codes.size(1), blocks = (N + kBlock - 1) / kBlock;
+  auto packed = torch::zeros({blocks, K, kBlock}, codes.options());
+  const auto c = codes.contiguous();
+  const int8_t* src = c.data_ptr<int8_t>();
+  int8_t* dst = packed.data_ptr<int8_t>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t n = b * kBlock; n < std::min(N, (b + 1) * kBlock); ++n)
+        for (int64_t k = 0; k < K; ++k) dst[(b * K + k) * kBlock + n % kBlock] = src[n * K + k];
+  });
+  return packed;
+}
+
+void check_packed(const torch::Tensor& packed, const torch::Tensor& scales, int64_t N, const char* op) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kChar && packed.dim() == 3 &&
+              packed.size(2) == kBlock && packed.is_contiguous() && packed.size(0) == (N + kBlock - 1) / kBlock,
+              op, ": packed codes must be [ceil(N/16), K, 16] int8 from pack_int8");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.numel() == N,
+              op, ": scales must be [out_features] fp32");
+}
+
+// x [M, K] fp32, bf16 or fp16; packed from pack_int8; scales [N] fp32; bias [N] fp32 or none
+// -> y [M, N] in x's dtype.
+torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                          const c10::optional<torch::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "linear_int8: x must be [M, K] on the CPU");
+  const int64_t N = out_features;
+  check_packed(packed, scales, N, "linear_int8");
+  TORCH_CHECK(packed.size(1) == x.size(1), "linear_int8: packed codes do not match x's K");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() &&
+                                    bias->numel() == N), "linear_int8: bias must be [out_features] fp32");
+  const auto xf = x.scalar_type() == torch::kFloat && x.stride(1) == 1 ? x : x.to(torch::kFloat).contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1), blocks = packed.size(0), xs = xf.stride(0);
+  auto y = torch::empty({M, N}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // At least ~32 KB of codes per task, so small layers do not pay for waking a thread.
+  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, K));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int8_t* block = wp + b * K * kBlock;
+      const int64_t n0 = b * kBlock, valid = std::min(kBlock, N - n0);
+      const float* bb = bp ? bp + n0 : nullptr;
+      int64_t m = 0;
+      for (; m + kRows <= M; m += kRows)
+        block_rows<kRows, 1>(xp + m * xs, xs, block, K, sp + n0, bb, yp + m * N + n0, N, valid);
+      switch (M - m) {
+        case 3: block_rows<3, 2>(xp + m * xs, xs, block, K, sp + n0, bb, yp + m * N + n0, N, valid); break;
+        case 2: block_rows<2, 2>(xp + m * xs, xs, block, K, sp + n0, bb, yp + m * N + n0, N, valid); break;
+        case 1: block_rows<1, 4>(xp + m * xs, xs, block, K, sp + n0, bb, yp + m * N + n0, N, valid); break;
+        default: break;
+      }
+    }
+  });
+  return x.scalar_type() == torch::kFloat ? y : y.to(x.scalar_type());
+}
+
+// Scaled fp32 lanes -> dst in T: bf16 rounded to nearest even as vectors (q * s is finite),
+// fp32 copied, fp16 through c10's scalar conversion.
+template <typename T>
+inline void store_lanes(lanes_t v, T* dst) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, &v, sizeof v);
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    typedef uint32_t bits_t __attribute__((vector_size(sizeof(lanes_t))));
+    typedef uint16_t half_t __attribute__((vector_size(sizeof(lanes_t) / 2)));
+    bits_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    const half_t rounded = __builtin_convertvector((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16, half_t);
+    std::memcpy(dst, &rounded, sizeof rounded);
+  } else {
+    float f[kLanes];
+    std::memcpy(f, &v, sizeof f);
+    for (int i = 0; i < kLanes; ++i) dst[i] = static_cast<T>(f[i]);
+  }
+}
+
+// out[k, n] = packed code (n, k) * scales[n], rounded once to out's dtype: the transposed
+// weight [K, N], so each packed row of 16 codes is widened, scaled, rounded and stored as 16
+// contiguous outputs (no transpose); y = x @ out is the dtype's plain GEMM.
+template <typename T>
+void dequantize_blocks(const int8_t* wp, const float* sp, T* op, int64_t N, int64_t K, int64_t blocks) {
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int8_t* block = wp + b * K * kBlock;
+      const int64_t n0 = b * kBlock, valid = std::min(kBlock, N - n0);
+      float sv[kBlock] = {};
+      std::memcpy(sv, sp + n0, valid * sizeof(float));
+      lanes_t s[kParts];
+      std::memcpy(s, sv, sizeof s);
+      T tail[kBlock];
+      for (int64_t k = 0; k < K; ++k) {
+        T* dst = valid == kBlock ? op + k * N + n0 : tail;
+        for (int p = 0; p < kParts; ++p) store_lanes(widen(block + k * kBlock + p * kLanes) * s[p], dst + p * kLanes);
+        if (valid < kBlock) std::memcpy(op + k * N + n0, tail, valid * sizeof(T));
+      }
+    }
+  });
+}
+
+// packed codes and scales -> out [K, N] (the weight transposed; fp32, bf16 or fp16,
+// contiguous), written in place.
+void dequantize_int8(const torch::Tensor& packed, const torch::Tensor& scales, torch::Tensor out) {
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.is_contiguous(), "dequantize_int8: out must be [K, N], contiguous");
+  const int64_t K = out.size(0), N = out.size(1);
+  check_packed(packed, scales, N, "dequantize_int8");
+  TORCH_CHECK(packed.size(1) == K, "dequantize_int8: packed codes do not match out's K");
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  switch (out.scalar_type()) {
+    case torch::kFloat: dequantize_blocks(wp, sp, out.data_ptr<float>(), N, K, packed.size(0)); break;
+    case torch::kBFloat16: dequantize_blocks(wp, sp, out.data_ptr<at::BFloat16>(), N, K, packed.size(0)); break;
+    case torch::kHalf: dequantize_blocks(wp, sp, out.data_ptr<at::Half>(), N, K, packed.size(0)); break;
+    default: TORCH_CHECK(false, "dequantize_int8: out must be fp32, bf16 or fp16");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(streamgate, m) {
+  m.def("pack_int8(Tensor codes) -> Tensor");
+  m.def("linear_int8(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int out_features) -> Tensor");
+  m.def("dequantize_int8(Tensor packed, Tensor scales, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(streamgate, CPU, m) {
+  m.impl("pack_int8", &pack_int8);
+  m.impl("linear_int8", &linear_int8);
+  m.impl("dequantize_int8", &dequantize_int8);
+}

@@ -1,0 +1,147 @@
+"""The int8 weight-only kernels (csrc/linear_int8.cpp) against an fp32 reference computed from the
+dequantized weights, with tolerances derived from fp32's (and bf16's) rounding: the kernel for
+1..20 rows (every register group and the k tails), odd N and K, bias or none, fp32 and bf16
+activations; dequantize_int8 bit-exact against torch's rounding; the many-row path through the
+scratch buffer, split or whole. tests/test_kernel_variants.py runs this file in every other
+instruction-set variant the host executes (AVX-512, AVX2, SSE)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import quantization
+from engine.kernels import load_kernels
+from engine.quantization import Int8Weight, quantize_int8
+
+pytestmark = pytest.mark.skipif(not load_kernels(), reason="C++ kernels did not build")
+U = 2.0 ** -24                   # fp32 unit roundoff
+ops = torch.ops.streamgate if load_kernels() else None
+
+
+def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 1, n)[:, None]      # channels of different ranges
+    return w, torch.randn(n, generator=g)
+
+
+def _reference_and_tolerance(x: torch.Tensor, w: torch.Tensor, bias, out_dtype):
+    """x @ w^T + b in fp64, w the dequantized weight the product should use, and the largest
+    error an fp32-accumulating kernel may make: K products summed in any order (gamma_K),
+    then the scale, the bias and the dequantized weight's own fp32 rounding, each <= u
+    relative to sum |x||w| + |b|; a bf16 output adds half a bf16 ulp (2^-8 relative)."""
+    xd, w = x.double(), w.double()
+    ref = xd @ w.T + (0 if bias is None else bias.double())
+    mag = xd.abs() @ w.abs().T + (0 if bias is None else bias.double().abs())
+    k = x.shape[1]
+    tol = (k + 4) * U / (1 - (k + 4) * U) * mag
+    if out_dtype == torch.bfloat16:
+        tol = tol + 2.0 ** -8 * (ref.abs() + tol)
+    return ref, tol, mag
+
+
+def _dequantized(codes, scales):
+    return codes.float() * scales[:, None]
+
+
+@pytest.mark.parametrize("n, k", [(37, 70), (16, 64), (1, 33), (50, 1), (200, 576)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_int8_matches_the_dequantized_fp32_reference(n, k, dtype, with_bias):
+    """1..20 rows (every row group: 4-row passes, the 3/2/1-row tails with their k unrolling,
+    K not a multiple of the unroll), N not a multiple of 16, within the fp32-derived bound."""
+    w, b = _weight(n, k, seed=n * 1000 + k)
+    codes, scales = quantize_int8(w)
+    packed = ops.pack_int8(codes)
+    assert packed.shape == (-(-n // 16), k, 16) and packed.dtype == torch.int8
+    bias32 = b if with_bias else None
+    for rows in range(1, 21):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        y = ops.linear_int8(x, packed, scales, bias32, n)
+        assert y.dtype == dtype and y.shape == (rows, n)
+        ref, tol, _ = _reference_and_tolerance(x, _dequantized(codes, scales), bias32, dtype)
+        err = (y.double() - ref).abs()
+        assert (err <= tol).all(), (rows, (err / tol).max().item())
+
+
+def test_linear_int8_catches_a_wrong_scale():
+    """The tolerance is tight enough to see one output channel's scale off by one part in 10^3."""
+    w, _ = _weight(37, 70, seed=3)
+    codes, scales = quantize_int8(w)
+    x = torch.randn(3, 70)
+    wrong = scales.clone()
+    wrong[17] *= 1 + 1e-3
+    y = ops.linear_int8(x, ops.pack_int8(codes), wrong, None, 37)
+    ref, tol, _ = _reference_and_tolerance(x, _dequantized(codes, scales), None, torch.float32)
+    bad = ((y.double() - ref).abs() > tol).any(0)
+    assert bad[17] and bad.sum() == 1
+
+
+def test_linear_int8_takes_strided_and_fp16_activations():
+    """A non-contiguous x (stride 1 over rows) and fp16 activations are converted, not misread."""
+    w, b = _weight(40, 48, seed=5)
+    codes, scales = quantize_int8(w)
+    packed = ops.pack_int8(codes)
+    x = torch.randn(48, 5).t()                                        # [5, 48], stride (1, 5)
+    ref, tol, _ = _reference_and_tolerance(x, _dequantized(codes, scales), b, torch.float32)
+    assert ((ops.linear_int8(x, packed, scales, b, 40).double() - ref).abs() <= tol).all()
+    xh = x.half()
+    ref, tol, _ = _reference_and_tolerance(xh, _dequantized(codes, scales), b, torch.bfloat16)    # fp16: finer than bf16
+    assert ((ops.linear_int8(xh, packed, scales, b, 40).double() - ref).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_int8_rounds_exactly_as_torch(dtype):
+    """q * s computed in fp32 and rounded once to the dtype, bit for bit, written transposed
+    ([K, N]), whole or by output slices of whole blocks (the last one partial)."""
+    w, _ = _weight(53, 37, seed=7)
+    codes, scales = quantize_int8(w)
+    want = (codes.float() * scales[:, None]).to(dtype)
+    weight = Int8Weight(w)
+    assert torch.equal(weight.dequantized(dtype), want.t())                    # [K, N]: transposed
+    assert torch.equal(weight.dequantized(dtype, (16, 48)), want[16:48].t())
+    assert torch.equal(weight.dequantized(dtype, (32, 53)), want[32:53].t())
+
+
+@pytest.mark.parametrize("scratch_elements", [1 << 22, 16 * 70])      # whole, and 16 outputs at a time
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_dequantize_into_the_scratch_buffer(monkeypatch, scratch_elements, dtype):
+    """Above KERNEL_MAX_ROWS the layer dequantizes (into one reused buffer, in slices when the
+    weight is larger than it) and runs the dtype's GEMM: the product of the dequantized
+    weight, to the dtype's rounding; the kernel and this path agree at the crossover."""
+    monkeypatch.setattr(quantization, "SCRATCH_ELEMENTS", scratch_elements)
+    quantization._scratch.__dict__.clear()                      # this thread's buffers, grown by other tests
+    w, b = _weight(37, 70, seed=11)
+    w, b = w.to(dtype), b.to(dtype)
+    weight = Int8Weight(w, b)
+    codes, scales = quantize_int8(w)
+    rows = quantization.KERNEL_MAX_ROWS + 9
+    x = torch.randn(rows, 70).to(dtype)
+    y = weight.linear(x)
+    assert y.dtype == dtype and y.shape == (rows, 37)
+    ref, tol, mag = _reference_and_tolerance(x, _dequantized(codes, scales).to(dtype), b, dtype)   # the GEMM's weight
+    assert ((y.double() - ref).abs() <= tol).all()
+    buf = quantization.scratch(dtype, 1)
+    assert buf.untyped_storage().nbytes() == min(37, max(16, scratch_elements // 70 // 16 * 16)) * 70 * buf.element_size()
+    m = quantization.KERNEL_MAX_ROWS
+    few = weight.linear(x[:m])                                  # the kernel, on the same rows
+    ref_k, tol_k, _ = _reference_and_tolerance(x[:m], _dequantized(codes, scales), b, dtype)
+    assert ((few.double() - ref_k).abs() <= tol_k).all()
+    weight_rounding = (2.0 ** -9 if dtype == torch.bfloat16 else U) * mag[:m]     # q s in the dtype or not
+    assert ((few.double() - y[:m].double()).abs() <= tol_k + tol[:m] + weight_rounding).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_without_the_kernels_every_step_dequantizes_the_unpacked_codes(dtype):
+    """Where the C++ kernels did not build, the codes stay [N, K] and torch dequantizes them:
+    the same product as the kernel's path, one row or many."""
+    w, b = _weight(37, 70, seed=13)
+    w, b = w.to(dtype), b.to(dtype)
+    fast, slow = Int8Weight(w, b), Int8Weight(w, b)
+    codes, scales = quantize_int8(w)
+    slow.kernel, slow.codes = False, codes                       # as built without the kernels
+    assert torch.equal(slow.dequantized(dtype), fast.dequantized(dtype))
+    for rows in (1, quantization.KERNEL_MAX_ROWS + 3):
+        x = torch.randn(rows, 70).to(dtype)
+        ref, tol, mag = _reference_and_tolerance(x, _dequantized(codes, scales).to(dtype), b, dtype)
+        assert ((slow.linear(x).double() - ref).abs() <= tol).all()
