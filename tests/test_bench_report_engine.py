@@ -24,7 +24,7 @@ PROV = {"command": "python -m bench.engine.x", "commit": "abc1234", "dirty": Fal
         "cpu": "Some CPU, family 1 model 2", "isa": "avx2", "started": "2026-12-02T01:00:00Z",
         "finished": "2026-12-02T01:05:00Z", "loadavg_start": 1.0, "loadavg_end": 2.0}
 SHAPES = {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16, "vocab": 1000}
-ROOF = {"source": "r.json", "provenance": {**PROV, "command": "python -m bench.engine.roofline"},
+ROOF = {"source": "r.json", "provenance": {**PROV, "command": "python -m bench.engine.roofline"}, "threads": 2,
         "shapes": SHAPES, "matmul_flops": {"bfloat16": {"1": 1e9, "512": 4e9}, "float32": {"512": 2e9}},
         "read_bandwidth": 1e9}
 
@@ -59,7 +59,7 @@ def test_offline_ratio_agreement_and_the_fraction_of_a_same_host_bound():
     engine, hf = _cells(md, "streamgate engine"), _cells(md, "HF `generate`, static batches of 8")
     assert engine[1:3] == ["3.0 s", "40.0"] and engine[4] == "75 %" and engine[6] == f"{100 * bound / 3.0:.0f} %"
     assert hf[3] == "**4.00×**" and hf[4] == "(reference)" and hf[6] == "—"
-    assert "Bound from the roofline of the same host" in md and "peak bf16 4 / fp32 2 GFLOP/s, read 1.0 GB/s" in md
+    assert "Bound from the roofline of the same host and threads" in md and "peak bf16 4 / fp32 2 GFLOP/s, read 1.0 GB/s" in md
     assert "50 steps" in md and "1.2%" in md and "1.25%" in md
 
 
@@ -72,6 +72,9 @@ def test_no_fraction_against_another_hosts_roofline_or_none(host, roof):
     other_cpu = _offline(copy.deepcopy(ROOF))
     other_cpu["roofline"]["provenance"]["cpu"] = "Another CPU"
     assert same_host_roofline(other_cpu) is None
+    one_thread = _offline(ROOF)
+    one_thread["env"]["threads"] = 1                       # a 2-thread roofline is no bound for a 1-thread run
+    assert same_host_roofline(one_thread) is None and "measured on 2 threads, the run on 1" in render_offline(one_thread, "o")
 
 
 def test_smoothness_ratio_and_target_verdict():
@@ -119,7 +122,7 @@ def test_attention_and_gemm_speed_ups():
                       "torch_bf16_ms": 0.3, "onednn_bf16_ms": 0.4}]}
     md = render_gemm(gemm, "g")
     # best bf16 / best fp32 and the best bf16's GFLOP/s (2 x rows x in x out / time)
-    assert "| o 1,000→500 | 8 | 0.400 ms | 0.500 | 0.200 | 0.100 | 0.25× | 80 |" in md
+    assert "| o 1,000→500 | 8 | 0.400 | 0.500 | 0.200 | 0.100 | 0.25× | 80 |" in md
     assert "|  | 1 | — | 0.500 | 0.300 | 0.400 | 0.60× | 3 |" in md
 
 

@@ -139,7 +139,7 @@ def load_roofline(path: str, model_dir: str) -> dict:
                          f"not this host {ours['host']!r} ({_cpu()}): its bounds do not apply here")
     if Path(data["model_dir"]).resolve() != Path(model_dir).resolve():
         raise SystemExit(f"--roofline {path}: computed for {data['model_dir']}, not {model_dir}")
-    return {"source": str(path), "provenance": theirs, "shapes": data["shapes"],
+    return {"source": str(path), "provenance": theirs, "shapes": data["shapes"], "threads": data.get("threads"),
             "matmul_flops": data["matmul_flops"], "read_bandwidth": data["read_bandwidth"]}
 
 

@@ -10,13 +10,22 @@ from bench.engine.roofline import Rates, Shapes, decode_step_s, embedded_rates, 
 from bench.renderers.common import _utc
 
 
+def run_threads(data: dict) -> int | None:
+    """The torch threads the run computed on, where its JSON says."""
+    return (data.get("env") or {}).get("threads") or data.get("threads") or (data.get("args") or {}).get("threads")
+
+
 def same_host_roofline(data: dict) -> dict | None:
-    """The run's embedded roofline if it names the run's host and CPU; else None."""
+    """The run's embedded roofline if it names the run's host and CPU and was measured on as many
+    threads as the run used (a two-core peak is no bound for one thread's run, nor the reverse
+    on a loaded host); else None."""
     roof, p = data.get("roofline"), data.get("provenance") or {}
     if not roof:
         return None
     q = roof.get("provenance") or {}
     if not p.get("host") or (p.get("host"), p.get("cpu")) != (q.get("host"), q.get("cpu")):
+        return None
+    if roof.get("threads") and run_threads(data) and roof["threads"] != run_threads(data):
         return None
     return roof
 
@@ -25,11 +34,13 @@ def roofline_note(data: dict) -> str:
     """The caption's words on the bound: whose roofline, its peak and bandwidth, or why none."""
     roof = same_host_roofline(data)
     if roof is None:
-        return (" No fraction of the roofline: the run's JSON carries none of its host"
-                if not data.get("roofline") else " No fraction of the roofline: its roofline is another host's")
+        if not data.get("roofline"):
+            return " No fraction of the roofline: the run's JSON carries none of its host"
+        return (" No fraction of the roofline: its roofline is another host's or was measured on "
+                f"{data['roofline'].get('threads')} threads, the run on {run_threads(data)}")
     q = roof["provenance"]
     flops = {k: max(v.values()) / 1e9 for k, v in roof["matmul_flops"].items()}
-    return (f" Bound from the roofline of the same host (`{q.get('command', '?')}`, commit `{q.get('commit', '?')}`, "
+    return (f" Bound from the roofline of the same host and threads (`{q.get('command', '?')}`, commit `{q.get('commit', '?')}`, "
             f"{(q.get('started') or '?').split('T')[0]} {_utc(q.get('started'))} UTC): peak bf16 "
             f"{flops.get('bfloat16', 0):.0f} / fp32 {flops.get('float32', 0):.0f} GFLOP/s, read "
             f"{roof['read_bandwidth'] / 1e9:.1f} GB/s; a busy host's peaks are low, so the fractions flatter")

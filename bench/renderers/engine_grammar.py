@@ -35,8 +35,9 @@ def render_grammar(data: dict, name: str) -> str:
         sr = rates(data, data.get("dtype") or "bfloat16")
         extra += (f" Decode: phases of {a['steps']} pure decode steps with 0, 1 and all streams constrained, "
                   f"alternating, {a['rounds']} rounds; the constrained rows sample under a schema that cannot end "
-                  f"within the phase; median step, each round's in brackets; the bound is the step's weight and KV "
-                  f"reads at the prompt's 128 tokens of context or its FLOPs at the peak.{roofline_note(data)}")
+                  f"within the phase; median step, each round's in brackets."
+                  + (" The bound is the step's weight and KV reads at the prompt's 128 tokens of context or its "
+                     "FLOPs at the peak, whichever is longer." if sr else "") + roofline_note(data))
         lines += ["", "| streams | constrained | step | forward | vs none | % of the bound |",
                   "|---:|---:|---:|---:|---:|---:|"]
         base = {r["streams"]: r["step_ms"] for r in data["decode"] if r["constrained"] == 0}
