@@ -12,7 +12,7 @@ def _ms(x: float) -> str:
 
 def render_grammar(data: dict, name: str) -> str:
     a = data["args"]
-    extra = f"; SmolLM2, {data.get('dtype')}."
+    extra = f"; SmolLM2, {data.get('dtype')}"
     lines = []
     if "compile" in data:
         c, s = data["compile"], data["sampling"]
@@ -33,7 +33,7 @@ def render_grammar(data: dict, name: str) -> str:
                              f"{_ms(by[k]['with_sampling_ms'])} |")
     if data.get("decode"):
         sr = rates(data, data.get("dtype") or "bfloat16")
-        extra += (f" Decode: phases of {a['steps']} pure decode steps with 0, 1 and all streams constrained, "
+        extra += (f". Decode: phases of {a['steps']} pure decode steps with 0, 1 and all streams constrained, "
                   f"alternating, {a['rounds']} rounds; the constrained rows sample under a schema that cannot end "
                   f"within the phase; median step, each round's in brackets."
                   + (" The bound is the step's weight and KV reads at the prompt's 128 tokens of context or its "

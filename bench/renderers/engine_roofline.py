@@ -8,7 +8,7 @@ from bench.renderers.common import caption
 def render_roofline(data: dict, name: str) -> str:
     mm, b, w = data["matmul_flops"], data["bounds"], data["workload"]
     isa = (data.get("onednn") or {}).get("verbose_isa")
-    extra = (f"; {data['dtype']} weights, {data['threads']} threads, best of {data['reps']}"
+    extra = (f"; {data['dtype']} weights, {data['threads']} thread{'' if data['threads'] == 1 else 's'}, best of {data['reps']}"
              + (f"; oneDNN dispatches to \"{isa}\"" if isa else ""))
     rows = list(mm["bfloat16"])
     streams = list(b["serving_tok_s"])
