@@ -38,24 +38,25 @@ def test_hf_baselines_take_the_engine_dtype(tiny_model):
     assert load_hf_model(tiny_model("llama"), "auto").dtype == resolve_dtype("auto", torch.device("cpu"))
 
 
-def test_gemm_benchmark_prints_every_layer_and_form():
+def test_gemm_benchmark_prints_every_layer_and_form(tmp_path):
     """`python -m bench.engine.gemm` times each SmolLM2 layer shape in the four forms for each row count."""
-    cmd = [sys.executable, "-m", "bench.engine.gemm", "--rows", "1,3", "--reps", "1", "--threads", "1"]
+    cmd = [sys.executable, "-m", "bench.engine.gemm", "--rows", "1,3", "--reps", "1", "--threads", "1",
+           "--json-out", str(tmp_path / "gemm.json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [line.split() for line in proc.stdout.splitlines()[2:]]
+    rows = [line.split() for line in proc.stdout.splitlines()[2:] if not line.startswith("wrote ")]
     assert [(r[0], r[1]) for r in rows] == [(name, m) for name in ("q/k/v", "o", "gate/up", "down", "lm_head")
                                            for m in ("1", "3")]
     assert all(float(v) > 0 for r in rows for v in r[3:6])            # MKL fp32 and both bf16 forms ran
 
 
-def test_attention_benchmark_runs_both_backends(capsys):
+def test_attention_benchmark_runs_both_backends(capsys, tmp_path):
     """bench.engine.attention builds the torch backend's metadata with the engine's own builder and
     times both backends on decode rows and a chunk over context; the outputs agree."""
     from bench.engine.attention import main
 
     assert main(["--seqs", "2", "--min-ctx", "40", "--max-ctx", "60", "--chunk", "1,8", "--reps", "1",
-                 "--threads", "1"]) == 0
+                 "--threads", "1", "--json-out", str(tmp_path / "attention.json")]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
     assert [r[0] for r in rows[1:]] == ["1", "8"], rows
     assert all(float(r[4]) < 1e-3 for r in rows[1:]), rows                    # fp32: the same outputs

@@ -21,7 +21,7 @@ def test_model_budget_keeps_smoothness_and_the_burst_tail(costs, tmp_path):
     prompts of a burst wait on prefill speed, not on how steps are cut: BENCHMARKS 9.4)."""
     out = tmp_path / "model.json"
     assert scheduling.main(["model", "--costs", costs, "--targets", "none,1000,3000", "--json-out", str(out)]) == 0
-    res = json.loads(out.read_text())
+    res = json.loads(out.read_text())["result"]         # beside its provenance and args
     assert set(res) == {"none", "1000", "3000"}
     for spec, r in res.items():
         assert r["smooth_itl_p99_ms"] <= 2 * r["smooth_itl_p50_ms"], (spec, r)
@@ -39,7 +39,9 @@ def test_smoothness_and_burst_run_on_a_real_engine(tiny_model, tmp_path):
     assert scheduling.main(["smoothness", "--model", model, "--streams", "4", "--long-prompts", "2",
                             "--long-tokens", "300", "--budget", "64", "--itl-target-ms", "50",
                             "--json-out", str(out)]) == 0
-    smooth = json.loads(out.read_text())
+    data = json.loads(out.read_text())
+    assert data["provenance"]["benchmark"] == "engine.scheduling" and data["args"]["mode"] == "smoothness"
+    smooth = data["result"]
     assert len(smooth) == 3
     for r in smooth.values():
         assert r["long_prompts_served"] == 2 and r["itl_samples"] > 0
@@ -48,7 +50,7 @@ def test_smoothness_and_burst_run_on_a_real_engine(tiny_model, tmp_path):
     assert scheduling.main(["burst", "--model", model, "--burst-streams", "4", "--requests-per-stream", "2",
                             "--prompt-tokens", "64", "--output-tokens", "8", "--targets", "none,50",
                             "--json-out", str(out)]) == 0
-    burst = json.loads(out.read_text())
+    burst = json.loads(out.read_text())["result"]
     for spec, r in burst.items():
         assert r["first_tokens"] == r["requests"] == 8, spec
         assert r["output_tokens"] == 8 * 8, spec

@@ -1,6 +1,6 @@
 """SmolLM2's linear layers alone, in every form the engine can run them, side by side.
 
-    python -m bench.engine.gemm [--rows 1,2,4,8,32,256] [--threads 2] [--reps 50]
+    python -m bench.engine.gemm [--rows 1,2,4,8,32,256] [--threads 2] [--reps 50] [--json-out bench/results/gemm.json]
 
 For each layer shape (fused q/k/v, o, fused gate/up, down, lm_head) and row count: the C++
 kernel on fp32 weights packed for it (`streamgate::linear`), MKL's fp32 `F.linear`, torch's
@@ -34,7 +34,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,2,4,8,32,256")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--json-out", default="bench/results/gemm.json")
     args = ap.parse_args(argv)
+    from bench.provenance import provenance, write_json
+
+    prov = provenance("engine.gemm", argv)
 
     import torch
     import torch.nn.functional as F
@@ -48,6 +52,7 @@ def main(argv=None) -> int:
           f"C++ kernel: {kernel}; {args.threads} threads; ms per call (median of {args.reps})")
     print(f"{'layer':<8} {'rows':>5} {'sg fp32':>9} {'mkl fp32':>9} {'bf16':>9} {'bf16 pk':>9} {'best bf16 / best fp32':>22}")
     ops = torch.ops.streamgate
+    rows = []
     with torch.inference_mode():
         for n, k, name in SHAPES:
             w = torch.randn(n, k)
@@ -63,6 +68,11 @@ def main(argv=None) -> int:
                 pk = median_ms(lambda: torch.ops.mkldnn._linear_pointwise(xb, packed_bf16, None, "none", [], ""), args.reps)
                 ratio = min(bf, pk) / min(v for v in (sg, mkl) if v == v)
                 print(f"{name:<8} {m:>5} {sg:>9.3f} {mkl:>9.3f} {bf:>9.3f} {pk:>9.3f} {ratio:>21.2f}x")
+                rows.append({"layer": name, "out": n, "in": k, "rows": m, "kernel_fp32_ms": None if sg != sg else sg,
+                             "mkl_fp32_ms": mkl, "torch_bf16_ms": bf, "onednn_bf16_ms": pk})
+    write_json(args.json_out, prov, args=vars(args), threads=args.threads, native_bf16=bool(native_bf16_cpu()),
+               onednn_bf16=bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()), kernel=bool(kernel), rows=rows)
+    print(f"wrote {args.json_out}")
     return 0
 
 

@@ -14,7 +14,9 @@ constrained, interleaved.
 constrained, in turn, `--rounds` times (alternating phases share the host's load); the
 constrained rows sample under a schema that cannot end within the phase (an array of at least
 200 objects), the others ignore EOS. Compile times: `Grammar.check()` (the admission check, on
-the caller's thread) and the token-level compile for a small and a large schema.
+the caller's thread) and the token-level compile for a small and a large schema. Writes
+--json-out (bench/results/grammar.json); `--roofline PATH` embeds this host's roofline so the
+report states each decode step as a fraction of its bound.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def decode_phase(engine: LLMEngine, streams: int, constrained: int, steps: int, 
     return statistics.median(times), statistics.median(forwards)
 
 
-def micro(rt: GrammarRuntime, rows: int, reps: int) -> None:
+def micro(rt: GrammarRuntime, rows: int, reps: int) -> dict:
     vocab = rt.vocab_size
     gen = torch.Generator().manual_seed(0)
     grammar = Grammar("json_schema", json.dumps(LONG))
@@ -117,14 +119,18 @@ def micro(rt: GrammarRuntime, rows: int, reps: int) -> None:
             t2 = time.perf_counter()
             fill[constrained].append(t1 - t0)
             total[constrained].append(t2 - t0)
+    out = {}
     for constrained in sets:
         f, t = statistics.median(fill[constrained]), statistics.median(total[constrained])
         print(f"{rows} rows, {constrained:2d} constrained: mask fill + unpack {f * 1e3:6.2f} ms, "
               f"with sampling {t * 1e3:6.2f} ms (median of {reps})")
+        out[str(constrained)] = {"mask_ms": f * 1e3, "with_sampling_ms": t * 1e3}
+    return out
 
 
-def compile_times(engine: LLMEngine) -> None:
+def compile_times(engine: LLMEngine) -> dict:
     rt = engine.grammars
+    out = {}
     for name, schema in (("small", SMALL), ("large", large_schema())):
         g = Grammar("json_schema", json.dumps(schema))
         t = time.perf_counter()
@@ -137,12 +143,15 @@ def compile_times(engine: LLMEngine) -> None:
             runs.append(time.perf_counter() - t)
         print(f"compile {name:5s} ({len(g.spec):6d} B): check {check * 1e3:7.2f} ms (first, uncached); "
               f"token-level compile {', '.join(f'{x * 1e3:.1f}' for x in runs)} ms")
+        out[name] = {"bytes": len(g.spec), "check_ms": check * 1e3, "compile_ms": [x * 1e3 for x in runs]}
+    return out
 
 
-def n_choices(engine: LLMEngine, prompt_len: int, max_tokens: int, rounds: int) -> None:
+def n_choices(engine: LLMEngine, prompt_len: int, max_tokens: int, rounds: int) -> list[dict]:
     """n=4 (one prompt, four seeded choices, as the gateway sends them) against four
     requests with distinct prompts: wall time to complete all four, alternating."""
     times: dict[str, list[float]] = {"n=4": [], "4 requests": []}
+    out = []
     for r in range(rounds):
         for kind in times:
             rng = random.Random(r)
@@ -160,10 +169,33 @@ def n_choices(engine: LLMEngine, prompt_len: int, max_tokens: int, rounds: int) 
             took = times[kind][-1]
             print(f"{kind:10s} round {r}: {took:6.2f} s, {4 * max_tokens / took:6.1f} output tok/s, "
                   f"{computed} prompt tokens computed")
+            out.append({"kind": kind, "round": r, "wall_s": took, "prompt_tokens_computed": computed})
+    return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def decode(engine: LLMEngine, streams_list: list[int], steps: int, rounds: int) -> list[dict]:
+    """Decode phases with 0, 1 and all streams constrained, alternating, `rounds` times."""
+    tag, out = 0, []
+    for streams in streams_list:
+        results: dict[int, list[tuple[float, float]]] = {}
+        for _ in range(rounds):
+            for constrained in (0, 1, streams):
+                tag += 1
+                results.setdefault(constrained, []).append(decode_phase(engine, streams, constrained, steps, tag))
+        base = statistics.median(s for s, _ in results[0])
+        for constrained, runs in results.items():
+            step = statistics.median(s for s, _ in runs)
+            fwd = statistics.median(f for _, f in runs)
+            print(f"{streams:2d} streams, {constrained:2d} constrained: step {step * 1e3:6.2f} ms "
+                  f"(forward {fwd * 1e3:6.2f} ms), {100 * (step / base - 1):+5.1f} % vs none "
+                  f"[{', '.join(f'{s * 1e3:.2f}' for s, _ in runs)}]")
+            out.append({"streams": streams, "constrained": constrained, "step_ms": step * 1e3, "forward_ms": fwd * 1e3,
+                        "rounds_ms": [s * 1e3 for s, _ in runs], "prompt_tokens": 128})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(ap, only=("model", "dtype"), defaults={"dtype": "auto"})
     ap.add_argument("--streams", default="8,32")
     ap.add_argument("--steps", type=int, default=40)
@@ -172,34 +204,38 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--decode", action="store_true")
     ap.add_argument("--n", action="store_true", help="n=4 against 4 separate requests (prompt 1024, 32 tokens)")
-    args = ap.parse_args()
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=32, max_num_batched_tokens=512))
-    if args.n:
-        n_choices(engine, 1024, 32, args.rounds)
-        return
-    t = time.perf_counter()
-    engine.grammars._lltokenizer()
-    print(f"llguidance tokenizer build (once per engine): {(time.perf_counter() - t) * 1e3:.0f} ms")
-    compile_times(engine)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)             # one thread: a shared host's load stalls no parallel region
-    micro(engine.grammars, args.rows, args.reps)
-    torch.set_num_threads(threads)
-    tag = 0
-    for streams in [int(s) for s in args.streams.split(",")] if args.decode else []:
-        results: dict[int, list[tuple[float, float]]] = {}
-        for _ in range(args.rounds):
-            for constrained in (0, 1, streams):
-                tag += 1
-                results.setdefault(constrained, []).append(decode_phase(engine, streams, constrained, args.steps, tag))
-        base = statistics.median(s for s, _ in results[0])
-        for constrained, runs in results.items():
-            step = statistics.median(s for s, _ in runs)
-            fwd = statistics.median(f for _, f in runs)
-            print(f"{streams:2d} streams, {constrained:2d} constrained: step {step * 1e3:6.2f} ms "
-                  f"(forward {fwd * 1e3:6.2f} ms), {100 * (step / base - 1):+5.1f} % vs none "
-                  f"[{', '.join(f'{s * 1e3:.2f}' for s, _ in runs)}]")
+    ap.add_argument("--roofline", help="a roofline JSON of this host (bench.engine.roofline): decode steps as "
+                    "fractions of their bound")
+    ap.add_argument("--json-out", default="bench/results/grammar.json")
+    args = ap.parse_args(argv)
+    from bench.engine.roofline import load_roofline
+    from bench.provenance import provenance, write_json
+    from engine.models import resolve_model
 
+    prov = provenance("engine.grammar", argv)
+    roof = load_roofline(args.roofline, str(resolve_model(args.model))) if args.roofline else None
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=32, max_num_batched_tokens=512))
+    out: dict = {"args": vars(args), "dtype": str(engine.runner.dtype).removeprefix("torch."), "roofline": roof}
+    if args.n:
+        out["n_choices"] = n_choices(engine, 1024, 32, args.rounds)
+    else:
+        t = time.perf_counter()
+        engine.grammars._lltokenizer()
+        out["tokenizer_build_ms"] = (time.perf_counter() - t) * 1e3
+        print(f"llguidance tokenizer build (once per engine): {out['tokenizer_build_ms']:.0f} ms")
+        out["compile"] = compile_times(engine)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)             # one thread: a shared host's load stalls no parallel region
+        out["sampling"] = {"rows": args.rows, "reps": args.reps, "vocab": engine.grammars.vocab_size,
+                           "by_constrained": micro(engine.grammars, args.rows, args.reps)}
+        torch.set_num_threads(threads)
+        out["threads"] = threads
+        if args.decode:
+            out["decode"] = decode(engine, [int(s) for s in args.streams.split(",")], args.steps, args.rounds)
+    engine.close()
+    write_json(args.json_out, prov, **out)
+    print(f"wrote {args.json_out}")
+    return 0
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -8,7 +8,8 @@ Systems: `engine` (streamgate's LLMEngine), `hf-static` (HF `generate` in padded
 runs in its own subprocess so its peak RSS is its own and a crash cannot stop the others.
 Every request decodes greedily for exactly its own output length; throughput counts only
 those useful tokens. The engine and HF CB get the same KV budget (`--kv-tokens`) and step
-token budget. Results go to stdout (a table) and to a JSON file. On a 2-core CPU the full
+token budget. Results go to stdout (a table) and to --json-out with their provenance (`--roofline
+PATH`, a roofline JSON of this host, lets the report state the engine's share of the bound). On a 2-core CPU the full
 run takes about an hour (static batching alone 15-30 min); other load skews it, so each
 row shows the 1-minute load average before and after.
 """
@@ -100,6 +101,7 @@ def run_engine(model_dir: str, requests, kv_tokens: int, max_num_seqs: int, max_
              f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_batched_tokens}, "
              f"KV {cfg.num_kv_blocks} x {cfg.block_size}-token blocks"]
     return {
+        "dtype": str(eng.runner.dtype).removeprefix("torch."),
         "wall_s": wall,
         "output_tokens": sum(len(v) for v in outputs.values()),
         "generated_tokens": sum(len(v) for v in outputs.values()),
@@ -245,7 +247,7 @@ def _targets(results: dict) -> dict:
             for k, v in measured.items()}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
     p.add_argument("--num-requests", type=int, default=64)
@@ -258,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-tokens", type=int, default=24576, help="KV cache capacity in tokens (engine and HF CB)")
     p.add_argument("--model-dir", help="local HF model directory (skips resolve_model)")
     p.add_argument("--json-out", default="bench/results/offline.json")
+    p.add_argument("--roofline", help="a roofline JSON of this host and model (bench.engine.roofline): the "
+                   "engine's tok/s as a fraction of the workload's bound")
     p.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)  # child mode: run one system
     args = p.parse_args(argv)
 
@@ -267,28 +271,33 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as e:  # reported by the parent as "failed: ..."
             traceback.print_exc()
             result = {"error": f"{type(e).__name__}: {e}"}
-        Path(args.json_out).write_text(json.dumps(result))
-        return
+        Path(args.json_out).write_text(json.dumps(result))     # the parent's temporary file, not a published run
+        return 0
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if unknown := set(systems) - set(SYSTEMS):
         p.error(f"unknown systems: {', '.join(sorted(unknown))}")
     from transformers import AutoTokenizer
 
+    from bench.engine.roofline import load_roofline
+    from bench.provenance import provenance, write_json
+
+    prov = provenance("engine.offline", argv)
     model_dir = args.model_dir = _model_dir(args.model, args.model_dir)  # children skip resolving
+    roof = load_roofline(args.roofline, model_dir) if args.roofline else None
     workload = summarize(_workload(AutoTokenizer.from_pretrained(model_dir), args))
     with tempfile.TemporaryDirectory() as tmp:
         results = {s: _spawn(s, args, Path(tmp)) for s in systems}
     _agreement({s: r for s, r in results.items() if "error" not in r})
     targets = _targets(results)
     print("\n".join(_report(results, workload, targets)))
-    out = {"workload": workload, "model_dir": model_dir, "systems": results, "targets": targets,
-           "env": {"python": platform.python_version(), "cpus": os.cpu_count(), "threads": args.threads,
-                   "torch": version("torch"), "transformers": version("transformers")}}
-    Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json_out).write_text(json.dumps(out, indent=2))
+    write_json(args.json_out, prov, args=vars(args), workload=workload, model_dir=model_dir, systems=results,
+               targets=targets, roofline=roof,
+               env={"python": platform.python_version(), "threads": args.threads, "torch": version("torch"),
+                    "transformers": version("transformers")})
     print(f"\nwrote {args.json_out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

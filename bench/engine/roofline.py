@@ -16,7 +16,8 @@ ONEDNN_VERBOSE=1), then computes from the model's HF config:
 With --measured STREAMS=TOK_S,... it prints each served figure as a fraction of its bound.
 "Peak throughput" is the best measured at any row count for the compute dtype (bf16 for
 bfloat16 and int8 weights). KV-cache reads and attention FLOPs are counted (they grow with the
-context); norms, rotary and sampling are not. Writes --json-out (bench/results/roofline.json).
+context); norms, rotary and sampling are not. Writes --json-out (bench/results/roofline.json),
+which other benchmarks take with `--roofline PATH` (same host and model only) to state fractions.
 """
 
 from __future__ import annotations
@@ -125,6 +126,31 @@ def fractions(serving_bound: dict[str, float], measured: dict[str, float]) -> di
     return {n: tok / serving_bound[n] for n, tok in measured.items() if n in serving_bound}
 
 
+def load_roofline(path: str, model_dir: str) -> dict:
+    """What a run embeds of a roofline JSON written on THIS host for the same model (its rates
+    and shapes, and where they came from), so its renderer can print speeds as fractions of
+    the bound. A roofline from another host or model is refused: such a fraction is meaningless."""
+    from bench.provenance import _cpu, provenance
+
+    data = json.loads(Path(path).read_text())
+    theirs, ours = data.get("provenance") or {}, provenance("engine.roofline", [])
+    if (theirs.get("host"), theirs.get("cpu")) != (ours["host"], ours["cpu"]):
+        raise SystemExit(f"--roofline {path}: measured on {theirs.get('host')!r} ({theirs.get('cpu')}), "
+                         f"not this host {ours['host']!r} ({_cpu()}): its bounds do not apply here")
+    if Path(data["model_dir"]).resolve() != Path(model_dir).resolve():
+        raise SystemExit(f"--roofline {path}: computed for {data['model_dir']}, not {model_dir}")
+    return {"source": str(path), "provenance": theirs, "shapes": data["shapes"], "threads": data.get("threads"),
+            "matmul_flops": data["matmul_flops"], "read_bandwidth": data["read_bandwidth"]}
+
+
+def embedded_rates(roof: dict, dtype: str) -> tuple[Shapes, Rates]:
+    """The shapes and the rates (peak FLOP/s of DTYPE's compute, read bandwidth) of a roofline
+    embedded by `load_roofline`."""
+    compute = "float32" if dtype == "float32" else "bfloat16"
+    return Shapes(**roof["shapes"]), Rates(flops=max(roof["matmul_flops"][compute].values()),
+                                           bandwidth=roof["read_bandwidth"])
+
+
 # -- measuring the host ---------------------------------------------------------------------
 def best_s(fn, reps: int) -> float:
     fn()
@@ -214,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from bench.provenance import provenance, write_json
     from engine.models import resolve_model
+
+    prov = provenance("engine.roofline", argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -248,13 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     for n, tok in result["serving_tok_s"].items():
         extra = f"; measured {measured[n]:.1f} = {frac[n]:.0%} of it" if n in frac else ""
         print(f"serving {n} streams ({args.prompt_tokens} in / {args.output_tokens} out): bound {tok:.0f} tok/s{extra}")
-    out = {"model_dir": model_dir, "shapes": asdict(shapes), "dtype": args.dtype, "cpu": cpu, "onednn": onednn,
-           "threads": torch.get_num_threads(), "reps": args.reps, "matmul_flops": matmul,
-           "read_bandwidth": bandwidth, "rates": asdict(rates), "bounds": result, "measured_tok_s": measured,
-           "fraction_of_bound": frac,
-           "workload": {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens}}
-    Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json_out).write_text(json.dumps(out, indent=2))
+    write_json(args.json_out, prov, args=vars(args), model_dir=model_dir, shapes=asdict(shapes), dtype=args.dtype,
+               cpu=cpu, onednn=onednn, threads=torch.get_num_threads(), reps=args.reps, matmul_flops=matmul,
+               read_bandwidth=bandwidth, rates=asdict(rates), bounds=result, measured_tok_s=measured,
+               fraction_of_bound=frac,
+               workload={"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens})
     print(f"wrote {args.json_out}")
     return 0
 

@@ -20,16 +20,16 @@ answer ends; TTFT p50 / p99, ITL p50 / p99 and output tokens/s, once per `--targ
 a + b·decodes + c·prompt tokens (defaults: DESIGN.md's idle-host probes for SmolLM2 fp32,
 60 ms, 5 ms, 2.1 ms) and runs the burst and smoothness traces for each target in seconds,
 independent of how busy the host is.
+
+Each writes --json-out (default bench/results/WHICH.json) with its provenance.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
-from pathlib import Path
 
 from engine.config_cli import add_engine_args
 
@@ -45,8 +45,10 @@ def percentile(xs: list[float], q: float) -> float:
 
 def _engine(args, chunked: bool, budget: int, **kw):
     from engine import EngineConfig, LLMEngine
-    return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_batched_tokens=budget, chunked_prefill=chunked,
-                                  max_num_seqs=32, enable_prefix_caching=False, **kw))
+    eng = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_batched_tokens=budget, chunked_prefill=chunked,
+                                 max_num_seqs=32, enable_prefix_caching=False, **kw))
+    args._engine_dtype = str(eng.runner.dtype).removeprefix("torch.")       # what "auto" became, for the JSON
+    return eng
 
 
 def smoothness(args) -> dict:
@@ -241,7 +243,7 @@ def preemption(args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=["smoothness", "preemption", "burst", "model"])
+    ap.add_argument("mode", metavar="which", choices=["smoothness", "preemption", "burst", "model"])
     ap.add_argument("--costs", default="0.060,0.005,0.0021", help="model: a,b,c seconds (step, decode row, prompt token)")
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--long-prompts", type=int, default=4)
@@ -258,12 +260,14 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     add_engine_args(ap, only=("model", "dtype"))
-    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--json-out", default=None, help="default: bench/results/WHICH.json")
     args = ap.parse_args(argv)
-    res = {"smoothness": smoothness, "preemption": preemption, "burst": burst, "model": model}[args.which](args)
-    out = Path(args.json_out or f"bench/results/{args.which}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
+    from bench.provenance import provenance, write_json
+
+    prov = provenance("engine.scheduling", argv)
+    res = {"smoothness": smoothness, "preemption": preemption, "burst": burst, "model": model}[args.mode](args)
+    dtype = getattr(args, "_engine_dtype", None)
+    write_json(args.json_out or f"bench/results/{args.mode}.json", prov, args=vars(args), dtype=dtype, result=res)
     return 0
 
 

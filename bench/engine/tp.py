@@ -21,9 +21,7 @@ core and on both.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import tempfile
 import time
 
@@ -109,7 +107,7 @@ def measure(model: str, tp: int, threads: int, args: argparse.Namespace) -> dict
             "collectives_per_step": 2 * engine.runner.model.config.num_hidden_layers + 1 if tp > 1 else 0}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", default=None, help="comma-separated runs N or N@T: N ranks sharing T CPU threads "
                    "(default on CPU: 1@1,1@2,2@2; on CUDA: 1,2)")
@@ -126,8 +124,11 @@ def main() -> None:
     p.add_argument("--new", type=int, default=16, help="decode steps measured")
     p.add_argument("--profile-steps", type=int, default=6)
     p.add_argument("--kv-gb", type=float, default=0.25, help="KV pool per rank (GiB)")
-    p.add_argument("--json-out", default=None)
-    args = p.parse_args()
+    p.add_argument("--json-out", default="bench/results/tp.json")
+    args = p.parse_args(argv)
+    from bench.provenance import provenance, write_json
+
+    prov = provenance("engine.tp", argv)
     with tempfile.TemporaryDirectory(prefix="bench-tp-") as tmp:
         model = args.model or build_model(tmp, args)
         runs = [(run + "@" + str(os.cpu_count() or 1)).split("@")[:2]
@@ -139,13 +140,9 @@ def main() -> None:
         print(f"{row['tp']:>3} {row['threads']:>7} {row['prefill_step_ms']:>11.1f} {row['decode_step_ms']:>10.1f} "
               f"{row['decode_step_ms'] / rows[0]['decode_step_ms']:>7.2f}x {row['broadcast_share']:>10.1%} "
               f"{row['comm_share_profiled']:>12.1%} {row['ping_p50_ms']:>8.2f}")
-    load = os.getloadavg()[0]
-    print(f"(1-min load average after the run: {load:.1f} on {os.cpu_count()} CPUs)")
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "loadavg_1m": load, "machine": platform.processor()
-                       or platform.machine(), "torch": torch.__version__}, f, indent=2)
-
+    write_json(args.json_out, prov, args=vars(args), rows=rows, torch=torch.__version__)
+    print(f"wrote {args.json_out}")
+    return 0
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""docs/BENCHMARKS.md §8: kernels alone, paged attention (`bench.engine.attention`) and the linear
+layers (`bench.engine.gemm`)."""
+
+from __future__ import annotations
+
+from bench.renderers.common import caption
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread{'' if n == 1 else 's'}"
+
+
+def _batch(r: dict) -> str:
+    ctx = f"{r['min_ctx']:,}" if r["min_ctx"] == r["max_ctx"] else f"{r['min_ctx']:,}–{r['max_ctx']:,}"
+    if r["chunk"] == 1:
+        return f"{r['seqs']} decode rows over {ctx} tokens"
+    over = "" if r["chunk"] >= r["min_ctx"] else f" over {ctx}"
+    return f"{r['seqs']} × {r['chunk']:,}-token chunk{'s' if r['seqs'] > 1 else ''}{over or (' (first chunks)' if r['seqs'] > 1 else ' (first chunk)')}"
+
+
+def render_attention(data: dict, name: str) -> str:
+    extra = (f"; SmolLM2's shapes (9 query / 3 KV heads, head_dim 64, 30 layers), {data['dtype']}, "
+             f"{_threads(data['threads'])}, median of {data['reps']} steps, the backends alternating")
+    lines = [caption(data, name, extra), "",
+             "| batch (`--case`) | gather + SDPA | kernel | kernel speed-up |",
+             "|---|---:|---:|---:|"]
+    for r in data["rows"]:
+        case = f"{r['seqs']}x{r['min_ctx']}-{r['max_ctx']}/{r['chunk']}"
+        lines.append(f"| {_batch(r)} (`{case}`) | {r['torch_ms']:,.1f} ms | {r['kernel_ms']:,.1f} ms | "
+                     f"{r['torch_ms'] / r['kernel_ms']:.2f}× |")
+    return "\n".join(lines)
+
+
+def render_gemm(data: dict, name: str) -> str:
+    extra = (f"; median of {data['args']['reps']} calls, {_threads(data['threads'])}; native bf16 "
+             f"{'yes' if data['native_bf16'] else 'no'}, C++ kernel {'built' if data['kernel'] else 'not built'}")
+    lines = [caption(data, name, extra), "",
+             "| layer | rows | C++ kernel fp32, ms | MKL fp32, ms | torch bf16, ms | oneDNN bf16 (prepacked), ms | best bf16 / best fp32 "
+             "| best bf16 GFLOP/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    last = None
+    for r in data["rows"]:
+        fp32 = min(v for v in (r["kernel_fp32_ms"], r["mkl_fp32_ms"]) if v is not None)
+        bf16 = min(r["torch_bf16_ms"], r["onednn_bf16_ms"])
+        label = "" if r["layer"] == last else f"{r['layer']} {r['in']:,}→{r['out']:,}"
+        last = r["layer"]
+        kernel = "—" if r["kernel_fp32_ms"] is None else f"{r['kernel_fp32_ms']:.3f}"
+        gflops = 2 * r["rows"] * r["in"] * r["out"] / (bf16 * 1e-3) / 1e9
+        lines.append(f"| {label} | {r['rows']} | {kernel} | {r['mkl_fp32_ms']:.3f} | {r['torch_bf16_ms']:.3f} | "
+                     f"{r['onednn_bf16_ms']:.3f} | {bf16 / fp32:.2f}× | {gflops:,.0f} |")
+    return "\n".join(lines)
+
+
+RENDERERS = {"engine.attention": render_attention, "engine.gemm": render_gemm}
