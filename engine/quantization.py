@@ -60,7 +60,10 @@ def scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
     bufs = _scratch.__dict__.setdefault("bufs", {})
     buf = bufs.get(dtype)
     if buf is None or buf.numel() < numel:
-        buf = bufs[dtype] = torch.empty(numel, dtype=dtype)
+        # A normal tensor, whatever mode the first caller ran in: one made under inference_mode
+        # (the engine's steps) cannot be written in place outside it (a test, a hook, no_grad).
+        with torch.inference_mode(False):
+            buf = bufs[dtype] = torch.empty(numel, dtype=dtype)
     return buf[:numel]
 
 

@@ -145,3 +145,32 @@ def test_without_the_kernels_every_step_dequantizes_the_unpacked_codes(dtype):
         x = torch.randn(rows, 70).to(dtype)
         ref, tol, mag = _reference_and_tolerance(x, _dequantized(codes, scales).to(dtype), b, dtype)
         assert ((slow.linear(x).double() - ref).abs() <= tol).all()
+
+
+def test_the_scratch_buffer_made_in_inference_mode_is_writable_outside_it():
+    """The engine's steps run under inference_mode; a later call in the same thread outside it
+    (a test, no_grad) must still write the thread's scratch buffer in place. A fresh thread, so
+    the buffer is made here, under inference_mode, whatever ran before."""
+    import threading
+
+    w, b = _weight(37, 70, seed=17)
+    slow = Int8Weight(w, b)
+    codes, _ = quantize_int8(w)
+    slow.kernel, slow.codes = False, codes                       # torch's dequantization path
+    x = torch.randn(quantization.KERNEL_MAX_ROWS + 3, 70)
+    out, errors = {}, []
+
+    def work():
+        try:
+            with torch.inference_mode():
+                out["inference"] = slow.linear(x)
+            with torch.no_grad():
+                out["no_grad"] = slow.linear(x)
+        except Exception as e:               # reported to the test's thread
+            errors.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert not errors, errors
+    assert torch.equal(out["inference"], out["no_grad"])

@@ -36,6 +36,8 @@ from bench.peers.clients import Load
 from bench.provenance import provenance, write_json
 from engine.config_cli import add_engine_args
 
+# vLLM's CPU layout is set in its environment, so the JSON records it; only these (never a key).
+VLLM_LAYOUT_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE")
 PEERS_DIR = Path(os.environ.get("STREAMGATE_PEERS_DIR", "/work/peers"))
 
 
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {"args": vars(args), "model_dir": model_dir, "cpus": os.cpu_count(), "loads": [asdict(ld) for ld in loads],
               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "servers": {}, "skipped": [],
-              "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}   # vLLM's thread layout
+              "env": {k: v for k, v in os.environ.items() if k in VLLM_LAYOUT_ENV}}   # vLLM's thread layout
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for spec in specs:
