@@ -11,9 +11,9 @@
 // accumulators (k unrolled by 4), four rows share one widened weight row; blocks are split
 // over the threads. Activations in bf16/fp16 are converted to fp32 once per call.
 //
-// unpack_bf16 writes the plain transposed weight [K, N] (a copy, no rounding) into a reused
-// scratch buffer: steps of many rows (a prefill chunk) run oneDNN's bf16 GEMM on it, so the
-// block copy is the only one kept.
+// It is fp32 FMA-bound above a few rows (Zen 4 retires one 16-lane FMA a cycle; oneDNN's
+// VDPBF16PS does twice the MACs): engine/packed_linear.py runs it up to 4 rows and oneDNN's
+// prepacked bf16 matmul above.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -165,43 +165,14 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, c
   return y;
 }
 
-// packed [ceil(N/16), K, 16] -> out [K, N] bf16 (the weight transposed, contiguous), in place:
-// each packed row of 16 is 16 contiguous outputs, so this is a copy of 32-byte pieces. It goes
-// by tiles of kTile rows of K: each block's rows of a tile are one contiguous 1 KB read, and
-// the tile's output rows (kTile * N * 2 bytes, 192 KB for N = 3072) stay in cache while every
-// block fills its columns (block-major, the whole [K, N] output was written a half line at a
-// time: 4x slower).
-void unpack_bf16(const torch::Tensor& packed, torch::Tensor out) {
-  TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.is_contiguous() && out.scalar_type() == torch::kBFloat16,
-              "unpack_bf16: out must be [K, N] bf16, contiguous");
-  const int64_t K = out.size(0), N = out.size(1), blocks = packed.size(0);
-  check_packed(packed, N, "unpack_bf16");
-  TORCH_CHECK(packed.size(1) == K, "unpack_bf16: packed weight does not match out's K");
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  constexpr int64_t kTile = 32;
-  at::parallel_for(0, (K + kTile - 1) / kTile, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t k0 = t * kTile, k1 = std::min(K, k0 + kTile);
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t n0 = b * kBlock, valid = std::min(kBlock, N - n0);
-        for (int64_t k = k0; k < k1; ++k)
-          std::memcpy(op + k * N + n0, wp + (b * K + k) * kBlock, valid * sizeof(uint16_t));
-      }
-    }
-  });
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(streamgate, m) {
   m.def("pack_bf16(Tensor weight) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
-  m.def("unpack_bf16(Tensor packed, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(streamgate, CPU, m) {
   m.impl("pack_bf16", &pack_bf16);
   m.impl("linear_bf16", &linear_bf16);
-  m.impl("unpack_bf16", &unpack_bf16);
 }

@@ -24,61 +24,43 @@ import torch
 from torch import nn
 
 from .kernels import load_kernels
-from .quantization import SCRATCH_ELEMENTS, Int8Weight, quantize_linears, scratch
+from .quantization import Int8Weight, quantize_linears
 
 log = logging.getLogger("streamgate.engine")
 
-BF16_KERNEL_MAX_ROWS = 2       # bf16: the block kernel up to here, oneDNN on the unpacked weight above (measured)
-_BLOCK = 16                    # outputs per packed block (csrc/linear_bf16.cpp)
+BF16_KERNEL_MAX_ROWS = 4       # bf16: the block kernel up to here, oneDNN's prepacked matmul above (measured)
 
 
 class Bf16Weight:
-    """A bf16 weight held once, in csrc/linear_bf16.cpp's block layout [ceil(N/16), K, 16].
-    Steps of up to BF16_KERNEL_MAX_ROWS rows run that kernel (bf16 widened to fp32 in
-    registers, fp32 accumulation); steps of more rows unpack it, transposed to [K, N], into
-    this thread's scratch buffer (shared with the int8 path, reused by every layer) and run
-    torch's bf16 GEMM (oneDNN) on it. Both round the fp32 sum once to the activations' dtype."""
+    """A bf16 weight in two packed forms: csrc/linear_bf16.cpp's blocks [ceil(N/16), K, 16] for
+    steps of up to BF16_KERNEL_MAX_ROWS rows (bf16 widened to fp32 in registers, fp32
+    accumulation: bandwidth-bound, ~2x oneDNN at one row), and oneDNN's prepacked layout for
+    steps of more (VDPBF16PS / AMX: twice the kernel's MACs a cycle). Both round the fp32 sum
+    once to the activations' dtype. Holding both doubles the bf16 weight bytes: the single-copy
+    alternative (the blocks unpacked into a scratch buffer for torch's bf16 GEMM, as the int8
+    path dequantizes) measured 1.2x oneDNN at 512 rows and 2-5x at 8-32 (batched decode) on
+    the Zen 4 host (2026-12-02), oneDNN reordering a plain weight on every call."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int = 8):
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.streamgate.pack_bf16(weight.contiguous())
+        self.blocks = torch.ops.streamgate.pack_bf16(weight.contiguous())
+        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
         self.bias = None if bias is None else bias.detach().contiguous()
         self.bias32 = None if bias is None else self.bias.float().contiguous()          # the kernel's
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.bias, self.bias32) if t is not None)
-
-    def unpacked(self, rows: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Output rows [n0, n1) of the weight (all by default, n0 a multiple of 16), transposed:
-        [K, n1 - n0] bf16, written into `out` if given."""
-        n0, n1 = rows or (0, self.out_features)
-        if out is None:
-            out = torch.empty(self.in_features, n1 - n0, dtype=torch.bfloat16)
-        torch.ops.streamgate.unpack_bf16(self.packed[n0 // _BLOCK:-(-n1 // _BLOCK)], out)
-        return out
+        """Bytes held by the block copy and the biases (oneDNN's copy is opaque: as many again)."""
+        return sum(t.numel() * t.element_size() for t in (self.blocks, self.bias, self.bias32) if t is not None)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         x2 = x.reshape(-1, self.in_features)                                             # [M, K]
         if x2.shape[0] <= BF16_KERNEL_MAX_ROWS:
-            y = torch.ops.streamgate.linear_bf16(x2, self.packed, self.bias32, self.out_features)
+            y = torch.ops.streamgate.linear_bf16(x2, self.blocks, self.bias32, self.out_features)
         else:
-            y = self._unpacked_gemm(x2.to(torch.bfloat16)).to(x.dtype)
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.onednn, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
-
-    def _unpacked_gemm(self, x2: torch.Tensor) -> torch.Tensor:
-        """x2 @ W^T + b through the scratch buffer, SCRATCH_ELEMENTS weights at a time (an
-        lm_head in slices)."""
-        N, K = self.out_features, self.in_features
-        step = max(_BLOCK, SCRATCH_ELEMENTS // K // _BLOCK * _BLOCK)
-        buf = scratch(torch.bfloat16, min(N, step) * K)
-        pieces = []
-        for n0 in range(0, N, step):
-            n1 = min(N, n0 + step)
-            wt = self.unpacked((n0, n1), buf[:(n1 - n0) * K].view(K, n1 - n0))            # [K, n]
-            pieces.append(torch.mm(x2, wt) if self.bias is None else torch.addmm(self.bias[n0:n1], x2, wt))
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
 
 class PackedLinear(nn.Module):
@@ -90,11 +72,11 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         with torch.no_grad():
             if kind == "onednn" and weight.dtype == torch.bfloat16 and load_kernels():
-                kind = self.kind = "bf16"           # oneDNN only for many rows, on this one copy unpacked
+                kind = self.kind = "bf16"           # the block kernel for few rows, oneDNN for more
             if kind == "int8":                   # holds the bias itself (an fp32 copy for its kernel)
                 self.packed = Int8Weight(weight, linear.bias)
             elif kind == "bf16":
-                self.packed = Bf16Weight(weight, linear.bias)
+                self.packed = Bf16Weight(weight, linear.bias, rows_hint)
             elif kind == "streamgate":
                 self.packed = torch.ops.streamgate.pack_linear(weight)
             else:

@@ -1,8 +1,8 @@
 """The bf16-weight linear kernel (csrc/linear_bf16.cpp) and its engine wrapper
 (engine/packed_linear.py's Bf16Weight) against an fp64 reference computed from the same bf16
 weights, with tolerances derived from fp32's (and bf16's) rounding: 1..20 rows (every register
-group and the k tails), odd N and K, bias or none, fp32/bf16/fp16 and strided activations;
-unpack_bf16 bit-exact; the many-row path through the scratch buffer, split or whole.
+group and the k tails), odd N and K, bias or none, fp32/bf16/fp16 and strided activations; the
+engine's switch to oneDNN above BF16_KERNEL_MAX_ROWS rows.
 tests/test_kernel_variants.py runs this file in every other instruction-set variant the host
 executes (AVX-512, AVX2, SSE)."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine import packed_linear, quantization
+from engine import packed_linear
 from engine.kernels import load_kernels
 from engine.packed_linear import Bf16Weight, PackedLinear
 
@@ -82,43 +82,35 @@ def test_linear_bf16_takes_strided_activations_and_catches_a_wrong_weight():
     assert bad[17] and bad.sum() == 1
 
 
-@pytest.mark.parametrize("n, k", [(37, 70), (200, 576)])
-def test_unpack_bf16_is_the_transposed_weight(n, k):
-    w, _ = _weight(n, k, seed=7)
-    out = torch.empty(k, n, dtype=torch.bfloat16)
-    ops.unpack_bf16(ops.pack_bf16(w), out)
-    assert torch.equal(out, w.t())
-
-
-@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bf16_weight_agrees_on_both_sides_of_the_crossover(split, with_bias, monkeypatch):
-    """Bf16Weight: the kernel up to BF16_KERNEL_MAX_ROWS rows, unpack + torch's bf16 GEMM
-    above (in slices of whole blocks when split), each within the bound of the fp64 reference;
-    the GEMM path's bf16 output is one more bf16 rounding of an fp32-accumulated sum."""
-    if split:
-        monkeypatch.setattr(quantization, "SCRATCH_ELEMENTS", 70 * 32)
-        monkeypatch.setattr(packed_linear, "SCRATCH_ELEMENTS", 70 * 32)
+def test_bf16_weight_agrees_on_both_sides_of_the_crossover(with_bias):
+    """Bf16Weight: the kernel up to BF16_KERNEL_MAX_ROWS rows, oneDNN's prepacked bf16 matmul
+    above, each within the bound of the fp64 reference ([1, M, K] as the model passes it); the
+    bf16 GEMM may add the bf16 bias to a rounded product: one more bf16 rounding."""
     w, b = _weight(101, 70, seed=11)
     weight = Bf16Weight(w, b if with_bias else None)
     limit = packed_linear.BF16_KERNEL_MAX_ROWS
     for rows in (1, limit, limit + 1, 40):
         x = torch.randn(rows, 70, generator=torch.Generator().manual_seed(rows)).bfloat16()
-        y = weight.linear(x[None])[0]
+        with torch.inference_mode():
+            y = weight.linear(x[None])[0]
         assert y.dtype == torch.bfloat16 and y.shape == (rows, 101)
         ref, tol = _reference_and_tolerance(x, w, b.float() if with_bias else None, torch.bfloat16)
-        if rows > limit and with_bias:                         # the GEMM adds the bf16 bias, maybe after rounding
+        if rows > limit and with_bias:
             tol = tol + 2.0 ** -8 * (ref.abs() + tol)
         err = (y.double() - ref).abs()
         assert (err <= tol).all(), (rows, (err / tol).max().item())
 
 
-def test_packed_linear_holds_one_block_copy_of_a_bf16_weight():
-    """A bf16 nn.Linear packed as "onednn" takes the block kernel's form ("bf16"): one copy of
-    the weight (plus the bias twice), no oneDNN-packed one."""
+def test_packed_linear_runs_a_bf16_weight_through_the_block_kernel_at_few_rows():
+    """A bf16 nn.Linear packed as "onednn" takes the "bf16" form where the kernels built: the
+    block copy (checked against the weight), oneDNN's beside it, the bias kept in fp32 too."""
     lin = nn.Linear(70, 37, dtype=torch.bfloat16)
     packed = PackedLinear(lin, "onednn")
     assert packed.kind == "bf16" and isinstance(packed.packed, Bf16Weight)
+    blocks = packed.packed.blocks
+    assert blocks.shape == (3, 70, 16)
+    assert torch.equal(blocks.permute(0, 2, 1).reshape(48, 70)[:37], lin.weight.detach())
     assert packed.packed.nbytes == 3 * 16 * 70 * 2 + 37 * (2 + 4)
     x = torch.randn(1, 70).bfloat16()
     with torch.inference_mode():
