@@ -9,11 +9,14 @@ core idle at a few rows. Two packed forms, best first:
 - "onednn": where the kernel did not build, oneDNN's matmul on its own blocked layout (what
   inductor's weight prepacking and vLLM's CPU linear use): 2.1x MKL at 8 rows (§8.12).
 Either differs from MKL in the last bits (another summation order), as between any two GEMM
-libraries. bf16 weights (the fused Llama forward in bf16) take the "onednn" form: with
+libraries. bf16 weights (the fused Llama forward in bf16) are asked for as "onednn": with
 AVX512-BF16 or AMX, oneDNN's bf16 GEMM on its packed layout is faster than any fp32 form at
-every row count (docs/BENCHMARKS.md §8.16). A third kind, "int8", holds int8 weight-only
-codes in the kernel's block layout (quantization.py, csrc/linear_int8.cpp) where
-`EngineConfig.quantization` is "int8".
+8+ rows (docs/BENCHMARKS.md §8.16), but at one row it is compute-bound (~17 GFLOP/s on the
+Zen 4 host, no AMX). Where the C++ kernels built they become kind "bf16" (`Bf16Weight`):
+csrc/linear_bf16.cpp's block kernel, bandwidth-bound, for steps of up to
+BF16_KERNEL_MAX_ROWS rows, oneDNN's prepacked copy above; both copies are held. A third
+kind, "int8", holds int8 weight-only codes in the kernel's block layout (quantization.py,
+csrc/linear_int8.cpp) where `EngineConfig.quantization` is "int8".
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ class Bf16Weight:
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` whose weight is kept only in a packed layout (`kind`: streamgate or onednn)."""
+    """`nn.Linear` whose weight is kept only in packed layouts (`kind`: streamgate, onednn,
+    bf16 or int8)."""
 
     def __init__(self, linear: nn.Linear, kind: str = "streamgate", rows_hint: int = 8):
         super().__init__()
