@@ -9,11 +9,14 @@ core idle at a few rows. Two packed forms, best first:
 - "onednn": where the kernel did not build, oneDNN's matmul on its own blocked layout (what
   inductor's weight prepacking and vLLM's CPU linear use): 2.1x MKL at 8 rows (§8.12).
 Either differs from MKL in the last bits (another summation order), as between any two GEMM
-libraries. bf16 weights (the fused Llama forward in bf16) take the "onednn" form: with
+libraries. bf16 weights (the fused Llama forward in bf16) are asked for as "onednn": with
 AVX512-BF16 or AMX, oneDNN's bf16 GEMM on its packed layout is faster than any fp32 form at
-every row count (docs/BENCHMARKS.md §8.16). A third kind, "int8", holds int8 weight-only
-codes in the kernel's block layout (quantization.py, csrc/linear_int8.cpp) where
-`EngineConfig.quantization` is "int8".
+8+ rows (docs/BENCHMARKS.md §8.16), but at one row it is compute-bound (~17 GFLOP/s on the
+Zen 4 host, no AMX). Where the C++ kernels built they become kind "bf16" (`Bf16Weight`):
+csrc/linear_bf16.cpp's block kernel, bandwidth-bound, for steps of up to
+BF16_KERNEL_MAX_ROWS rows, oneDNN's prepacked copy above; both copies are held. A third
+kind, "int8", holds int8 weight-only codes in the kernel's block layout (quantization.py,
+csrc/linear_int8.cpp) where `EngineConfig.quantization` is "int8".
 """
 
 from __future__ import annotations
@@ -28,25 +31,64 @@ from .quantization import Int8Weight, quantize_linears
 
 log = logging.getLogger("streamgate.engine")
 
+BF16_KERNEL_MAX_ROWS = 4       # bf16: the block kernel up to here, oneDNN's prepacked matmul above (measured)
+
+
+class Bf16Weight:
+    """A bf16 weight in two packed forms: csrc/linear_bf16.cpp's blocks [ceil(N/16), K, 16] for
+    steps of up to BF16_KERNEL_MAX_ROWS rows (bf16 widened to fp32 in registers, fp32
+    accumulation: bandwidth-bound, ~2x oneDNN at one row), and oneDNN's prepacked layout for
+    steps of more (VDPBF16PS / AMX: twice the kernel's MACs a cycle). Both round the fp32 sum
+    once to the activations' dtype. Holding both doubles the bf16 weight bytes: the single-copy
+    alternative (the blocks unpacked into a scratch buffer for torch's bf16 GEMM, as the int8
+    path dequantizes) measured 1.2x oneDNN at 512 rows and 2-5x at 8-32 (batched decode) on
+    the Zen 4 host (2026-12-02), oneDNN reordering a plain weight on every call."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int = 8):
+        self.out_features, self.in_features = weight.shape
+        self.blocks = torch.ops.streamgate.pack_bf16(weight.contiguous())
+        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.bias32 = None if bias is None else self.bias.float().contiguous()          # the kernel's
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the block copy and the biases (oneDNN's copy is opaque: as many again)."""
+        return sum(t.numel() * t.element_size() for t in (self.blocks, self.bias, self.bias32) if t is not None)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype."""
+        x2 = x.reshape(-1, self.in_features)                                             # [M, K]
+        if x2.shape[0] <= BF16_KERNEL_MAX_ROWS:
+            y = torch.ops.streamgate.linear_bf16(x2, self.blocks, self.bias32, self.out_features)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.onednn, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` whose weight is kept only in a packed layout (`kind`: streamgate or onednn)."""
+    """`nn.Linear` whose weight is kept only in packed layouts (`kind`: streamgate, onednn,
+    bf16 or int8)."""
 
     def __init__(self, linear: nn.Linear, kind: str = "streamgate", rows_hint: int = 8):
         super().__init__()
         self.in_features, self.out_features, self.kind = linear.in_features, linear.out_features, kind
         weight = linear.weight.detach()
         with torch.no_grad():
+            if kind == "onednn" and weight.dtype == torch.bfloat16 and load_kernels():
+                kind = self.kind = "bf16"           # the block kernel for few rows, oneDNN for more
             if kind == "int8":                   # holds the bias itself (an fp32 copy for its kernel)
                 self.packed = Int8Weight(weight, linear.bias)
+            elif kind == "bf16":
+                self.packed = Bf16Weight(weight, linear.bias, rows_hint)
             elif kind == "streamgate":
                 self.packed = torch.ops.streamgate.pack_linear(weight)
             else:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
-        self.bias = None if linear.bias is None or kind == "int8" else linear.bias.detach().contiguous()
+        self.bias = None if linear.bias is None or kind in ("int8", "bf16") else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:     # [..., in] -> [..., out]
-        if self.kind == "int8":
+        if self.kind in ("int8", "bf16"):
             return self.packed.linear(x)
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -57,14 +57,14 @@ RUNNABLE = [v.name for v in kernels.variants() if v.runs_here(cpu_flags()) and v
 @pytest.mark.parametrize("variant", RUNNABLE)
 def test_variant_matches_the_torch_reference(variant):
     """Every operator of the library built for `variant` — the attention kernel (fp32, bf16,
-    fp16 pools), the packed linear kernel, the int8 linear kernel and the fused layer operators — against the
+    fp16 pools), the packed linear kernel, the int8 and bf16-weight linear kernels and the fused layer operators — against the
     pure-torch reference: the same tests the chosen variant passes in this process, in a
     process that loads `variant` (and checks it loaded it)."""
     env = {**os.environ, kernels.ISA_ENV: variant}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_paged_kernel.py",
                            *[f"tests/test_fused_llama.py::{name}" for name in OPERATOR_TESTS],
                            "tests/test_packed_linear.py::test_packed_linear_matches_nn_linear_for_any_row_count",
-                           "tests/test_linear_int8.py",
+                           "tests/test_linear_int8.py", "tests/test_linear_bf16.py",
                            "tests/test_kernel_variants.py::test_this_process_runs_the_variant_chosen_for_its_cpu"],
                           capture_output=True, text=True, env=env, timeout=1200)
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
