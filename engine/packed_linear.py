@@ -12,9 +12,11 @@ Either differs from MKL in the last bits (another summation order), as between a
 libraries. bf16 weights (the fused Llama forward in bf16) are asked for as "onednn": with
 AVX512-BF16 or AMX, oneDNN's bf16 GEMM on its packed layout is faster than any fp32 form at
 8+ rows (docs/BENCHMARKS.md §8.16), but at one row it is compute-bound (~17 GFLOP/s on the
-Zen 4 host, no AMX). Where the C++ kernels built they become kind "bf16" (`Bf16Weight`):
-csrc/linear_bf16.cpp's block kernel, bandwidth-bound, for steps of up to
-BF16_KERNEL_MAX_ROWS rows, oneDNN's prepacked copy above; both copies are held. A third
+Zen 4 host, no AMX). Kind "bf16" (`Bf16Weight`), which the fused forward asks for where the
+C++ kernels built and the model's linear weights are at most BF16_BLOCK_COPY_MAX_BYTES (2 GiB
+of bf16: a ~1B-parameter model), adds csrc/linear_bf16.cpp's block kernel, bandwidth-bound,
+for steps of up to BF16_KERNEL_MAX_ROWS rows, oneDNN's prepacked copy above; both copies are
+held, so a larger model keeps oneDNN's one copy rather than doubling its weights. A third
 kind, "int8", holds int8 weight-only codes in the kernel's block layout (quantization.py,
 csrc/linear_int8.cpp) where `EngineConfig.quantization` is "int8".
 """
@@ -32,6 +34,7 @@ from .quantization import Int8Weight, quantize_linears
 log = logging.getLogger("streamgate.engine")
 
 BF16_KERNEL_MAX_ROWS = 4       # bf16: the block kernel up to here, oneDNN's prepacked matmul above (measured)
+BF16_BLOCK_COPY_MAX_BYTES = 2 << 30     # the block copy doubles bf16 linear bytes: only up to this much extra
 
 
 class Bf16Weight:
@@ -75,8 +78,8 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features, self.kind = linear.in_features, linear.out_features, kind
         weight = linear.weight.detach()
         with torch.no_grad():
-            if kind == "onednn" and weight.dtype == torch.bfloat16 and load_kernels():
-                kind = self.kind = "bf16"           # the block kernel for few rows, oneDNN for more
+            if kind == "bf16" and not (weight.dtype == torch.bfloat16 and load_kernels()):
+                kind = self.kind = "onednn"         # the block kernel needs bf16 weights and the C++ kernels
             if kind == "int8":                   # holds the bias itself (an fp32 copy for its kernel)
                 self.packed = Int8Weight(weight, linear.bias)
             elif kind == "bf16":

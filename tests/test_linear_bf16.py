@@ -103,10 +103,10 @@ def test_bf16_weight_agrees_on_both_sides_of_the_crossover(with_bias):
 
 
 def test_packed_linear_runs_a_bf16_weight_through_the_block_kernel_at_few_rows():
-    """A bf16 nn.Linear packed as "onednn" takes the "bf16" form where the kernels built: the
-    block copy (checked against the weight), oneDNN's beside it, the bias kept in fp32 too."""
+    """A bf16 nn.Linear packed as "bf16" holds the block copy (checked against the weight),
+    oneDNN's beside it, the bias kept in fp32 too."""
     lin = nn.Linear(70, 37, dtype=torch.bfloat16)
-    packed = PackedLinear(lin, "onednn")
+    packed = PackedLinear(lin, "bf16")
     assert packed.kind == "bf16" and isinstance(packed.packed, Bf16Weight)
     blocks = packed.packed.blocks
     assert blocks.shape == (3, 70, 16)
@@ -116,3 +116,17 @@ def test_packed_linear_runs_a_bf16_weight_through_the_block_kernel_at_few_rows()
     with torch.inference_mode():
         ref, tol = _reference_and_tolerance(x, lin.weight.detach(), lin.bias.detach().float(), torch.bfloat16)
         assert ((packed(x).double() - ref).abs() <= tol).all()
+
+
+def test_the_block_copy_is_taken_only_within_its_byte_budget(monkeypatch):
+    """The fused bf16 forward asks for the block kernel's second copy only while the model's
+    linear weights fit BF16_BLOCK_COPY_MAX_BYTES; over it every layer keeps oneDNN's one copy."""
+    from engine import fused_llama, packed_linear
+
+    model = nn.Sequential(nn.Linear(64, 32, dtype=torch.bfloat16), nn.Linear(32, 16, dtype=torch.bfloat16))
+    extra = (64 * 32 + 32 * 16) * 2
+    monkeypatch.setattr(fused_llama, "BF16_BLOCK_COPY_MAX_BYTES", extra)
+    assert fused_llama.bf16_block_copy_fits(model)
+    monkeypatch.setattr(fused_llama, "BF16_BLOCK_COPY_MAX_BYTES", extra - 1)
+    assert not fused_llama.bf16_block_copy_fits(model)
+    assert packed_linear.BF16_BLOCK_COPY_MAX_BYTES >= 1 << 30        # SmolLM2's 269 MB fits
