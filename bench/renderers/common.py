@@ -1,5 +1,5 @@
-"""What every renderer shares: number formatting and the caption naming a run's command, build,
-host, date and load."""
+"""What every renderer shares: number formatting, the caption naming a run's command, build,
+host, date and load, and the markdown table under it."""
 
 from __future__ import annotations
 
@@ -35,3 +35,11 @@ def _span(values: list | None) -> str:
         return "—"
     lo, hi = min(values), max(values)
     return _n(lo) if lo == hi else f"{lo:,}–{hi:,}"
+
+
+def table(head: list[str], rows: list[list], align: str | None = None) -> list[str]:
+    """A markdown table's lines: HEAD, the separator (ALIGN: an "l" or "r" a column; by default the
+    first column left, the others right) and a line per row (its cells as str() gives them)."""
+    align = align or "l" + "r" * (len(head) - 1)
+    return ["| " + " | ".join(head) + " |", "|" + "".join("---|" if a == "l" else "---:|" for a in align),
+            *("| " + " | ".join(map(str, row)) + " |" for row in rows)]

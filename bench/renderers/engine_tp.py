@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.renderers.common import caption
+from bench.renderers.common import caption, table
 
 
 def render_tp(data: dict, name: str) -> str:
@@ -13,15 +13,12 @@ def render_tp(data: dict, name: str) -> str:
     extra = (f"; {model}, {a.get('dtype')}, {a['device']}; {a['batch']} sequences of {a['prompt']}-token prompts: "
              f"one prefill step, then the mean of {a['new'] - 1} {a['batch']}-row decode steps")
     first = rows[0]
-    lines = [caption(data, name, extra), "",
-             "| TP | threads (all ranks) | prefill step | decode step | decode vs the first row | broadcast share "
-             "| collectives share (profiled) | idle round trip |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['tp']} | {r['threads']} | {r['prefill_step_ms']:,.0f} ms | {r['decode_step_ms']:,.0f} ms | "
-                     f"{r['decode_step_ms'] / first['decode_step_ms']:.2f}× | {r['broadcast_share']:.1%} | "
-                     f"{r['comm_share_profiled']:.1%} | "
-                     f"{'—' if r['tp'] == 1 else format(r['ping_p50_ms'], '.2f') + ' ms'} |")
+    head = ["TP", "threads (all ranks)", "prefill step", "decode step", "decode vs the first row", "broadcast share",
+            "collectives share (profiled)", "idle round trip"]
+    body = [[r["tp"], r["threads"], f"{r['prefill_step_ms']:,.0f} ms", f"{r['decode_step_ms']:,.0f} ms",
+             f"{r['decode_step_ms'] / first['decode_step_ms']:.2f}×", f"{r['broadcast_share']:.1%}",
+             f"{r['comm_share_profiled']:.1%}", "—" if r["tp"] == 1 else f"{r['ping_p50_ms']:.2f} ms"] for r in rows]
+    lines = [caption(data, name, extra), "", *table(head, body, "r" * len(head))]
     return "\n".join(lines).replace("%", " %").replace("  %", " %")
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.renderers.common import _n, _span, caption
+from bench.renderers.common import _n, _span, caption, table
 
 SPEC_WORKLOADS = {"chat": "open chat"}
 
@@ -22,16 +22,12 @@ def render_speculative(data: dict, name: str) -> str:
         share = f", {round(100 * pair[1] / bound)} %" if bound else ""
         return f"{pair[0]:.1f} ({pair[1]:.1f}{share})"
 
-    lines = [caption(data, name, extra), "",
-             "| workload | prompt tokens | output tokens | off: tok/s (decode, % of bound) | on: tok/s (decode, % of bound) "
-             "| decode on/off | drafts accepted | same tokens |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        lines.append(f"| {SPEC_WORKLOADS.get(r['workload'], r['workload'])} | {_span(r.get('prompt_tokens'))} | "
-                     f"{_n(r.get('output_tokens'))} | {rate(r['off_tok_s'])} | {rate(r['on_tok_s'])} | "
-                     f"{r['speedup_decode']:.2f}× | {r['accepted']} / {r['drafted']} | "
-                     f"{'yes' if r['same_tokens'] else 'no'} |")
-    return "\n".join(lines)
+    head = ["workload", "prompt tokens", "output tokens", "off: tok/s (decode, % of bound)",
+            "on: tok/s (decode, % of bound)", "decode on/off", "drafts accepted", "same tokens"]
+    body = [[SPEC_WORKLOADS.get(r["workload"], r["workload"]), _span(r.get("prompt_tokens")), _n(r.get("output_tokens")),
+             rate(r["off_tok_s"]), rate(r["on_tok_s"]), f"{r['speedup_decode']:.2f}×", f"{r['accepted']} / {r['drafted']}",
+             "yes" if r["same_tokens"] else "no"] for r in rows]
+    return "\n".join([caption(data, name, extra), "", *table(head, body, "lrrrrrrl")])
 
 
 RENDERERS = {"engine.speculative": render_speculative}
