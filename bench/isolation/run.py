@@ -35,16 +35,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from bench import server
 from bench.provenance import provenance, write_json
-from bench.isolation.attacks import ATTACKS
+from bench.isolation import options
+from bench.isolation.options import attack_params
 from bench.isolation.report import check_targets, report
 from bench.isolation.victim import Victim, probe_ws
-from engine.config_cli import add_engine_args
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def write_tenants(path: Path) -> tuple[str, str]:
@@ -65,14 +62,6 @@ requests_per_minute = 600
 max_tokens = 1024
 """)
     return key_a, key_b
-
-
-def attack_params(args, url: str, key_a: str) -> dict:
-    return {"url": url, "key": key_a, "prompt_mb": args.prompt_mb, "frames": args.frames,
-            "frame_kib": args.frame_kib, "streams": args.stats_streams, "sockets": args.sockets,
-            "body_mib": args.body_mib, "depth": args.depth, "hold_s": args.hold, "timeout_s": args.attack_timeout,
-            "head_requests": args.head_requests, "bomb_frames": args.bomb_frames, "stuck_streams": args.stuck_streams,
-            "upgrades": args.upgrades, "parse_requests": args.parse_requests}
 
 
 class LogWatch:
@@ -185,49 +174,7 @@ async def run_phases(args, names: list[str], url: str, key_a: str, key_b: str, p
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_engine_args(p, only=("model",))
-    p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated subset of: {', '.join(ATTACKS)}")
-    p.add_argument("--server-args", default="", help="extra `streamgate serve` flags, one string")
-    p.add_argument("--url", default=None, help="a running server on loopback instead of starting one")
-    p.add_argument("--key-a", default=None, help="with --url: the attacking tenant's key")
-    p.add_argument("--key-b", default=None, help="with --url: the victim tenant's key")
-    p.add_argument("--server-pid", type=int, default=None, help="with --url: the server's pid, for RSS")
-    p.add_argument("--shared-server", action="store_true",
-                   help="run every attack on one server (faster; later attacks then see earlier ones' heap)")
-    p.add_argument("--b-max-tokens", type=int, default=400, help="tokens per B answer (EOS ignored)")
-    p.add_argument("--baseline", type=float, default=8.0, help="seconds of B alone")
-    p.add_argument("--hold", type=float, default=6.0, help="seconds held attacks (sockets, streams) stay open")
-    p.add_argument("--settle", type=float, default=1.0, help="seconds each window runs past its attack")
-    p.add_argument("--attack-timeout", type=float, default=120.0,
-                   help="seconds an attack waits for an answer; its process is killed 30 s + --hold later")
-    g = p.add_argument_group("attack sizes")
-    g.add_argument("--prompt-mb", type=float, default=8.0, help="big_prompt: prompt size (MB)")
-    g.add_argument("--frames", type=int, default=3, help="big_frames: how many frames")
-    g.add_argument("--frame-kib", type=int, default=1000,
-                   help="big_frames: frame size (KiB, keep under --max-frame-bytes)")
-    g.add_argument("--stats-streams", type=int, default=300, help="stats_flood: GET /v1/stats streams")
-    g.add_argument("--sockets", type=int, default=1024, help="keyless_ws: sockets opened with no key")
-    g.add_argument("--body-mib", type=int, default=200, help="chunked_body: body size (MiB)")
-    g.add_argument("--depth", type=int, default=100_000, help="deep_json: nesting depth")
-    g.add_argument("--head-requests", type=int, default=5000, help="head_flood: HEAD /v1/stats requests")
-    g.add_argument("--bomb-frames", type=int, default=50, help="deflate_bomb: inflating frames sent without a key")
-    g.add_argument("--stuck-streams", type=int, default=32, help="stuck_readers: SSE streams that are never read")
-    g.add_argument("--upgrades", type=int, default=2000, help="keyed_upgrades: upgrades with A's key")
-    g.add_argument("--parse-requests", type=int, default=200, help="overquota_parse: ~1 MB bodies over quota")
-    p.add_argument("--write-timeout", type=float, default=3.0,
-                   help="the started server's --write-timeout (stuck_readers: streams no one reads are cut after it)")
-    p.add_argument("--out", "--json-out", dest="out", default="bench/results/isolation.json")
-    args = p.parse_args(argv)
-    args.attacks = [a for a in args.attacks.split(",") if a]
-    if unknown := [a for a in args.attacks if a not in ATTACKS]:
-        p.error(f"--attacks: unknown {', '.join(unknown)} (known: {', '.join(ATTACKS)})")
-    if args.url:
-        if urlsplit(args.url).hostname not in LOOPBACK:
-            p.error("--url: only a server on loopback (127.0.0.1, localhost, ::1) may be attacked")
-        if not (args.key_a and args.key_b):
-            p.error("--url needs --key-a and --key-b (two different tenants)")
-    return args
+    return options.parse_args(argv, description=__doc__.split("\n\n")[0])
 
 
 def server_groups(args) -> list[list[str]]:
