@@ -220,12 +220,17 @@ class Connection(Socket):
         except _Gone:
             pass        # the socket went away; aclosing ended the pipeline (abort + settle)
         except Exception as exc:
-            log.error("ws.stream_fault", completion_id=adm.request_id, error=type(exc).__name__)
-            if not ended:
-                with contextlib.suppress(_Gone):
-                    await self.send_error(cid, InternalError("the request failed inside the gateway"))
+            await self.stream_fault(cid, adm, exc, ended)
         finally:
             self.streams.pop(_key(cid), None)
+
+    async def stream_fault(self, cid, adm: Admission, exc: Exception, ended: bool) -> None:
+        """A request's stream failed inside the gateway (chat here, and ws_openai's): logged, and
+        its one terminal frame, an error, sent unless it had one already or the socket is gone."""
+        log.error("ws.stream_fault", completion_id=adm.request_id, error=type(exc).__name__)
+        if not ended:
+            with contextlib.suppress(_Gone):
+                await self.send_error(cid, InternalError("the request failed inside the gateway"))
 
     async def _subscribe(self, interval_ms) -> None:
         """One subscription per socket; it holds one of the tenant's stats places. The

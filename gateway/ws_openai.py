@@ -16,19 +16,13 @@ per frame (the formatters write SSE text).
 
 from __future__ import annotations
 
-import contextlib
 import json
-
-import structlog
 
 from .chat_api import Last
 from .completions import completion_chunks
-from .errors import InternalError
 from .responses import _convert, chunks as response_chunks
 from .streaming import Failed
 from .ws_socket import _Gone
-
-log = structlog.get_logger("streamgate.ws")
 
 KINDS = ("completion", "response")
 
@@ -60,10 +54,7 @@ async def stream(conn, cid, adm, kind: str, formatter) -> None:
     except _Gone:
         pass            # the socket went away; closing the pipeline aborts and settles
     except Exception as exc:
-        log.error("ws.stream_fault", completion_id=adm.request_id, error=type(exc).__name__)
-        if not ended:
-            with contextlib.suppress(_Gone):
-                await conn.send_error(cid, InternalError("the request failed inside the gateway"))
+        await conn.stream_fault(cid, adm, exc, ended)
     finally:
         await events.aclose()
         conn.streams.pop(str(cid), None)
