@@ -21,6 +21,7 @@ from bench.renderers.isolation import render_isolation
 from bench.renderers.peers import render_peers
 from bench.renderers.pooled import render_pooled
 from bench.renderers.quota_backends import render_quota_backends
+from bench.renderers.serving import render_serve
 from bench.serving.pooled import summary
 from bench.serving.servestats import percentile
 
@@ -30,6 +31,7 @@ SERVING_REGIONS = {
     "isolation": render_isolation, "isolation-issue25": render_isolation, "quota-backends": render_quota_backends,
     "gateway-overhead": render_gateway_overhead, "peers-zen5-bf16": render_peers,
     "peers-zen1-fp32": render_peers, "peers-zen1-fp32-2threads": render_peers,
+    "serve-mixed": render_serve, "serve-weighted": render_serve,
 }
 # Published runs moved to docs/bench/HISTORY.md (older builds and hosts): their JSON stays and must
 # still render, but their region is no longer on the page.
@@ -71,6 +73,52 @@ def test_pooled_rows_are_the_pooled_percentiles_over_alone_and_render():
     assert table["fair"][4] == f"{p99:.2f} s ({p99 / percentile(alone, 99):.2f}×)"
     assert table["fair"][1:2] == ["4"] and table["fair"][5:] == ["65.0", "0.50", "1.50 2.25"]
     assert table["a-alone"][2] == f"{percentile(alone, 50):.2f} s"            # alone: no multiple of itself
+
+
+def _serve_run(label: str, flags: list[str], tps: float, itl_long: tuple | None, weighted: dict | None = None) -> dict:
+    ms = lambda p50, p99, mx=None: {"p50": p50, "p90": None, "p99": p99, "max": mx}  # noqa: E731
+    return {"label": label, "preset": label, "flags": flags, "rate": None, "driver": "ws",
+            "summary": {"requests": 10, "ok": 9, "output_tps": tps, "goodput": None, "preemptions_per_request": None,
+                        "ttft_ms": ms(8.5, 23_300.0), "itl_ms": ms(485.0, 1810.0, 2080.0),
+                        "itl_long_prefill_ms": ms(*itl_long) if itl_long else None, "weighted_service": weighted}}
+
+
+def test_serve_rows_are_the_runs_summaries_against_the_targets():
+    """One row a preset: × static and the ≥ 2× target on `continuous`, the long-prefill ITL ratio
+    and its ≤ 2 target on chunked runs only, latencies with units; a column no run has is left out;
+    a weighted split (server and client) appears as columns where a run has one."""
+    runs = [_serve_run("static", ["--batching", "static"], 10.0, (100.0, 900.0)),
+            _serve_run("continuous", ["--no-chunked-prefill"], 19.9, (300.0, 3000.0)),
+            _serve_run("chunked", [], 25.0, (400.0, 600.0)),
+            _serve_run("chunked-b64", ["--max-num-batched-tokens", "64"], 12.0, (400.0, 1000.0))]
+    data = {"provenance": _prov("serving.serve", "python -m bench.serving.serve --compare x"),
+            "args": {"workload": "mixed", "driver": "ws"},
+            "workload": {"name": "mixed", "arrival": "poisson", "rate": 1.0, "num_requests": 10}, "runs": runs}
+    assert report.renderer_for(data) is render_serve
+    text = render_serve(data, "serve-x")
+    assert "workload `mixed` (poisson at 1 req/s, up to 10 requests), driver ws" in text
+    assert "goodput" not in text and "preemptions" not in text and "weighted" not in text
+    rows = _rows(text)
+    assert rows["static"][1:4] == ["`--batching static`", "9 / 10", "10.0"]
+    assert rows["continuous"][3] == "19.9 (**1.99×**, missed)" and rows["chunked"][3] == "25.0 (2.50×)"
+    assert rows["chunked"][4:7] == ["8.5 ms / 23.3 s", "485 ms / 1.81 s / 2.08 s", "3.73"]
+    assert rows["static"][7] == "100 ms / 900 ms, 9.00" and rows["continuous"][7] == "300 ms / 3.00 s, 10.00"
+    assert rows["chunked"][7] == "400 ms / 600 ms, **1.50** (met)"
+    assert rows["chunked-b64"][7] == "400 ms / 1.00 s, **2.50** (missed)"
+    runs[1]["summary"]["output_tps"] = 20.0
+    assert _rows(render_serve(data, "serve-x"))["continuous"][3] == "20.0 (**2.00×**, met)"
+
+    split = lambda x, err: {"pair": ["gold", "silver"], "split": x, "target": 2.0, "error": err}  # noqa: E731
+    w = _serve_run("fair", ["--policy", "fair"], 9.0, None,
+                   {"until_s": 303.4, "server": split(2.016, 0.008), "client": split(1.8, -0.1)})
+    w["summary"]["preemptions_per_request"] = 0.24
+    data = {**data, "runs": [w], "workload": {"name": "w", "arrival": "closed",
+                                              "tenants": [{"name": "gold", "weight": 2.0}, {"name": "silver"}]}}
+    text = render_serve(data, "serve-w")
+    assert "(closed loop, weights gold 2, silver 1)" in text
+    assert "| weighted gold : silver (server's counters) | weighted gold : silver (client's records) |" in text
+    assert _rows(text)["fair"][-4:] == ["0.24", "**2.02 : 1** (target 2, +0.8 %)", "**1.80 : 1** (target 2, -10.0 %)",
+                                        "0–303 s"]
 
 
 def _phase(gap_max: float, health: float, ws: bool = True, outcome: str | None = "413 after 0.00 s") -> dict:

@@ -1,11 +1,18 @@
 """The serving benchmark end to end on a tiny model: `python -m bench.serving.serve` starts its own
-gateway, replays a tiny workload over the WebSocket and writes its JSON and plots."""
+gateway, replays a tiny workload over the WebSocket and writes its JSON (with its provenance,
+rendered by docs/BENCHMARKS.md's renderer) and plots."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+from bench import report
+from bench.renderers.serving import render_serve
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TINY = """
 name = "tiny"
@@ -47,9 +54,11 @@ def _run(tmp_path, model: str, *extra: str) -> tuple[subprocess.CompletedProcess
     out = tmp_path / "out.json"
     cmd = [sys.executable, "-m", "bench.serving.serve", "--workload", str(tmp_path / "tiny.toml"), "--model", model,
            "--json-out", str(out), "--plots-dir", str(tmp_path / "plots"), "--time-limit", "60", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc, json.loads(out.read_text())
+    data = json.loads(out.read_text())
+    assert data["provenance"]["command"] == "python -m bench.serving.serve " + " ".join(cmd[3:])
+    return proc, data
 
 
 def test_serve_bench_compares_presets_and_writes_results_and_plots(tiny_model, tmp_path):
@@ -87,3 +96,35 @@ def test_serve_bench_compares_presets_and_writes_results_and_plots(tiny_model, t
     header = proc.stdout.splitlines()[1]
     assert "static" in header and "chunked" in header
     assert "TTFT" in proc.stdout and " ms" in proc.stdout
+    _renders(res, tmp_path)
+
+
+def _renders(res: dict, tmp_path) -> None:
+    """The run's JSON renders as docs/BENCHMARKS.md's region: a row per preset with the run's own
+    counts, tok/s and weighted splits, under a caption naming the command and the build."""
+    prov = res["provenance"]
+    assert prov["benchmark"] == "serving.serve" and prov["cpu"] and prov["started"] <= prov["finished"]
+    assert report.renderer_for(res) is render_serve
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "serve-tiny.json").write_text(json.dumps(res))
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text("# t\n\n<!-- generated: serve-tiny -->\n<!-- /generated -->\n")
+    assert report.main(["--doc", str(doc), "--results", str(tmp_path / "results")]) == 0
+    text = doc.read_text()
+    assert f"`{prov['command']}`, commit `{prov['commit']}`" in text
+    head, _, *body = [[c.strip() for c in line.strip("|").split(" | ")] for line in text.splitlines()
+                      if line.startswith("|")]
+    rows = {cells[0]: dict(zip(head, cells)) for cells in body}
+    static_tps = res["runs"][0]["summary"]["output_tps"]
+    for run in res["runs"]:
+        s, row = run["summary"], rows[run["label"]]
+        assert row["ok / sent"] == f"{s['ok']} / {s['requests']}" == "4 / 4"
+        assert row["output tok/s (× static)"].startswith(f"{s['output_tps']:.1f}")
+        assert run["label"] == "static" or f"({s['output_tps'] / static_tps:.2f}×)" in row["output tok/s (× static)"]
+        assert s["preemptions_per_request"] == s["preemptions"] / s["requests"]
+        assert row["preemptions / request"] == f"{s['preemptions_per_request']:.2f}"
+        client = s["weighted_service"]["client"]
+        assert row["weighted a : b (client's records)"].startswith(f"**{client['split']:.2f} : 1**")
+        server = s["weighted_service"]["server"] or {}        # too few samples in so short a run: no column
+        assert "split" not in server or row["weighted a : b (server's counters)"].startswith(f"**{server['split']:.2f}")
+    assert report.main(["--check", "--doc", str(doc), "--results", str(tmp_path / "results")]) == 0

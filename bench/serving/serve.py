@@ -23,8 +23,9 @@ given with --url keeps its prefix cache between runs (a sweep repeats the same p
 Each run is bounded by the workload's request count and --time-limit (the HF baseline
 only by the request count).
 
-Output: a progress line on stderr, a table on stdout, JSON (--json-out, default
-bench/results/serve-<workload>.json) and PNG plots (--plots-dir). Each delta counts one
+Output: a progress line on stderr, a table on stdout, JSON with its provenance (--json-out,
+default bench/results/serve-<workload>.json; docs/BENCHMARKS.md renders it with
+bench/renderers/serving.py) and PNG plots (--plots-dir). Each delta counts one
 token unless the server sends `num_tokens` with it (see drivers.py). Per tenant, the
 weighted service as the fair policy counts it, while every tenant is backlogged, by the
 server's own counters and by the client's records (bench/serving/weighted.py).
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import shlex
@@ -45,6 +45,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench import server
+from bench.provenance import provenance, write_json
 from bench.serving import servestats, weighted
 from bench.serving.drivers import InprocDriver, SseDriver, WsDriver, run_hf_offline
 from bench.serving.loadgen import Req, WorkloadError, load_workload, make_requests
@@ -235,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plots-dir", default="bench/results/plots")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
+    prov = provenance("serving.serve", argv)
 
     if args.driver == "hf" and (args.compare or args.rates):
         p.error("--driver hf runs HF's continuous batching offline: no --compare or --rates")
@@ -270,11 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"workload {wl.name} ({wl.arrival}), driver {args.driver}, model {args.model}; "
           f"SLO TTFT {wl.slo_ttft_ms:g} ms, TPOT {wl.slo_tpot_ms:g} ms")
     print("\n".join(servestats.format_table(runs) + verdicts(runs)))
-    out = Path(args.json_out or f"bench/results/serve-{tag}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     public = replace(wl, tenants=tuple(replace(t, api_key=None) for t in wl.tenants))    # no keys in results
-    out.write_text(json.dumps({"workload": asdict(public), "args": {**vars(args), "api_key": None},
-                               "cpus": os.cpu_count(), "runs": runs}, indent=1))
+    out = write_json(args.json_out or f"bench/results/serve-{tag}.json", prov, workload=asdict(public),
+                     args={**vars(args), "api_key": None}, cpus=os.cpu_count(), runs=runs)
     print(f"wrote {out}")
     if not args.no_plots:
         for path in write_plots(runs, Path(args.plots_dir), tag, sweep=len(rates) > 1):

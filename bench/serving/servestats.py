@@ -137,6 +137,8 @@ def summarize(recs: list[dict], samples: list[dict], slo_ttft_ms: float, slo_tpo
     tokens = sum(m["tokens"] for m in ms)
     gaps = [g for m in ms for _, g, _ in m["gaps"]]
     lag = [r["send"] - r["arrival"] for r in recs if r["send"] is not None and r["arrival"] is not None]
+    stats = stats_summary(samples)
+    pre = stats["preemptions"]
     return {
         "requests": len(recs), "ok": len(done), "failed": len(recs) - len(done),
         "failures": dict(Counter(r["error"] for r in recs if r["error"] is not None)),
@@ -149,7 +151,8 @@ def summarize(recs: list[dict], samples: list[dict], slo_ttft_ms: float, slo_tpo
         "tpot_ms": dist(m["tpot"] for m in ms), "e2e_ms": dist(m["e2e"] for m in ms),
         "queue_ms": dist(m["queue"] for m in ms), "send_lag_ms": dist(lag),
         "merged_tokens": sum(max(0, output_tokens(r) - len(r["deltas"])) for r in recs if r["deltas"]),
-        "tenants": tenant_shares(recs, ms), **stats_summary(samples),
+        "tenants": tenant_shares(recs, ms), **stats,
+        "preemptions_per_request": pre / len(recs) if pre is not None and recs else None,
     }
 
 
