@@ -17,7 +17,8 @@ TIMING_FLAGS = (
     ("--baseline", float, 8.0, "seconds of B alone"),
     ("--hold", float, 6.0, "seconds held attacks (sockets, streams) stay open"),
     ("--settle", float, 1.0, "seconds each window runs past its attack"),
-    ("--attack-timeout", float, 120.0, "seconds an attack waits for an answer; its process is killed 30 s + --hold later"),
+    ("--attack-timeout", float, 120.0,
+     "seconds an attack waits for an answer; its process is killed 30 s + --hold later"),
     ("--write-timeout", float, 3.0,
      "the started server's --write-timeout (stuck_readers: streams no one reads are cut after it)"),
 )
