@@ -28,13 +28,23 @@ import logging
 import torch
 from torch import nn
 
-from .kernels import load_kernels
+from .dtypes import cpu_flags
+from .kernels import load_kernels, loaded_variant
 from .quantization import Int8Weight, quantize_linears
 
 log = logging.getLogger("streamgate.engine")
 
-BF16_KERNEL_MAX_ROWS = 4       # bf16: the block kernel up to here, oneDNN's prepacked matmul above (measured)
-BF16_BLOCK_COPY_MAX_BYTES = 2 << 30     # the block copy doubles bf16 linear bytes: only up to this much extra
+BF16_KERNEL_MAX_ROWS = 4       # bf16 with both copies: the block kernel up to here, oneDNN above (measured)
+BF16_BLOCK_COPY_MAX_BYTES = 2 << 30     # a second (block) copy doubles bf16 linear bytes: only up to this much extra
+
+
+def bf16_kernel_only() -> bool:
+    """Whether the bf16 block kernel runs steps of every size and oneDNN's copy is not kept:
+    its VDPBF16PS form (the avx512_bf16 variant) on a CPU without AMX, where it measured at
+    least oneDNN's prepacked bf16 matmul from 1 to 512 rows. With AMX (oneDNN's tiles: many
+    times the MACs a cycle) or without AVX512-BF16 oneDNN keeps the steps above
+    BF16_KERNEL_MAX_ROWS."""
+    return load_kernels() and loaded_variant() == "avx512_bf16" and "amx_bf16" not in cpu_flags()
 
 
 class Bf16Weight:
@@ -50,7 +60,7 @@ class Bf16Weight:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int = 8):
         self.out_features, self.in_features = weight.shape
         self.blocks = torch.ops.streamgate.pack_bf16(weight.contiguous())
-        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+        self.onednn = None if bf16_kernel_only() else torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
         self.bias = None if bias is None else bias.detach().contiguous()
         self.bias32 = None if bias is None else self.bias.float().contiguous()          # the kernel's
 
@@ -62,7 +72,7 @@ class Bf16Weight:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         x2 = x.reshape(-1, self.in_features)                                             # [M, K]
-        if x2.shape[0] <= BF16_KERNEL_MAX_ROWS:
+        if self.onednn is None or x2.shape[0] <= BF16_KERNEL_MAX_ROWS:
             y = torch.ops.streamgate.linear_bf16(x2, self.blocks, self.bias32, self.out_features)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.onednn, self.bias, "none", [], "")
