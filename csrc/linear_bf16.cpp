@@ -68,6 +68,7 @@ struct Bf16Code {
 
 #if defined(__AVX512BF16__)
 constexpr int kDpRows = 8;       // rows per pass over a block (8 accumulators in flight)
+constexpr int64_t kAhead = 64;   // software prefetch, in packed rows of 64 B: 4 KB ahead
 
 // Rows row..row+R-1 of x as bf16 k-pairs (one 32-bit word each, row stride xs words) against
 // one block of K2 packed pair rows: U accumulators per row over the pairs, VDPBF16PS with the
@@ -84,11 +85,13 @@ __attribute__((noinline)) void dp_rows(const uint16_t* x, int64_t xs, const uint
     return (__m512bh)_mm512_set1_epi32(v);
   };
   int64_t r = 0;
-  for (; r + U <= K2; r += U)
+  for (; r + U <= K2; r += U) {
+    _mm_prefetch(reinterpret_cast<const char*>(block + (r + kAhead) * 2 * kBlock), _MM_HINT_T0);
     for (int u = 0; u < U; ++u) {
       const __m512bh w = (__m512bh)_mm512_loadu_si512(block + (r + u) * 2 * kBlock);
       for (int j = 0; j < R; ++j) acc[u][j] = _mm512_dpbf16_ps(acc[u][j], w, pair(j, r + u));
     }
+  }
   for (; r < K2; ++r) {
     const __m512bh w = (__m512bh)_mm512_loadu_si512(block + r * 2 * kBlock);
     for (int j = 0; j < R; ++j) acc[0][j] = _mm512_dpbf16_ps(acc[0][j], w, pair(j, r));

@@ -1,7 +1,7 @@
 """SmolLM2's linear layers alone, in every form the engine can run them, side by side.
 
     python -m bench.engine.gemm [--rows 1,2,4,8,32,256] [--threads 2] [--reps 50] [--json-out bench/results/gemm.json]
-    python -m bench.engine.gemm --crossover [--rows 1,2,4,8,16,32,64,128,512] [--reps 30]
+    python -m bench.engine.gemm --crossover [--rows 1,2,4,8,16,32,64,128,512] [--reps 30] [--layers o,down]
 
 For each layer shape (fused q/k/v, o, fused gate/up, down, lm_head) and row count: the C++
 kernel on fp32 weights packed for it (`streamgate::linear`), MKL's fp32 `F.linear`, torch's
@@ -66,7 +66,7 @@ def crossover(args, prov) -> int:
     print(f"{'layer':<8} {'rows':>5} {'block ms':>9} {'oneDNN ms':>9} {'block GF/s':>10} {'oneDNN GF/s':>11} {'oneDNN/block':>12}")
     rows = []
     with torch.inference_mode():
-        for n, k, name in SHAPES:
+        for n, k, name in (s for s in SHAPES if s[2] in args.layers.split(",")):
             wb = torch.randn(n, k).bfloat16()
             blocks = ops.pack_bf16(wb)
             onednn = torch.ops.mkldnn._reorder_linear_weight(wb, 8)
@@ -87,6 +87,7 @@ def crossover(args, prov) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default=None, help="default 1,2,4,8,32,256 (--crossover: 1,2,4,8,16,32,64,128,512)")
+    ap.add_argument("--layers", default=",".join(name for _, _, name in SHAPES), help="which layer shapes, by name")
     ap.add_argument("--crossover", action="store_true", help="only the bf16 block kernel against oneDNN, alternating")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=50)
