@@ -18,9 +18,15 @@
 // Accumulation is fp32 either way; the bias is added once at the end and the output rounded
 // once to the activation's dtype. Blocks are split over the threads.
 //
-// Measured on the Zen 4 host (2 cores, shared, 2026-12-02; python -m bench.engine.gemm, see
-// engine/packed_linear.py): the FMA form is compute-bound above ~4 rows (one 16-lane FMA a
-// cycle); the VDPBF16PS form's crossover with oneDNN is given in packed_linear.py.
+// The VDPBF16PS form runs 8 rows a pass (8 accumulators in flight; 1-3 rows keep 4/3/2 over
+// k), prefetches 4 KB ahead (a gain for the 49152x576 head at 8-64 rows, whose rows come from
+// memory), and takes each thread's blocks in ~256 KB groups, every pass over a group before
+// the next, so a pass's activations stay in L1 and the weights are read from memory once a
+// call. Measured on the Zen 4 host (shared, load 4-5, one thread; 2026-12-02; python -m
+// bench.engine.gemm --crossover --threads 1) against oneDNN's prepacked bf16 matmul at
+// SmolLM2-135M's shapes: 1.75-2.5x at 1 row, 1.2-1.7x at 8, 1.0-1.2x at 32, 0.96-1.05x at
+// 64-512 (~190 GFLOP/s a core, as oneDNN); the head 1.8-2.1x at 1-2 rows, 0.87-1.1x at
+// 4-512. The shift+FMA form is compute-bound above ~4 rows (one 16-lane FMA a cycle).
 #include "linear_blocks.h"
 
 namespace {
