@@ -76,7 +76,8 @@ class Bf16Weight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the block copy and the biases (oneDNN's copy is opaque: as many again)."""
+        """Bytes held by the block copy and the biases (oneDNN's copy, where `onednn` holds
+        one, is opaque: as many again)."""
         return sum(t.numel() * t.element_size() for t in (self.blocks, self.bias, self.bias32) if t is not None)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
