@@ -19,8 +19,8 @@
 // once to the activation's dtype. Blocks are split over the threads.
 //
 // The VDPBF16PS form runs 8 rows a pass (8 accumulators in flight; 1-3 rows keep 4/3/2 over
-// k), prefetches 4 KB ahead (a gain for the 49152x576 head at 8-64 rows, whose rows come from
-// memory), and takes each thread's blocks in ~256 KB groups, every pass over a group before
+// k), prefetches 4 KB ahead in passes of 4+ rows (a gain for the 49152x576 head at 8-64
+// rows, whose rows come from memory), and takes each thread's blocks in ~256 KB groups, every pass over a group before
 // the next, so a pass's activations stay in L1 and the weights are read from memory once a
 // call. Measured on the Zen 4 host (shared, load 4-5, one thread; 2026-12-02; python -m
 // bench.engine.gemm --crossover --threads 1) against oneDNN's prepacked bf16 matmul at
@@ -74,7 +74,11 @@ struct Bf16Code {
 
 #if defined(__AVX512BF16__)
 constexpr int kDpRows = 8;       // rows per pass over a block (8 accumulators in flight)
-constexpr int64_t kAhead = 64;   // software prefetch, in packed rows of 64 B: 4 KB ahead
+// Software prefetch 4 KB ahead (in packed rows of 64 B) for passes of 4+ rows, whose 8
+// VDPBF16PS a row leave the stream latency-bound (measured: the head at 8-64 rows); not for
+// 1-3 rows, which stream as fast as the memory allows (prefetchnta cost the shift+FMA form's
+// one-row stream ~20 % on the Zen 4 host, 2026-12-02).
+constexpr int64_t kAhead = 64;
 
 // Rows row..row+R-1 of x as bf16 k-pairs (one 32-bit word each, row stride xs words) against
 // one block of K2 packed pair rows: U accumulators per row over the pairs, VDPBF16PS with the
@@ -92,7 +96,7 @@ __attribute__((noinline)) void dp_rows(const uint16_t* x, int64_t xs, const uint
   };
   int64_t r = 0;
   for (; r + U <= K2; r += U) {
-    _mm_prefetch(reinterpret_cast<const char*>(block + (r + kAhead) * 2 * kBlock), _MM_HINT_T0);
+    if constexpr (R >= 4) _mm_prefetch(reinterpret_cast<const char*>(block + (r + kAhead) * 2 * kBlock), _MM_HINT_T0);
     for (int u = 0; u < U; ++u) {
       const __m512bh w = (__m512bh)_mm512_loadu_si512(block + (r + u) * 2 * kBlock);
       for (int j = 0; j < R; ++j) acc[u][j] = _mm512_dpbf16_ps(acc[u][j], w, pair(j, r + u));
