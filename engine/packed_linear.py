@@ -24,8 +24,11 @@ load 4-5; one thread, as two threads on the loaded host stalled ~8 ms a call in 
 `python -m bench.engine.gemm --crossover --threads 1 --reps 21`), the VDPBF16PS kernel
 against oneDNN's prepacked bf16 matmul, SmolLM2-135M's shapes: q/k/v, o, gate/up, down 1.75-2.5x
 at 1 row, 1.4-1.9x at 4, 1.2-1.7x at 8, 1.0-1.2x at 32, 0.96-1.05x at 64-512 rows; the
-49152x576 head 1.8-2.1x at 1-2 rows, 0.98-1.03x at 4, 0.87x at 8, 0.9-1.1x at 16-64, 0.96x at
-512. A tie from 64 to 512 rows and a gain below: the second copy is not worth its bytes.
+49152x576 head (logits rows only: one per sequence) 1.3-2.1x at 1-2 rows, 0.87-1.1x at 4-512.
+The fused bf16 forward with the kernel alone against both copies, steps alternating in one
+process: decode of 8 sequences 10-30 % faster, one 512-token prefill chunk within +-7 % (two
+threads), 2.5 % faster (one thread). A tie from 64 to 512 rows and a gain below: the second
+copy is not worth its bytes.
 A third kind, "int8", holds int8 weight-only codes in the kernel's block layout
 (quantization.py, csrc/linear_int8.cpp) where `EngineConfig.quantization` is "int8".
 """
