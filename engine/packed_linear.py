@@ -26,10 +26,10 @@ against oneDNN's prepacked bf16 matmul, SmolLM2-135M's shapes: q/k/v, o, gate/up
 at 1 row, 1.4-1.9x at 4, 1.2-1.7x at 8, 1.0-1.2x at 32, 0.96-1.05x at 64-512 rows; the
 49152x576 head (logits rows only: one per sequence) 1.3-2.1x at 1-2 rows, 0.87-1.1x at 4-512.
 The fused bf16 forward with the kernel alone against both copies, steps alternating in one
-process: decode of 8 sequences 10-30 % faster (five runs); one 512-token prefill chunk 2.5 %
-faster on one thread, and -7 %, +5 %, +17 % in three two-thread runs (load 5-9: two threads
-stall ~8 ms a call there, inconclusive). A tie from 64 to 512 rows and a gain below: the
-second copy is not worth its bytes.
+process: decode of 8 sequences as fast (load 2.6) to 10-30 % faster (five runs at load 5-9);
+one 512-token prefill chunk 2.5 % faster on one thread, +1.5 % slower on two at load 2.6,
+and -7 %, +5 %, +17 % in three two-thread runs at load 5-9 (two threads stall ~8 ms a call
+there). A tie from 64 to 512 rows and a gain below: the second copy is not worth its bytes.
 A third kind, "int8", holds int8 weight-only codes in the kernel's block layout
 (quantization.py, csrc/linear_int8.cpp) where `EngineConfig.quantization` is "int8".
 """
