@@ -1,165 +1,218 @@
 // bf16-weight linear layers on the CPU for steps of few rows: y = x W^T + b, W bf16.
 //
 // A decode step is bound by reading the weights; oneDNN's prepacked bf16 matmul reaches only
-// ~17 GFLOP/s at one row on the Zen 4 host (AVX512-BF16, no AMX), so bf16 decode was
-// compute-bound. This kernel reads the weight as the int8 one reads its codes
-// (linear_int8.cpp): packed once at load as [ceil(N/16), K, 16] bf16, block j holding outputs
-// 16j..16j+15, K-major, one contiguous stream of 32-byte rows. Each row is widened to sixteen
-// fp32 lanes in registers by a 16-bit left shift (exact: bf16 is fp32's upper half) and FMA'd
-// with the activation, broadcast; accumulation is fp32, the bias is added once at the end and
-// the output rounded once to the activation's dtype. One row keeps four independent
-// accumulators (k unrolled by 4), four rows share one widened weight row; blocks are split
-// over the threads. Activations in bf16/fp16 are converted to fp32 once per call.
+// ~21 GFLOP/s at one row on the Zen 4 host (AVX512-BF16, no AMX), far below what the bytes
+// allow. This kernel streams the weight packed once at load in blocks of 16 outputs, K-major
+// (linear_blocks.h), in one of two layouts, chosen by the build variant; pack_bf16 writes the
+// one its own library's linear_bf16 reads:
+// - with AVX512-BF16 (the avx512_bf16 variant): [ceil(N/16), ceil(K/2), 16, 2], 16 outputs x
+//   one k-pair = one 64-byte register. bf16 activations (the fused bf16 forward's) are read
+//   as k-pairs as they are and multiplied by VDPBF16PS, which sums two exact bf16 products
+//   into each fp32 lane: twice the MACs of an FMA and no widening. fp32 and fp16 activations
+//   keep the exact FMA path below on the same layout (their k-even half widened by a shift,
+//   the k-odd half by a mask), so no call rounds its activations to bf16. VDPBF16PS treats
+//   bf16 subnormals (below 2^-126) as zero and flushes subnormal fp32 results, as oneDNN's
+//   bf16 GEMM does on the same instruction.
+// - elsewhere: [ceil(N/16), K, 16]; each 32-byte row is widened to fp32 by a 16-bit left
+//   shift (exact: bf16 is fp32's upper half) and FMA'd with the activation, broadcast.
+// Accumulation is fp32 either way; the bias is added once at the end and the output rounded
+// once to the activation's dtype. Blocks are split over the threads.
 //
-// It is fp32 FMA-bound above a few rows (Zen 4 retires one 16-lane FMA a cycle; oneDNN's
-// VDPBF16PS does twice the MACs): engine/packed_linear.py runs it up to 4 rows and oneDNN's
-// prepacked bf16 matmul above.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <cstring>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+// The VDPBF16PS form runs 8 rows a pass (8 accumulators in flight; 1-3 rows keep 4/3/2 over
+// k), prefetches 4 KB ahead in passes of 4+ rows (a gain for the 49152x576 head at 8-64
+// rows, whose rows come from memory), and takes each thread's blocks in ~256 KB groups, every pass over a group before
+// the next, so a pass's activations stay in L1 and the weights are read from memory once a
+// call. Measured on the Zen 4 host (shared, load 4-5, one thread; 2026-12-02; python -m
+// bench.engine.gemm --crossover --threads 1) against oneDNN's prepacked bf16 matmul at
+// SmolLM2-135M's shapes: 1.75-2.5x at 1 row, 1.2-1.7x at 8, 1.0-1.2x at 32, 0.96-1.05x at
+// 64-512 (~190 GFLOP/s a core, as oneDNN); the head 1.8-2.1x at 1-2 rows, 0.87-1.1x at
+// 4-512. The shift+FMA form is compute-bound above ~4 rows (one 16-lane FMA a cycle).
+#include "linear_blocks.h"
 
 namespace {
 
-constexpr int64_t kBlock = 16;   // outputs per packed block, as in linear.cpp and linear_int8.cpp
-constexpr int64_t kRows = 4;     // query rows per pass over a block
+using namespace streamgate_linear;
 
-// A block's sixteen lanes are kParts vectors of kLanes fp32: one AVX-512 register, or two
-// 8-lane ones (AVX2 registers; GCC/Clang vector extensions elsewhere).
+#if defined(__AVX512BF16__)
+constexpr int kPack = 2;         // k per packed row: a VDPBF16PS pair
+#else
+constexpr int kPack = 1;
+#endif
+
+// bf16 codes widened to fp32 lanes for the FMA path (exact).
+struct Bf16Code {
+  using code_t = uint16_t;
+  static constexpr int kPack = ::kPack;
+  static inline lanes_t widen(const uint16_t* row, int s, int p) {
+#if defined(__AVX512BF16__)
+    (void)p;                                       // one register per packed row
+    const __m512i v = _mm512_loadu_si512(row);
+    const __m512i w = s == 0 ? _mm512_slli_epi32(v, 16) : _mm512_and_si512(v, _mm512_set1_epi32(int(0xffff0000u)));
+    return reinterpret_cast<lanes_t>(_mm512_castsi512_ps(w));
+#else
+    (void)s;
+    const uint16_t* q = row + p * kLanes;
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
-typedef float lanes_t __attribute__((vector_size(64)));
-inline lanes_t widen(const uint16_t* p) {      // bf16 p[0..15] -> fp32 lanes (zero-extend, << 16)
-  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return reinterpret_cast<lanes_t>(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-}
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+    return reinterpret_cast<lanes_t>(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+#elif defined(__AVX2__)
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    return reinterpret_cast<lanes_t>(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
 #else
-constexpr int kLanes = 8;
-typedef float lanes_t __attribute__((vector_size(32)));
-inline lanes_t widen(const uint16_t* p) {
-#if defined(__AVX2__)
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return reinterpret_cast<lanes_t>(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-#else
-  typedef uint16_t halves_t __attribute__((vector_size(16)));
-  typedef uint32_t bits_t __attribute__((vector_size(32)));
-  halves_t h;
-  std::memcpy(&h, p, sizeof h);
-  const bits_t bits = __builtin_convertvector(h, bits_t) << 16;
-  lanes_t v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
+    typedef uint16_t halves_t __attribute__((vector_size(16)));
+    typedef uint32_t bits_t __attribute__((vector_size(32)));
+    halves_t h;
+    std::memcpy(&h, q, sizeof h);
+    const bits_t bits = __builtin_convertvector(h, bits_t) << 16;
+    lanes_t v;
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
 #endif
-}
 #endif
-constexpr int kParts = kBlock / kLanes;
+  }
+};
 
-// y[j, 0:valid] = x[j] . block + bias for R rows j; U accumulators per row over k. Not
-// inlined, as in linear_int8.cpp: inside parallel_for's lambda GCC kept the accumulators on
-// the stack. No software prefetch: a thread's blocks are one contiguous stream, which the
-// hardware prefetcher follows; prefetchnta 4 KB ahead (linear_int8.cpp's) cost ~20 % of the
-// bandwidth in a standalone loop on the Zen 4 host (2026-12-02).
+#if defined(__AVX512BF16__)
+constexpr int kDpRows = 8;       // rows per pass over a block (8 accumulators in flight)
+// Software prefetch 4 KB ahead (in packed rows of 64 B) for passes of 4+ rows, whose 8
+// VDPBF16PS a row leave the stream latency-bound (measured: the head at 8-64 rows); not for
+// 1-3 rows, which stream as fast as the memory allows (prefetchnta cost the shift+FMA form's
+// one-row stream ~20 % on the Zen 4 host, 2026-12-02).
+constexpr int64_t kAhead = 64;
+
+// Rows row..row+R-1 of x as bf16 k-pairs (one 32-bit word each, row stride xs words) against
+// one block of K2 packed pair rows: U accumulators per row over the pairs, VDPBF16PS with the
+// pair broadcast. Not inlined, as block_rows.
 template <int R, int U, typename T>
-__attribute__((noinline)) void block_rows(const float* x, int64_t xs, const uint16_t* block, int64_t K,
-                                          const float* bias, T* y, int64_t ys, int64_t valid) {
-  lanes_t acc[U][R][kParts];
+__attribute__((noinline)) void dp_rows(const uint16_t* x, int64_t xs, const uint16_t* block, int64_t K2,
+                                       const Out<T>& out, int64_t row, int64_t n0, int64_t valid) {
+  __m512 acc[U][R];
   for (int u = 0; u < U; ++u)
-    for (int j = 0; j < R; ++j)
-      for (int p = 0; p < kParts; ++p) acc[u][j][p] = lanes_t{};
-  int64_t k = 0;
-  for (; k + U <= K; k += U) {
-    for (int u = 0; u < U; ++u)
-      for (int p = 0; p < kParts; ++p) {
-        const lanes_t w = widen(block + (k + u) * kBlock + p * kLanes);
-        for (int j = 0; j < R; ++j) acc[u][j][p] += x[j * xs + k + u] * w;
-      }
+    for (int j = 0; j < R; ++j) acc[u][j] = _mm512_setzero_ps();
+  auto pair = [&](int j, int64_t r) {
+    int32_t v;
+    std::memcpy(&v, x + 2 * (j * xs + r), sizeof v);
+    return (__m512bh)_mm512_set1_epi32(v);
+  };
+  int64_t r = 0;
+  for (; r + U <= K2; r += U) {
+    if constexpr (R >= 4) _mm_prefetch(reinterpret_cast<const char*>(block + (r + kAhead) * 2 * kBlock), _MM_HINT_T0);
+    for (int u = 0; u < U; ++u) {
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(block + (r + u) * 2 * kBlock);
+      for (int j = 0; j < R; ++j) acc[u][j] = _mm512_dpbf16_ps(acc[u][j], w, pair(j, r + u));
+    }
   }
-  for (; k < K; ++k)
-    for (int p = 0; p < kParts; ++p) {
-      const lanes_t w = widen(block + k * kBlock + p * kLanes);
-      for (int j = 0; j < R; ++j) acc[0][j][p] += x[j * xs + k] * w;
-    }
+  for (; r < K2; ++r) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(block + r * 2 * kBlock);
+    for (int j = 0; j < R; ++j) acc[0][j] = _mm512_dpbf16_ps(acc[0][j], w, pair(j, r));
+  }
   for (int j = 0; j < R; ++j) {
+    __m512 sum = acc[0][j];
+    for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][j]);
     float tmp[kBlock];
-    for (int p = 0; p < kParts; ++p) {
-      lanes_t sum = acc[0][j][p];
-      for (int u = 1; u < U; ++u) sum += acc[u][j][p];
-      std::memcpy(tmp + p * kLanes, &sum, sizeof sum);
-    }
-    for (int64_t n = 0; n < valid; ++n) y[j * ys + n] = static_cast<T>(tmp[n] + (bias ? bias[n] : 0.0f));
+    _mm512_storeu_ps(tmp, sum);
+    out.store(row + j, n0, tmp, valid);
   }
 }
 
-// weight [N, K] bf16 -> packed [ceil(N/16), K, 16] bf16, zero past N.
+// x bf16 [M, K] -> its rows as k-pairs: x itself where the pairs are whole words (unit
+// column stride, even K and row stride), else a copy zero-padded to an even K.
+torch::Tensor bf16_pairs(const torch::Tensor& x) {
+  const int64_t K = x.size(1);
+  if (x.stride(1) == 1 && K % 2 == 0 && x.stride(0) % 2 == 0) return x;
+  auto padded = torch::zeros({x.size(0), K + K % 2}, x.options());
+  padded.narrow(1, 0, K).copy_(x);
+  return padded;
+}
+
+// Each thread takes its blocks in groups of ~256 KB (L2-resident) and runs every 8-row pass
+// over a group before the next one: the pass's activations (8 rows, a few KB) stay in L1
+// across the group's blocks, and the weights come from memory once per call whatever M.
+template <typename T>
+void dp_blocks(const uint16_t* xp, int64_t xs, int64_t M, int64_t K2, int64_t N, const uint16_t* wp,
+               const Out<T>& out, int64_t blocks) {
+  const int64_t block_bytes = K2 * 2 * kBlock * 2;
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / block_bytes);
+  const int64_t group = std::max<int64_t>(1, (256 << 10) / block_bytes);
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t g0 = b0; g0 < b1; g0 += group) {
+      const int64_t g1 = std::min(b1, g0 + group);
+      row_groups<kDpRows>(M, [&](auto r, int64_t m) {
+        constexpr int R = decltype(r)::value;
+        constexpr int U = R == 1 ? 4 : R == 2 ? 3 : R <= 4 ? 2 : 1;
+        for (int64_t b = g0; b < g1; ++b)
+          dp_rows<R, U>(xp + m * xs * 2, xs, wp + b * K2 * 2 * kBlock, K2, out, m, b * kBlock,
+                        std::min(kBlock, N - b * kBlock));
+      });
+    }
+  });
+}
+#endif
+
+// weight [N, K] bf16 -> packed [ceil(N/16), K, 16] (or [ceil(N/16), ceil(K/2), 16, 2] with
+// AVX512-BF16) bf16, zero past N and K.
 torch::Tensor pack_bf16(const torch::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kBFloat16 && weight.dim() == 2,
               "pack_bf16: weight must be a 2-d bf16 CPU tensor");
   const int64_t N = weight.size(0), K = weight.size(1), blocks = (N + kBlock - 1) / kBlock;
-  auto packed = torch::zeros({blocks, K, kBlock}, weight.options());
+  const int64_t rows = (K + kPack - 1) / kPack;
+  auto packed = kPack == 1 ? torch::zeros({blocks, K, kBlock}, weight.options())
+                           : torch::zeros({blocks, rows, kBlock, kPack}, weight.options());
   const auto c = weight.contiguous();
   const auto* src = reinterpret_cast<const uint16_t*>(c.data_ptr<at::BFloat16>());
   auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t n = b * kBlock; n < std::min(N, (b + 1) * kBlock); ++n)
-        for (int64_t k = 0; k < K; ++k) dst[(b * K + k) * kBlock + n % kBlock] = src[n * K + k];
+        for (int64_t k = 0; k < K; ++k)
+          dst[((b * rows + k / kPack) * kBlock + n % kBlock) * kPack + k % kPack] = src[n * K + k];
   });
   return packed;
 }
 
-void check_packed(const torch::Tensor& packed, int64_t N, const char* op) {
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kBFloat16 && packed.dim() == 3 &&
-              packed.size(2) == kBlock && packed.is_contiguous() && packed.size(0) == (N + kBlock - 1) / kBlock,
-              op, ": packed weight must be [ceil(N/16), K, 16] bf16 from pack_bf16");
+// K of a packed weight, checked against x's.
+void check_packed(const torch::Tensor& packed, int64_t N, int64_t K, const char* op) {
+  const bool shape = kPack == 1 ? packed.dim() == 3 && packed.size(1) == K && packed.size(2) == kBlock
+                                : packed.dim() == 4 && packed.size(1) == (K + 1) / 2 && packed.size(2) == kBlock &&
+                                      packed.size(3) == kPack;
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
+              packed.dim() >= 3 && packed.size(0) == (N + kBlock - 1) / kBlock,
+              op, ": packed weight must come from this library's pack_bf16 for ", N, " outputs");
+  TORCH_CHECK(shape, op, ": packed weight does not match x's K (", K, ")");
 }
 
 template <typename T>
-void run_blocks(const float* xp, int64_t xs, int64_t M, int64_t K, int64_t N, const uint16_t* wp,
-                const float* bp, T* yp, int64_t blocks) {
-  // At least ~32 KB of weights per task, so small layers do not pay for waking a thread.
-  const int64_t grain = std::max<int64_t>(1, 1024 / std::max<int64_t>(1, K));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint16_t* block = wp + b * K * kBlock;
-      const int64_t n0 = b * kBlock, valid = std::min(kBlock, N - n0);
-      const float* bb = bp ? bp + n0 : nullptr;
-      int64_t m = 0;
-      for (; m + kRows <= M; m += kRows)
-        block_rows<kRows, 1>(xp + m * xs, xs, block, K, bb, yp + m * N + n0, N, valid);
-      switch (M - m) {
-        case 3: block_rows<3, 2>(xp + m * xs, xs, block, K, bb, yp + m * N + n0, N, valid); break;
-        case 2: block_rows<2, 2>(xp + m * xs, xs, block, K, bb, yp + m * N + n0, N, valid); break;
-        case 1: block_rows<1, 4>(xp + m * xs, xs, block, K, bb, yp + m * N + n0, N, valid); break;
-        default: break;
-      }
-    }
-  });
+void run(const torch::Tensor& x, const torch::Tensor& packed, const float* bp, int64_t N, torch::Tensor& y) {
+  const Out<T> out{y.data_ptr<T>(), N, nullptr, bp};
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const auto xp = bf16_pairs(x);
+    dp_blocks(reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>()), xp.stride(0) / 2, M, packed.size(1), N,
+              wp, out, blocks);
+    return;
+  }
+#endif
+  const auto xf = fp32_rows(x);
+  fma_blocks<Bf16Code, false>(xf.data_ptr<float>(), xf.stride(0), M, K, N, wp, out, blocks, 32 << 10);
 }
 
-// x [M, K] fp32, bf16 or fp16 (any row stride); packed from pack_bf16; bias [N] fp32 or none
+// x [M, K] fp32, bf16 or fp16 (any strides); packed from pack_bf16; bias [N] fp32 or none
 // -> y [M, N] in x's dtype, rounded once from the fp32 sum.
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "linear_bf16: x must be [M, K] on the CPU");
   const int64_t N = out_features;
-  check_packed(packed, N, "linear_bf16");
-  TORCH_CHECK(packed.size(1) == x.size(1), "linear_bf16: packed weight does not match x's K");
+  check_packed(packed, N, x.size(1), "linear_bf16");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() &&
                                     bias->numel() == N), "linear_bf16: bias must be [out_features] fp32");
-  const auto xf = x.scalar_type() == torch::kFloat && x.stride(1) == 1 ? x : x.to(torch::kFloat).contiguous();
-  const int64_t M = xf.size(0), K = xf.size(1), blocks = packed.size(0), xs = xf.stride(0);
-  auto y = torch::empty({M, N}, x.options().dtype(x.scalar_type()));
-  const float* xp = xf.data_ptr<float>();
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  auto y = torch::empty({x.size(0), N}, x.options());
   switch (x.scalar_type()) {
-    case torch::kFloat: run_blocks(xp, xs, M, K, N, wp, bp, y.data_ptr<float>(), blocks); break;
-    case torch::kBFloat16: run_blocks(xp, xs, M, K, N, wp, bp, y.data_ptr<at::BFloat16>(), blocks); break;
-    case torch::kHalf: run_blocks(xp, xs, M, K, N, wp, bp, y.data_ptr<at::Half>(), blocks); break;
+    case torch::kFloat: run<float>(x, packed, bp, N, y); break;
+    case torch::kBFloat16: run<at::BFloat16>(x, packed, bp, N, y); break;
+    case torch::kHalf: run<at::Half>(x, packed, bp, N, y); break;
     default: TORCH_CHECK(false, "linear_bf16: x must be fp32, bf16 or fp16");
   }
   return y;

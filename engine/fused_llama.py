@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .attention import paged_attention
-from .packed_linear import BF16_BLOCK_COPY_MAX_BYTES, PackedLinear, available
+from .packed_linear import BF16_BLOCK_COPY_MAX_BYTES, PackedLinear, available, bf16_kernel_only
 
 log = logging.getLogger("streamgate.engine")
 
@@ -57,15 +57,16 @@ def maybe_fuse(model: nn.Module, config, device: torch.device, dtype: torch.dtyp
     kind = "int8" if getattr(config, "quantization", None) == "int8" else linear_kind(dtype)
     if not (device.type == "cpu" and kind and available() == "streamgate" and supports(model, family)):
         return None
-    if kind == "onednn" and bf16_block_copy_fits(model):
-        kind = "bf16"           # the block kernel for few rows, oneDNN for more (packed_linear.Bf16Weight)
+    if kind == "onednn" and (bf16_kernel_only() or bf16_block_copy_fits(model)):
+        kind = "bf16"           # the block kernel alone, or for few rows beside oneDNN (packed_linear.Bf16Weight)
     return FusedLlama(model, kind, family)
 
 
 def bf16_block_copy_fits(model: nn.Module) -> bool:
     """Whether the bf16 block kernel's second copy of the linear weights fits its budget
-    (packed_linear.BF16_BLOCK_COPY_MAX_BYTES): a small model gains ~1.4x in one-row decode
-    for its bytes; a large one keeps oneDNN's single copy rather than doubling its weights."""
+    (packed_linear.BF16_BLOCK_COPY_MAX_BYTES), where oneDNN's copy is kept beside it (not
+    bf16_kernel_only()): a small model gains ~1.4x in one-row decode for its bytes; a large
+    one keeps oneDNN's single copy rather than doubling its weights."""
     extra = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, nn.Linear))
     return extra <= BF16_BLOCK_COPY_MAX_BYTES
 

@@ -11,14 +11,27 @@ core idle at a few rows. Two packed forms, best first:
 Either differs from MKL in the last bits (another summation order), as between any two GEMM
 libraries. bf16 weights (the fused Llama forward in bf16) are asked for as "onednn": with
 AVX512-BF16 or AMX, oneDNN's bf16 GEMM on its packed layout is faster than any fp32 form at
-8+ rows (docs/BENCHMARKS.md §8.16), but at one row it is compute-bound (~17 GFLOP/s on the
+8+ rows (docs/BENCHMARKS.md §8.16), but at one row it is compute-bound (~21 GFLOP/s on the
 Zen 4 host, no AMX). Kind "bf16" (`Bf16Weight`), which the fused forward asks for where the
-C++ kernels built and the model's linear weights are at most BF16_BLOCK_COPY_MAX_BYTES (2 GiB
-of bf16: a ~1B-parameter model), adds csrc/linear_bf16.cpp's block kernel, bandwidth-bound,
-for steps of up to BF16_KERNEL_MAX_ROWS rows, oneDNN's prepacked copy above; both copies are
-held, so a larger model keeps oneDNN's one copy rather than doubling its weights. A third
-kind, "int8", holds int8 weight-only codes in the kernel's block layout (quantization.py,
-csrc/linear_int8.cpp) where `EngineConfig.quantization` is "int8".
+C++ kernels built, runs csrc/linear_bf16.cpp's block kernel. Where that is its VDPBF16PS form
+(the avx512_bf16 variant) on a CPU without AMX (`bf16_kernel_only()`) it runs every step and
+oneDNN's copy is not made: one copy of the weights. Otherwise (AMX: oneDNN's tiles; no
+AVX512-BF16: the shift+FMA form, compute-bound above ~4 rows) the kernel runs steps of up to
+BF16_KERNEL_MAX_ROWS rows and oneDNN's prepacked copy the rest; both copies are held, so only
+while the model's linear weights are at most BF16_BLOCK_COPY_MAX_BYTES (2 GiB of bf16: a
+~1B-parameter model). Measured 2026-12-02 on the Zen 4 host (AVX512-BF16, no AMX; shared,
+load 4-5; one thread, as two threads on the loaded host stalled ~8 ms a call in both forms;
+`python -m bench.engine.gemm --crossover --threads 1 --reps 21`), the VDPBF16PS kernel
+against oneDNN's prepacked bf16 matmul, SmolLM2-135M's shapes: q/k/v, o, gate/up, down 1.75-2.5x
+at 1 row, 1.4-1.9x at 4, 1.2-1.7x at 8, 1.0-1.2x at 32, 0.96-1.05x at 64-512 rows; the
+49152x576 head (logits rows only: one per sequence) 1.3-2.1x at 1-2 rows, 0.87-1.1x at 4-512.
+The fused bf16 forward with the kernel alone against both copies, steps alternating in one
+process: decode of 8 sequences as fast (load 2.6) to 10-30 % faster (five runs at load 5-9);
+one 512-token prefill chunk 2.5 % faster on one thread, +1.5 % slower on two at load 2.6,
+and -7 %, +5 %, +17 % in three two-thread runs at load 5-9 (two threads stall ~8 ms a call
+there). A tie from 64 to 512 rows and a gain below: the second copy is not worth its bytes.
+A third kind, "int8", holds int8 weight-only codes in the kernel's block layout
+(quantization.py, csrc/linear_int8.cpp) where `EngineConfig.quantization` is "int8".
 """
 
 from __future__ import annotations
@@ -28,41 +41,53 @@ import logging
 import torch
 from torch import nn
 
-from .kernels import load_kernels
+from .dtypes import cpu_flags
+from .kernels import load_kernels, loaded_variant
 from .quantization import Int8Weight, quantize_linears
 
 log = logging.getLogger("streamgate.engine")
 
-BF16_KERNEL_MAX_ROWS = 4       # bf16: the block kernel up to here, oneDNN's prepacked matmul above (measured)
-BF16_BLOCK_COPY_MAX_BYTES = 2 << 30     # the block copy doubles bf16 linear bytes: only up to this much extra
+BF16_KERNEL_MAX_ROWS = 4       # bf16 with both copies: the block kernel up to here, oneDNN above (measured)
+BF16_BLOCK_COPY_MAX_BYTES = 2 << 30     # a second (block) copy doubles bf16 linear bytes: only up to this much extra
+
+
+def bf16_kernel_only() -> bool:
+    """Whether the bf16 block kernel runs steps of every size and oneDNN's copy is not kept:
+    its VDPBF16PS form (the avx512_bf16 variant) on a CPU without AMX, where it measured at
+    least oneDNN's prepacked bf16 matmul from 1 to 512 rows. With AMX (oneDNN's tiles: many
+    times the MACs a cycle) or without AVX512-BF16 oneDNN keeps the steps above
+    BF16_KERNEL_MAX_ROWS."""
+    return load_kernels() and loaded_variant() == "avx512_bf16" and "amx_bf16" not in cpu_flags()
 
 
 class Bf16Weight:
-    """A bf16 weight in two packed forms: csrc/linear_bf16.cpp's blocks [ceil(N/16), K, 16] for
-    steps of up to BF16_KERNEL_MAX_ROWS rows (bf16 widened to fp32 in registers, fp32
-    accumulation: bandwidth-bound, ~2x oneDNN at one row), and oneDNN's prepacked layout for
-    steps of more (VDPBF16PS / AMX: twice the kernel's MACs a cycle). Both round the fp32 sum
-    once to the activations' dtype. Holding both doubles the bf16 weight bytes: the single-copy
-    alternative (the blocks unpacked into a scratch buffer for torch's bf16 GEMM, as the int8
-    path dequantizes) measured 1.2x oneDNN at 512 rows and 2-5x at 8-32 (batched decode) on
-    the Zen 4 host (2026-12-02), oneDNN reordering a plain weight on every call."""
+    """A bf16 weight packed for csrc/linear_bf16.cpp's block kernel (bf16 x bf16 products
+    exact, fp32 accumulation; VDPBF16PS k-pairs with AVX512-BF16, else widened by a shift
+    for fp32 FMAs) and, unless bf16_kernel_only(), oneDNN's prepacked layout for steps of more
+    than BF16_KERNEL_MAX_ROWS rows (`onednn`, else None). Both round the fp32 sum once to the
+    activations' dtype. Holding both doubles the bf16 weight bytes; the single-copy
+    alternative for that case (the blocks unpacked into a scratch buffer for torch's bf16
+    GEMM, as the int8 path dequantizes) took 1.2x oneDNN's time at 512 rows and 2-5x at 8-32
+    (batched decode) on the Zen 4 host (2026-12-02), oneDNN reordering a plain weight on
+    every call."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int = 8):
         self.out_features, self.in_features = weight.shape
         self.blocks = torch.ops.streamgate.pack_bf16(weight.contiguous())
-        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+        self.onednn = None if bf16_kernel_only() else torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
         self.bias = None if bias is None else bias.detach().contiguous()
         self.bias32 = None if bias is None else self.bias.float().contiguous()          # the kernel's
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the block copy and the biases (oneDNN's copy is opaque: as many again)."""
+        """Bytes held by the block copy and the biases (oneDNN's copy, where `onednn` holds
+        one, is opaque: as many again)."""
         return sum(t.numel() * t.element_size() for t in (self.blocks, self.bias, self.bias32) if t is not None)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         x2 = x.reshape(-1, self.in_features)                                             # [M, K]
-        if x2.shape[0] <= BF16_KERNEL_MAX_ROWS:
+        if self.onednn is None or x2.shape[0] <= BF16_KERNEL_MAX_ROWS:
             y = torch.ops.streamgate.linear_bf16(x2, self.blocks, self.bias32, self.out_features)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.onednn, self.bias, "none", [], "")

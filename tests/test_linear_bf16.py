@@ -13,46 +13,50 @@ import torch
 from torch import nn
 
 from engine import packed_linear
-from engine.kernels import load_kernels
+from engine.kernels import load_kernels, loaded_variant
 from engine.packed_linear import Bf16Weight, PackedLinear
+from tests.linear_helpers import reference_and_tolerance, weight
 
 pytestmark = pytest.mark.skipif(not load_kernels(), reason="C++ kernels did not build")
-U = 2.0 ** -24                   # fp32 unit roundoff
 ops = torch.ops.streamgate if load_kernels() else None
 
 
 def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 1, n)[:, None]      # outputs of different ranges
-    return w.bfloat16(), torch.randn(n, generator=g).bfloat16()
+    w, b = weight(n, k, seed)
+    return w.bfloat16(), b.bfloat16()
 
 
 def _reference_and_tolerance(x: torch.Tensor, w: torch.Tensor, bias, out_dtype):
-    """x @ w^T + b in fp64 from the bf16 weight (exact in fp32, so the kernel's widening adds
-    nothing), and the largest error an fp32-accumulating kernel may make: K products summed
-    in any order plus the bias (gamma_{K+2} relative to sum |x||w| + |b|); a bf16 or fp16
-    output adds the rounding of the result (2^-8 or 2^-11 relative; fp16's subnormals, below
-    2^-14, are rounded to a multiple of 2^-24: half of that absolute)."""
-    xd, w = x.double(), w.double()
-    ref = xd @ w.T + (0 if bias is None else bias.double())
-    mag = xd.abs() @ w.abs().T + (0 if bias is None else bias.double().abs())
-    k = x.shape[1]
-    tol = (k + 2) * U / (1 - (k + 2) * U) * mag
-    out_u = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}.get(out_dtype)
-    if out_u:
-        tol = tol + out_u * (ref.abs() + tol) + (2.0 ** -25 if out_dtype == torch.float16 else 0.0)
+    """x @ w^T + b in fp64 from the bf16 weight, within gamma_{K+2} (tests/linear_helpers.py).
+    The products of bf16 weights and fp32, fp16 or bf16 activations are exact in fp64, and
+    in fp32 for bf16 ones (VDPBF16PS), so neither the widening nor the dot product adds to
+    the bound."""
+    ref, tol, _ = reference_and_tolerance(x, w, bias, out_dtype, roundings=2)
     return ref, tol
+
+
+def _unpacked(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The [n, k] weight a pack_bf16 result holds: [ceil(N/16), K, 16] (shift + FMA) or, in
+    the avx512_bf16 variant, [ceil(N/16), ceil(K/2), 16, 2] (VDPBF16PS k-pairs)."""
+    if loaded_variant() == "avx512_bf16":
+        assert packed.dim() == 4 and packed.shape[1:] == (-(-k // 2), 16, 2)
+        return packed.permute(0, 2, 1, 3).reshape(packed.shape[0] * 16, -1)[:n, :k]
+    assert packed.dim() == 3 and packed.shape[1:] == (k, 16)
+    return packed.permute(0, 2, 1).reshape(packed.shape[0] * 16, k)[:n]
 
 
 @pytest.mark.parametrize("n, k", [(37, 70), (16, 64), (1, 33), (50, 1), (200, 576)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_bf16_matches_the_fp64_reference(n, k, dtype, with_bias):
-    """1..20 rows (4-row passes, the 3/2/1-row tails with their k unrolling, K not a multiple
-    of the unroll), N not a multiple of 16, within the fp32-derived bound."""
+    """1..20 rows (the 4-row FMA passes and 8-row VDPBF16PS ones, every row tail with its k
+    unrolling, K not a multiple of the unroll, odd K: a zero-padded pair), N not a multiple of
+    16, within the fp32-derived bound."""
     w, b = _weight(n, k, seed=n * 1000 + k)
     packed = ops.pack_bf16(w)
-    assert packed.shape == (-(-n // 16), k, 16) and packed.dtype == torch.bfloat16
+    assert packed.shape[0] == -(-n // 16) and packed.dtype == torch.bfloat16
+    assert torch.equal(_unpacked(packed, n, k), w)
+    assert packed.sum() == w.sum()                               # zero past N and K
     bias32 = b.float() if with_bias else None
     for rows in range(1, 21):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
@@ -63,43 +67,61 @@ def test_linear_bf16_matches_the_fp64_reference(n, k, dtype, with_bias):
         assert (err <= tol).all(), (rows, (err / tol).max().item())
 
 
-def test_linear_bf16_takes_strided_activations_and_catches_a_wrong_weight():
-    """A row-strided and a column-strided input give the contiguous one's result; one weight
-    changed by one bf16 ulp shows in exactly its output column (the bound is that tight)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_bf16_takes_strided_activations_and_catches_a_wrong_weight(dtype):
+    """A row-strided (odd and even stride) and a column-strided input give the contiguous
+    one's result; one-hot rows read back single weights exactly (k even and odd: both halves
+    of a VDPBF16PS pair, and the last k); with fp32 activations one weight changed by one bf16
+    ulp shows in exactly its output column (the bound is that tight)."""
     w, _ = _weight(37, 70, seed=3)
-    base = torch.randn(5, 140)
-    x = base[:, ::2]                                             # stride 2 along K
-    rows = torch.randn(5, 100)[:, :70]                           # row stride 100
-    for xi in (x, rows):
-        assert torch.equal(ops.linear_bf16(xi, ops.pack_bf16(w), None, 37),
-                           ops.linear_bf16(xi.contiguous(), ops.pack_bf16(w), None, 37))
-    x = torch.ones(3, 70)
+    packed = ops.pack_bf16(w)
+    base = torch.randn(5, 140).to(dtype)
+    for xi in (base[:, ::2], torch.randn(5, 100).to(dtype)[:, :70], torch.randn(5, 71).to(dtype)[:, :70]):
+        assert torch.equal(ops.linear_bf16(xi, packed, None, 37), ops.linear_bf16(xi.contiguous(), packed, None, 37))
     wrong = w.clone()
     wrong.view(torch.int16)[17, 5] += 1                          # one bf16 ulp
-    y = ops.linear_bf16(x, ops.pack_bf16(wrong), None, 37)
-    ref, tol = _reference_and_tolerance(x, w, None, torch.float32)
-    bad = ((y.double() - ref).abs() > tol).any(0)
-    assert bad[17] and bad.sum() == 1
+    y = ops.linear_bf16(torch.eye(70)[[4, 5, 69]].to(dtype), ops.pack_bf16(wrong), None, 37)
+    assert torch.equal(y, wrong[:, [4, 5, 69]].t().to(dtype))    # one product each: exact, both halves of a pair
+    if dtype == torch.float32:
+        y = ops.linear_bf16(torch.ones(3, 70), ops.pack_bf16(wrong), None, 37)
+        ref, tol = _reference_and_tolerance(torch.ones(3, 70), w, None, torch.float32)
+        bad = ((y.double() - ref).abs() > tol).any(0)
+        assert bad[17] and bad.sum() == 1
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_weight_agrees_on_both_sides_of_the_crossover(with_bias):
-    """Bf16Weight: the kernel up to BF16_KERNEL_MAX_ROWS rows, oneDNN's prepacked bf16 matmul
-    above, each within the bound of the fp64 reference ([1, M, K] as the model passes it); the
-    bf16 GEMM may add the bf16 bias to a rounded product: one more bf16 rounding."""
+    """Bf16Weight: the kernel up to BF16_KERNEL_MAX_ROWS rows and oneDNN's prepacked bf16
+    matmul above, or (bf16_kernel_only(): the VDPBF16PS kernel without AMX) the kernel alone,
+    no oneDNN copy held; each within the bound of the fp64 reference ([1, M, K] as the model
+    passes it); the bf16 GEMM may add the bf16 bias to a rounded product: one more bf16
+    rounding."""
     w, b = _weight(101, 70, seed=11)
     weight = Bf16Weight(w, b if with_bias else None)
+    assert (weight.onednn is None) == packed_linear.bf16_kernel_only()
     limit = packed_linear.BF16_KERNEL_MAX_ROWS
-    for rows in (1, limit, limit + 1, 40):
+    for rows in (1, limit, limit + 1, 40, 67):
         x = torch.randn(rows, 70, generator=torch.Generator().manual_seed(rows)).bfloat16()
         with torch.inference_mode():
             y = weight.linear(x[None])[0]
         assert y.dtype == torch.bfloat16 and y.shape == (rows, 101)
         ref, tol = _reference_and_tolerance(x, w, b.float() if with_bias else None, torch.bfloat16)
-        if rows > limit and with_bias:
+        if rows > limit and with_bias and weight.onednn is not None:
             tol = tol + 2.0 ** -8 * (ref.abs() + tol)
         err = (y.double() - ref).abs()
         assert (err <= tol).all(), (rows, (err / tol).max().item())
+
+
+def test_the_kernel_alone_only_with_avx512_bf16_and_without_amx(monkeypatch):
+    """oneDNN's copy is dropped only where the VDPBF16PS kernel was measured against it: the
+    avx512_bf16 variant on a CPU without AMX tiles."""
+    from engine import dtypes
+
+    flags = dtypes.cpu_flags()
+    monkeypatch.setattr(packed_linear, "cpu_flags", lambda: flags | {"amx_bf16", "amx_tile"})
+    assert not packed_linear.bf16_kernel_only()
+    monkeypatch.setattr(packed_linear, "cpu_flags", lambda: flags - {"amx_bf16", "amx_tile"})
+    assert packed_linear.bf16_kernel_only() == (loaded_variant() == "avx512_bf16")
 
 
 def test_packed_linear_runs_a_bf16_weight_through_the_block_kernel_at_few_rows():
@@ -109,8 +131,7 @@ def test_packed_linear_runs_a_bf16_weight_through_the_block_kernel_at_few_rows()
     packed = PackedLinear(lin, "bf16")
     assert packed.kind == "bf16" and isinstance(packed.packed, Bf16Weight)
     blocks = packed.packed.blocks
-    assert blocks.shape == (3, 70, 16)
-    assert torch.equal(blocks.permute(0, 2, 1).reshape(48, 70)[:37], lin.weight.detach())
+    assert torch.equal(_unpacked(blocks, 37, 70), lin.weight.detach())
     assert packed.packed.nbytes == 3 * 16 * 70 * 2 + 37 * (2 + 4)
     x = torch.randn(1, 70).bfloat16()
     with torch.inference_mode():

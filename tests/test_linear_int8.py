@@ -13,31 +13,17 @@ import torch
 from engine import quantization
 from engine.kernels import load_kernels
 from engine.quantization import Int8Weight, quantize_int8
+from tests.linear_helpers import U, reference_and_tolerance, weight
 
 pytestmark = pytest.mark.skipif(not load_kernels(), reason="C++ kernels did not build")
-U = 2.0 ** -24                   # fp32 unit roundoff
 ops = torch.ops.streamgate if load_kernels() else None
+_weight = weight
 
 
-def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 1, n)[:, None]      # channels of different ranges
-    return w, torch.randn(n, generator=g)
-
-
-def _reference_and_tolerance(x: torch.Tensor, w: torch.Tensor, bias, out_dtype):
-    """x @ w^T + b in fp64, w the dequantized weight the product should use, and the largest
-    error an fp32-accumulating kernel may make: K products summed in any order (gamma_K),
-    then the scale, the bias and the dequantized weight's own fp32 rounding, each <= u
-    relative to sum |x||w| + |b|; a bf16 output adds half a bf16 ulp (2^-8 relative)."""
-    xd, w = x.double(), w.double()
-    ref = xd @ w.T + (0 if bias is None else bias.double())
-    mag = xd.abs() @ w.abs().T + (0 if bias is None else bias.double().abs())
-    k = x.shape[1]
-    tol = (k + 4) * U / (1 - (k + 4) * U) * mag
-    if out_dtype == torch.bfloat16:
-        tol = tol + 2.0 ** -8 * (ref.abs() + tol)
-    return ref, tol, mag
+def _reference_and_tolerance(x, w, bias, out_dtype):
+    """The fp64 reference from the dequantized weight w, within gamma_{K+4}: the K products,
+    then the scale, the bias and the dequantized weight's own fp32 rounding."""
+    return reference_and_tolerance(x, w, bias, out_dtype, roundings=4)
 
 
 def _dequantized(codes, scales):

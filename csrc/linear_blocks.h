@@ -1,0 +1,139 @@
+// The block-row loop shared by the weight-streaming linear kernels (linear_bf16.cpp,
+// linear_int8.cpp): weights packed once at load in blocks of 16 outputs, K-major, each packed
+// row holding kPack consecutive k of the block's 16 outputs ([ceil(N/16), ceil(K/kPack), 16,
+// kPack]); a row is widened to fp32 lanes in registers by the code type's `widen` and FMA'd
+// with the activation, broadcast, accumulating in fp32; an epilogue applies the per-channel
+// scale (int8) or none, adds the bias and rounds once to the output's dtype. Blocks are split
+// over the threads by at::parallel_for; each thread's blocks are one contiguous stream.
+//
+// A code type is a struct with `code_t`, `kPack` and `static lanes_t widen(const code_t* row,
+// int sub, int part)` (lanes `part` of k-sub-index `sub` of one packed row).
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace streamgate_linear {
+
+constexpr int64_t kBlock = 16;   // outputs per packed block, as in linear.cpp
+
+// A block's sixteen lanes are kParts vectors of kLanes fp32: one AVX-512 register, or two
+// 8-lane ones (AVX2 registers; GCC/Clang vector extensions elsewhere).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+typedef float lanes_t __attribute__((vector_size(64)));
+#else
+constexpr int kLanes = 8;
+typedef float lanes_t __attribute__((vector_size(32)));
+#endif
+constexpr int kParts = kBlock / kLanes;
+
+// The epilogue: y[row, n0 + n] = sum[n] * scale[n0 + n] + bias[n0 + n], rounded once to T
+// (scale and bias optional).
+template <typename T>
+struct Out {
+  T* y;
+  int64_t ys;
+  const float* scale;
+  const float* bias;
+  inline void store(int64_t row, int64_t n0, const float* sum, int64_t valid) const {
+    for (int64_t n = 0; n < valid; ++n) {
+      const float v = scale ? sum[n] * scale[n0 + n] : sum[n];
+      y[row * ys + n0 + n] = static_cast<T>(v + (bias ? bias[n0 + n] : 0.0f));
+    }
+  }
+};
+
+// Rows m..m+R-1 of x (fp32, row stride xs) against one block: U accumulators per row over
+// the packed rows. Not inlined: inside parallel_for's lambda GCC kept the accumulators on the
+// stack (a store and a reload per FMA, 3x slower). Prefetch: prefetchnta 4 KB ahead in the
+// stream; it measured a gain for int8 codes, a ~20 % loss for bf16 (Zen 4 host, 2026-12-02).
+template <class Code, int R, int U, bool Prefetch, typename T>
+__attribute__((noinline)) void block_rows(const float* x, int64_t xs, const typename Code::code_t* block, int64_t K,
+                                          const Out<T>& out, int64_t row, int64_t n0, int64_t valid) {
+  constexpr int P = Code::kPack;
+  constexpr int64_t kRow = kBlock * P;             // codes per packed row
+  const int64_t full = K / P;                     // packed rows whose k all exist
+  lanes_t acc[U][R][kParts];
+  for (int u = 0; u < U; ++u)
+    for (int j = 0; j < R; ++j)
+      for (int p = 0; p < kParts; ++p) acc[u][j][p] = lanes_t{};
+  int64_t r = 0;
+  for (; r + U <= full; r += U) {
+    if constexpr (Prefetch) __builtin_prefetch(block + (r + 4096 / (kRow * sizeof(typename Code::code_t))) * kRow, 0, 0);
+    for (int u = 0; u < U; ++u)
+      for (int s = 0; s < P; ++s)
+        for (int p = 0; p < kParts; ++p) {
+          const lanes_t w = Code::widen(block + (r + u) * kRow, s, p);
+          for (int j = 0; j < R; ++j) acc[u][j][p] += x[j * xs + (r + u) * P + s] * w;
+        }
+  }
+  for (; r * P < K; ++r)                          // the k tail (and a last, partly zero row)
+    for (int s = 0; s < P && r * P + s < K; ++s)
+      for (int p = 0; p < kParts; ++p) {
+        const lanes_t w = Code::widen(block + r * kRow, s, p);
+        for (int j = 0; j < R; ++j) acc[0][j][p] += x[j * xs + r * P + s] * w;
+      }
+  for (int j = 0; j < R; ++j) {
+    float tmp[kBlock];
+    for (int p = 0; p < kParts; ++p) {
+      lanes_t sum = acc[0][j][p];
+      for (int u = 1; u < U; ++u) sum += acc[u][j][p];
+      std::memcpy(tmp + p * kLanes, &sum, sizeof sum);
+    }
+    out.store(row + j, n0, tmp, valid);
+  }
+}
+
+// Calls f(std::integral_constant<int, R>{}, m) for rows m..m+R-1 covering 0..M-1: passes of
+// Max rows, then one of the remaining M % Max.
+template <int Max, class F>
+inline void row_groups(int64_t M, F&& f) {
+  int64_t m = 0;
+  for (; m + Max <= M; m += Max) f(std::integral_constant<int, Max>{}, m);
+  if constexpr (Max > 1) {
+    if (M - m > 0) row_groups<Max - 1>(M - m, [&](auto r, int64_t m2) { f(r, m + m2); });
+  }
+}
+
+// Splits the blocks over the threads, at least `grain_bytes` of weights per task so small
+// layers do not pay for waking a thread; each thread calls f(b) for its blocks in order.
+template <class F>
+inline void split_blocks(int64_t blocks, int64_t block_bytes, int64_t grain_bytes, F&& f) {
+  const int64_t grain = std::max<int64_t>(1, grain_bytes / std::max<int64_t>(1, block_bytes));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) f(b);
+  });
+}
+
+// The FMA path: every block, 4 rows a pass (one widened row shared by four), the 3/2/1-row
+// tails with 2/2/4 accumulators over k so the FMA latency does not bound them.
+template <class Code, bool Prefetch, typename T>
+void fma_blocks(const float* xp, int64_t xs, int64_t M, int64_t K, int64_t N, const typename Code::code_t* wp,
+                const Out<T>& out, int64_t blocks, int64_t grain_bytes) {
+  const int64_t block_codes = (K + Code::kPack - 1) / Code::kPack * Code::kPack * kBlock;
+  split_blocks(blocks, block_codes * sizeof(typename Code::code_t), grain_bytes, [&](int64_t b) {
+    const auto* block = wp + b * block_codes;
+    const int64_t n0 = b * kBlock, valid = std::min(kBlock, N - n0);
+    row_groups<4>(M, [&](auto r, int64_t m) {
+      constexpr int R = decltype(r)::value;
+      constexpr int U = R >= 4 ? 1 : R >= 2 ? 2 : 4;
+      block_rows<Code, R, U, Prefetch>(xp + m * xs, xs, block, K, out, m, n0, valid);
+    });
+  });
+}
+
+// Activations as fp32 rows with unit column stride: x itself if it already is, else one
+// converted copy (a few rows: cheap next to the weights).
+inline torch::Tensor fp32_rows(const torch::Tensor& x) {
+  return x.scalar_type() == torch::kFloat && x.stride(1) == 1 ? x : x.to(torch::kFloat).contiguous();
+}
+
+}  // namespace streamgate_linear
