@@ -37,41 +37,66 @@ struct Features {
   }
 };
 
+// The two passes of softmax_span over si[t, end), V's lanes at a time while a whole vector
+// fits before `end`; `t` is left where they stopped (a multiple of kLanes below end at most).
+// Lanes outside [flo, fvis) are ignored by the max and get probability 0.
+template <typename V>
+inline float span_max(const float* si, int64_t& t, int64_t end, float flo, float fvis, float acc) {
+  constexpr int L = lanes_of<V>;
+  const V ninf = V{} - std::numeric_limits<float>::infinity(), lane = iota_v<V>();
+  V vmax = ninf;
+  for (; t + L <= end; t += L) {
+    const V x = load_v<V>(si + t), at = lane + static_cast<float>(t);
+    const V keep = (at < fvis) & (at >= flo) ? x : ninf;
+    vmax = keep > vmax ? keep : vmax;
+  }
+  for (int l = 0; l < L; ++l) acc = std::max(acc, vmax[l]);
+  return acc;
+}
+
+template <typename V, typename VI>
+inline float span_exp(float* si, int64_t& t, int64_t end, float flo, float fvis, float new_m, float acc) {
+  constexpr int L = lanes_of<V>;
+  const V zero = {}, lane = iota_v<V>();
+  V vsum = {};
+  for (; t + L <= end; t += L) {
+    const V at = lane + static_cast<float>(t);
+    const V e = exp_nonpositive<V, VI>(load_v<V>(si + t) - new_m);
+    const V p = (at < fvis) & (at >= flo) ? e : zero;
+    store_v(si + t, p);
+    vsum += p;
+  }
+  for (int l = 0; l < L; ++l) acc += vsum[l];
+  return acc;
+}
+
 // One query row's span of scores si[0, n) (n <= kpad, si padded to kpad) under the online
 // softmax: keys outside [lo, visible) (before the window, past the causal cut) get probability
 // 0, the others exp(s - new_m) with new_m = max(m, their max); lo < visible. Returns the
 // probabilities' sum; `m` becomes new_m, and `alpha` the factor exp(m_old - new_m) for what
-// was accumulated before.
+// was accumulated before. Sixteen lanes at a time where the build has AVX-512 (the exp is most
+// of a prefill tile's instructions), then eight; the row is padded to a multiple of eight.
 inline float softmax_span(float* si, int64_t n, int64_t visible, float& m, float& alpha, int64_t lo = 0) {
-  const vec8 ninf = vec8{} - std::numeric_limits<float>::infinity();
-  vec8 vmax = ninf;
-  const vec8 lane = {0, 1, 2, 3, 4, 5, 6, 7};                // a lane's offset in its vector
   const float flo = static_cast<float>(lo), fvis = static_cast<float>(visible);
-  const int64_t t0 = lo / kLanes * kLanes;
-  for (int64_t t = t0; t < visible; t += kLanes) {
-    const vec8 x = load8(si + t), at = lane + static_cast<float>(t);
-    const vec8 keep = (at < fvis) & (at >= flo) ? x : ninf;
-    vmax = keep > vmax ? keep : vmax;
-  }
-  float block_max = vmax[0];
-  for (int64_t l = 1; l < kLanes; ++l) block_max = std::max(block_max, vmax[l]);
+  const int64_t t0 = lo / kLanes * kLanes, end = (visible + kLanes - 1) / kLanes * kLanes;
+  float block_max = -std::numeric_limits<float>::infinity();
+  int64_t t = t0;
+#ifdef __AVX512F__
+  block_max = span_max<vec16>(si, t, end, flo, fvis, block_max);
+#endif
+  block_max = span_max<vec8>(si, t, end, flo, fvis, block_max);
   const float new_m = std::max(m, block_max);
   alpha = std::exp(m - new_m);                              // 0 on the first span
   m = new_m;
-  vec8 vsum = {};
   const vec8 zero = {};
-  for (int64_t t = 0; t < t0; t += kLanes) store8(si + t, zero);   // before the window
-  int64_t t = t0;
-  for (; t < visible; t += kLanes) {
-    const vec8 at = lane + static_cast<float>(t);
-    const vec8 e = exp8_nonpositive(load8(si + t) - new_m);
-    const vec8 p = (at < fvis) & (at >= flo) ? e : zero;
-    store8(si + t, p);
-    vsum += p;
-  }
-  for (; t < n; t += kLanes) store8(si + t, zero);        // past the cut, to the padded end
+  for (t = 0; t < t0; t += kLanes) store8(si + t, zero);   // before the window
   float sum = 0.0f;
-  for (int64_t l = 0; l < kLanes; ++l) sum += vsum[l];
+  t = t0;
+#ifdef __AVX512F__
+  sum = span_exp<vec16, vec16i>(si, t, end, flo, fvis, new_m, sum);
+#endif
+  sum = span_exp<vec8, vec8i>(si, t, end, flo, fvis, new_m, sum);
+  for (; t < n; t += kLanes) store8(si + t, zero);        // past the cut, to the padded end
   return sum;
 }
 

@@ -24,29 +24,58 @@ inline vec8 load8(const float* p) {
 
 inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof v); }
 
-// exp(x) for x <= 0 (softmax arguments), eight lanes at once: Cephes' expf, 2^n * p(r) with
-// |r| <= ln2 / 2, relative error ~1e-7. Written on whole vectors (GCC/Clang vector extensions)
-// because the scalar form did not vectorize: GCC saw control flow in it, and the softmax then
-// cost more than the scores and the values together.
-inline vec8 exp8_nonpositive(vec8 x) {
-  const vec8 lo = vec8{} - 87.0f;                           // 2^-126 is the smallest normal float
+// Sixteen fp32 lanes (one AVX-512 register), for the loops that run wider where the build has
+// AVX-512 (the softmax and SiLU's exp); elsewhere GCC splits them into narrower registers.
+typedef float vec16 __attribute__((vector_size(64)));
+typedef int32_t vec16i __attribute__((vector_size(64)));
+
+template <typename V>
+constexpr int lanes_of = static_cast<int>(sizeof(V) / sizeof(float));
+
+template <typename V>
+inline V load_v(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <typename V>
+inline void store_v(float* p, V v) { std::memcpy(p, &v, sizeof v); }
+
+template <typename V>
+inline V iota_v() {                                        // {0, 1, ..., lanes - 1}
+  V v{};
+  for (int l = 0; l < lanes_of<V>; ++l) v[l] = static_cast<float>(l);
+  return v;
+}
+
+// exp(x) for x <= 0 (softmax arguments), a whole vector at once (V: vec8 or vec16, VI its int32
+// lanes): Cephes' expf, 2^n * p(r) with |r| <= ln2 / 2, relative error ~1e-7. Written on whole
+// vectors (GCC/Clang vector extensions) because the scalar form did not vectorize: GCC saw
+// control flow in it, and the softmax then cost more than the scores and the values together.
+template <typename V, typename VI>
+inline V exp_nonpositive(V x) {
+  const V lo = V{} - 87.0f;                                 // 2^-126 is the smallest normal float
   x = x < lo ? lo : x;
-  const vec8 fx = x * 1.44269504f + 0.5f;
-  vec8 n = __builtin_convertvector(__builtin_convertvector(fx, vec8i), vec8);   // toward zero
+  const V fx = x * 1.44269504f + 0.5f;
+  V n = __builtin_convertvector(__builtin_convertvector(fx, VI), V);   // toward zero
   n = n > fx ? n - 1.0f : n;                                // floor
-  const vec8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vec8 p = vec8{} + 1.9875691500e-4f;
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const vec8i bits = (__builtin_convertvector(n, vec8i) + 127) << 23;
-  vec8 scale;
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
+
+inline vec8 exp8_nonpositive(vec8 x) { return exp_nonpositive<vec8, vec8i>(x); }
+inline vec16 exp16_nonpositive(vec16 x) { return exp_nonpositive<vec16, vec16i>(x); }
 
 #ifdef __AVX2__
 // [sum(a[0]), ..., sum(a[3])]: four horizontal sums in one 128-bit vector.
