@@ -170,8 +170,9 @@ def test_fused_bf16_logits_match_transformers_bf16(tiny_model):
                                      fused_layers=fused, max_num_batched_tokens=16, max_num_seqs=4))
         assert isinstance(eng.runner.forward, FusedLlama) == fused
         if fused:
-            # the tiny model fits the block copy's budget: the kernel for <= 4 rows (the head's 2
-            # rows here), oneDNN's prepacked weight for the 12-row layers
+            # the bf16 block kernel: every step where it is the VDPBF16PS form without AMX
+            # (packed_linear.bf16_kernel_only), else up to 4 rows (the head's 2 rows here) with
+            # oneDNN's prepacked weight for the 12-row layers (the tiny model fits the budget)
             assert eng.runner.forward.lm_head.kind == "bf16"
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         eng.add_request("a", list(range(100, 120)), params)
