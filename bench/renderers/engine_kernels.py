@@ -3,7 +3,7 @@ layers (`bench.engine.gemm`)."""
 
 from __future__ import annotations
 
-from bench.renderers.common import caption
+from bench.renderers.common import caption, table
 
 
 def _threads(n: int) -> str:
@@ -31,7 +31,30 @@ def render_attention(data: dict, name: str) -> str:
     return "\n".join(lines)
 
 
+def render_crossover(data: dict, name: str) -> str:
+    """`bench.engine.gemm --crossover`: per row count, each layer's oneDNN time over the bf16
+    block kernel's (above 1: the kernel is faster) and the kernel's GFLOP/s."""
+    extra = (f"; the {data['variant']} build, median of {data['args']['reps']} alternating calls, "
+             f"{_threads(data['threads'])}; a cell is oneDNN's time / the block kernel's (above 1: the kernel is "
+             "faster) and the kernel's GFLOP/s")
+    layers = list(dict.fromkeys(r["layer"] for r in data["rows"]))
+    cells = {(r["layer"], r["rows"]): r for r in data["rows"]}
+    body = []
+    for m in sorted({r["rows"] for r in data["rows"]}):
+        row: list = [m]
+        for layer in layers:
+            r = cells.get((layer, m))
+            gf = r and 2 * m * r["in"] * r["out"] / (r["block_bf16_ms"] * 1e-3) / 1e9
+            row.append("—" if r is None else f"{r['onednn_bf16_ms'] / r['block_bf16_ms']:.2f}× ({gf:,.0f})")
+        body.append(row)
+    first = {r["layer"]: r for r in reversed(data["rows"])}
+    head = ["rows", *(f"{layer} {first[layer]['in']:,}→{first[layer]['out']:,}" for layer in layers)]
+    return "\n".join([caption(data, name, extra), "", *table(head, body)])
+
+
 def render_gemm(data: dict, name: str) -> str:
+    if data["args"].get("crossover"):
+        return render_crossover(data, name)
     extra = (f"; median of {data['args']['reps']} calls, {_threads(data['threads'])}; native bf16 "
              f"{'yes' if data['native_bf16'] else 'no'}, C++ kernel {'built' if data['kernel'] else 'not built'}")
     lines = [caption(data, name, extra), "",
