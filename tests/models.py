@@ -46,6 +46,17 @@ def build_tiny_model(family: str, out: Path, tokenizer_dir: str) -> str:
     tokenizer.save_pretrained(out)
     return str(out)
 
+# A test engine's KV pool when the test does not size it: 64 MiB, thousands of blocks on a
+# tiny model and hundreds on SmolLM2, more than any of these workloads of a few hundred
+# tokens holds. The default 1 GiB costs ~0.5-1 s per engine (allocation, zeroing, block
+# bookkeeping), most of it system time, and never fills in a test.
+TEST_POOL = {"kv_cache_memory_gb": 1 / 16}
+
+
+def pool(cfg: dict) -> dict:
+    """TEST_POOL unless `cfg` sizes the pool itself."""
+    return {} if "num_kv_blocks" in cfg or "kv_cache_memory_gb" in cfg else TEST_POOL
+
 
 @lru_cache(maxsize=6)
 def load_reference(model_dir: str, device: str = "cpu", dtype: str = "float32"):
