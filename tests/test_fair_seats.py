@@ -8,7 +8,7 @@ import random
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from tests.models import assert_greedy_parity, load_reference
+from tests.models import TEST_POOL, assert_greedy_parity, load_reference
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -22,7 +22,7 @@ def test_seat_preemption_keeps_greedy_parity(tiny_model, mode):
     rng = random.Random(11)
     eng = LLMEngine(EngineConfig(model=tiny_model("llama"), policy="fair", max_num_seqs=4, max_num_batched_tokens=64,
                                  preemption_mode=mode, num_swap_blocks=64 if mode == "swap" else 0,
-                                 itl_target_ms=None))
+                                 itl_target_ms=None, **TEST_POOL))
     prompts = {f"a{i}": [rng.randrange(100, 40_000) for _ in range(rng.randrange(10, 40))] for i in range(6)}
     prompts |= {f"b{i}": [rng.randrange(100, 40_000) for _ in range(rng.randrange(10, 40))] for i in range(3)}
     lengths = {rid: (40 if rid[0] == "a" else 8) for rid in prompts}

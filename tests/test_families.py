@@ -16,7 +16,7 @@ from engine.block_manager import FREED
 from engine.families import UnsupportedModel, describe
 from tests.bf16 import assert_tokens_within_noise
 from tests.families import WINDOW, build_family_model, load_eager_reference
-from tests.models import assert_greedy_parity, run_to_completion
+from tests.models import TEST_POOL, assert_greedy_parity, pool, run_to_completion
 
 TOL = 1e-4                     # fp32: exact up to near-ties, as tests/test_parity.py
 
@@ -81,7 +81,8 @@ def workload(seed: int = 0, max_new: int = 16) -> dict[int, list[tuple]]:
 
 
 def check_parity(model_dir: str, arrivals, **cfg) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(model=model_dir, block_size=8, max_num_batched_tokens=32, max_num_seqs=8, **cfg))
+    engine = LLMEngine(EngineConfig(model=model_dir, block_size=8, max_num_batched_tokens=32, max_num_seqs=8,
+                                    **pool(cfg), **cfg))
     outputs = run_to_completion(engine, arrivals)
     ref = load_eager_reference(model_dir)
     for reqs in arrivals.values():
@@ -156,7 +157,7 @@ def test_family_bf16_on_the_kernel(family_model, family):
     arrivals = workload(seed=3)
     model_dir = family_model(family)
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", attention_backend="kernel", block_size=8,
-                                    max_num_batched_tokens=32, max_num_seqs=8))
+                                    max_num_batched_tokens=32, max_num_seqs=8, **TEST_POOL))
     outputs = run_to_completion(engine, arrivals)
     for reqs in arrivals.values():
         for rid, prompt, params in reqs:

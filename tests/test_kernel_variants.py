@@ -54,19 +54,51 @@ OPERATOR_TESTS = ["test_rms_norm_and_residual_add_match_transformers", "test_rot
 RUNNABLE = [v.name for v in kernels.variants() if v.runs_here(cpu_flags()) and v != kernels.choose_variant()]
 
 
+VARIANT_TESTS = ["tests/test_paged_kernel.py", *[f"tests/test_fused_llama.py::{name}" for name in OPERATOR_TESTS],
+                 "tests/test_packed_linear.py::test_packed_linear_matches_nn_linear_for_any_row_count",
+                 "tests/test_linear_int8.py", "tests/test_linear_bf16.py",
+                 "tests/test_kernel_variants.py::test_this_process_runs_the_variant_chosen_for_its_cpu"]
+
+# Plugins these tests do not use, each seconds of imports a process (langsmith's, hypothesis's).
+NO_PLUGINS = [arg for name in ("cacheprovider", "langsmith_plugin", "hypothesispytest", "anyio")
+              for arg in ("-p", f"no:{name}")]
+
+
+@pytest.fixture(scope="module")
+def variant_runs(request, tmp_path_factory):
+    """The pytest subprocess of every variant this session selected, all started at once:
+    each spends ~20 s starting an interpreter, importing torch and collecting, on one thread
+    (OMP_NUM_THREADS=1, and tests/conftest.py sets torch to one), so together they take
+    little more than the slowest alone. Each test waits on its own variant's process."""
+    wanted = [item.callspec.params["variant"] for item in request.session.items
+              if getattr(item, "originalname", None) == "test_variant_matches_the_torch_reference"]
+    runs = {}
+    for variant in dict.fromkeys(wanted):
+        out = tmp_path_factory.mktemp(f"variant-{variant}") / "output.txt"
+        env = {**os.environ, kernels.ISA_ENV: variant, "OMP_NUM_THREADS": "1"}
+        with open(out, "w") as f:
+            proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", *NO_PLUGINS, *VARIANT_TESTS],
+                                    stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
+        runs[variant] = (proc, out)
+    yield runs
+    for proc, _ in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize("variant", RUNNABLE)
-def test_variant_matches_the_torch_reference(variant):
+def test_variant_matches_the_torch_reference(variant, variant_runs):
     """Every operator of the library built for `variant` — the attention kernel (fp32, bf16,
     fp16 pools), the packed linear kernel, the int8 and bf16-weight linear kernels and the fused layer operators — against the
     pure-torch reference: the same tests the chosen variant passes in this process, in a
     process that loads `variant` (and checks it loaded it)."""
-    env = {**os.environ, kernels.ISA_ENV: variant}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_paged_kernel.py",
-                           *[f"tests/test_fused_llama.py::{name}" for name in OPERATOR_TESTS],
-                           "tests/test_packed_linear.py::test_packed_linear_matches_nn_linear_for_any_row_count",
-                           "tests/test_linear_int8.py", "tests/test_linear_bf16.py",
-                           "tests/test_kernel_variants.py::test_this_process_runs_the_variant_chosen_for_its_cpu"],
-                          capture_output=True, text=True, env=env, timeout=1200)
-    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    proc, out = variant_runs[variant]
+    try:
+        proc.wait(timeout=1200)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    tail = out.read_text()[-5000:]
     assert proc.returncode == 0, tail
-    assert " passed" in proc.stdout, tail
+    assert " passed" in tail, tail

@@ -10,7 +10,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from tests.conftest import NO_CUDA, cuda_available
 from tests.bf16 import assert_tokens_within_noise
-from tests.models import assert_greedy_parity, load_reference, run_to_completion
+from tests.models import assert_greedy_parity, hf_greedy_batch, load_reference, pool, run_to_completion
 
 FP32_TOL = 1e-4     # fp32: HF's greedy tokens exactly, up to near-ties of this size
 
@@ -41,7 +41,7 @@ def mixed_workload(n: int, lengths: list[int], max_new: int, seed: int = 0) -> d
 def check(engine_dir: str, path: tuple, arrivals, **cfg) -> LLMEngine:
     device, dtype, backend, *options = path
     engine = LLMEngine(EngineConfig(model=engine_dir, device=device, dtype=dtype, attention_backend=backend,
-                                    **(options[0] if options else {}), **cfg))
+                                    **(options[0] if options else {}), **pool(cfg), **cfg))
     assert_parity(engine, engine_dir, device, dtype, arrivals)
     return engine
 
@@ -169,6 +169,9 @@ def test_smollm2_greedy_parity(default_model_dir, path, all_threads):
         prompt = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
         prompt = list(prompt["input_ids"]) if isinstance(prompt, dict) or hasattr(prompt, "keys") else list(prompt)
         arrivals.setdefault(i // 2, []).append((f"q{i}", prompt, params))
+    if path[1] == "float32":                        # the 8 HF references in one batched generate
+        hf_greedy_batch(load_reference(default_model_dir, path[0], "float32"),
+                        [p for reqs in arrivals.values() for _, p, _ in reqs], params.max_tokens)
     check(default_model_dir, path, arrivals, max_num_batched_tokens=96, max_num_seqs=8)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.threads import ThreadTuner
+from tests.models import TEST_POOL
 
 
 def test_tuner_measures_both_then_runs_the_faster_and_keeps_probing():
@@ -45,7 +46,7 @@ def test_small_steps_are_bit_identical_on_one_or_all_threads(default_model_dir, 
         pytest.skip("no oneDNN bf16 on this CPU")
     full = torch.get_num_threads()
     for rows in (3, 1):
-        eng = LLMEngine(EngineConfig(model=default_model_dir, dtype=dtype, adaptive_threads=False))
+        eng = LLMEngine(EngineConfig(model=default_model_dir, dtype=dtype, adaptive_threads=False, **TEST_POOL))
         for i, n in enumerate((40, 90, 200)[:rows]):
             eng.add_request(f"r{i}", list(range(100 + i, 100 + i + n)), SamplingParams(max_tokens=8, temperature=0.0))
         eng.step()                                                     # the prompts

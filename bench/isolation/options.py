@@ -38,8 +38,10 @@ SIZE_FLAGS = (
 )
 
 
-def attack_params(args, url: str, key_a: str) -> dict:
-    return {"url": url, "key": key_a, "prompt_mb": args.prompt_mb, "frames": args.frames,
+def attack_params(args, url: str, key_a: str, key_parse: str | None = None) -> dict:
+    """`key_parse` (overquota_parse's key) is A's slow-quota tenant when this benchmark
+    writes the tenants file; with --url, A's key."""
+    return {"url": url, "key": key_a, "parse_key": key_parse or key_a, "prompt_mb": args.prompt_mb, "frames": args.frames,
             "frame_kib": args.frame_kib, "streams": args.stats_streams, "sockets": args.sockets,
             "body_mib": args.body_mib, "depth": args.depth, "hold_s": args.hold, "timeout_s": args.attack_timeout,
             "head_requests": args.head_requests, "bomb_frames": args.bomb_frames, "stuck_streams": args.stuck_streams,

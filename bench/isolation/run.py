@@ -6,10 +6,12 @@ with no key) attacks the gateway, one attack at a time.
     python -m bench.isolation --server-args "--max-frame-bytes 2097152" --frame-kib 2000
     python -m bench.isolation --url http://127.0.0.1:8000 --key-a sg-... --key-b sg-... [--server-pid PID]
 
-By default it starts its own `streamgate serve` on 127.0.0.1 with two tenants: `attacker`
-(A: max_concurrent 4, 120 requests/min, max_tokens 256) and `victim` (B: max_concurrent 16,
-600 requests/min); a fresh server for each attack (the first one also runs the baseline),
-or one for all with `--shared-server`. B streams `--b-max-tokens`-token answers over SSE, one after another,
+By default it starts its own `streamgate serve` on 127.0.0.1 with three tenants:
+`attacker` (A: max_concurrent 4, 120 requests/min, max_tokens 256), `victim` (B:
+max_concurrent 16, 600 requests/min) and `attacker_parse`, A's key for overquota_parse (1
+request/min, so its bucket does not refill during the attack on any host); a fresh server
+for each attack (the first one also runs the baseline), or one for all with
+`--shared-server`. B streams `--b-max-tokens`-token answers over SSE, one after another,
 for the whole run. First B runs alone (the baseline), then each attack runs in a process
 of its own (bench/isolation/attacks.py) while B keeps streaming. Per phase it reports B's
 largest and median inter-chunk gap (one timeline across B's requests, so a stall between
@@ -44,11 +46,13 @@ from bench.isolation.report import check_targets, report
 from bench.isolation.victim import Victim, probe_ws
 
 
-def write_tenants(path: Path) -> tuple[str, str]:
-    """A tenants file with A (the attacker) and B (the victim); returns their keys."""
+def write_tenants(path: Path) -> tuple[str, str, str]:
+    """A tenants file with A (the attacker), B (the victim) and A's tenant for
+    overquota_parse (1 request a minute, so its bucket stays empty for the whole attack on
+    any host); returns their keys."""
     from tenants import hash_key, new_key
 
-    key_a, key_b = new_key(), new_key()
+    key_a, key_b, key_parse = new_key(), new_key(), new_key()
     path.write_text(f"""[tenants.attacker]
 api_key_sha256 = ["{hash_key(key_a)}"]
 max_concurrent = 4
@@ -60,8 +64,14 @@ api_key_sha256 = ["{hash_key(key_b)}"]
 max_concurrent = 16
 requests_per_minute = 600
 max_tokens = 1024
+
+[tenants.attacker_parse]
+api_key_sha256 = ["{hash_key(key_parse)}"]
+max_concurrent = 4
+requests_per_minute = 1
+max_tokens = 256
 """)
-    return key_a, key_b
+    return key_a, key_b, key_parse
 
 
 class LogWatch:
@@ -143,16 +153,18 @@ async def idle_after(url: str, since: float, wait_s: float = 15.0) -> float | No
     return None
 
 
-async def run_phases(args, names: list[str], url: str, key_a: str, key_b: str, pid: int | None,
+async def run_phases(args, names: list[str], url: str, keys: tuple[str, str, str | None], pid: int | None,
                      log: Path | None) -> dict:
-    """The phases `names` (the baseline and/or attacks) on one server, B streaming throughout."""
+    """The phases `names` (the baseline and/or attacks) on one server, B streaming throughout.
+    `keys`: A's, B's and overquota_parse's (None: A's)."""
+    key_a, key_b, key_parse = keys
     victim = Victim(url, key_b, pid, args.b_max_tokens)
     victim.start()
     logs = LogWatch(log)
     phases: dict[str, dict] = {}
     try:
         await victim.warm()
-        params = attack_params(args, url, key_a)
+        params = attack_params(args, url, key_a, key_parse)
         for name in names:
             print(f"B is streaming; {name}", file=sys.stderr, flush=True)
             logs.mark()
@@ -192,13 +204,13 @@ def run_group(args, names: list[str], tmp: Path) -> tuple[dict, bool]:
     the server exited by itself meanwhile)."""
     if args.url:
         url = args.url.rstrip("/")
-        return asyncio.run(run_phases(args, names, url, args.key_a, args.key_b, args.server_pid, None)), False
-    key_a, key_b = write_tenants(tmp / "tenants.toml")
+        return asyncio.run(run_phases(args, names, url, (args.key_a, args.key_b, None), args.server_pid, None)), False
+    keys = write_tenants(tmp / "tenants.toml")
     log = tmp / f"server-{names[-1]}.log"
     proc, url = server.launch([*server_flags(args), "--tenants", str(tmp / "tenants.toml"),
                                "--ledger", str(tmp / f"usage-{names[-1]}.sqlite3"), "--drain-grace", "2"], log)
     try:
-        phases = asyncio.run(run_phases(args, names, url, key_a, key_b, proc.pid, log))
+        phases = asyncio.run(run_phases(args, names, url, keys, proc.pid, log))
         return phases, proc.poll() is not None
     finally:
         server.stop(proc)
