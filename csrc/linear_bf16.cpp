@@ -131,7 +131,7 @@ torch::Tensor bf16_pairs(const torch::Tensor& x) {
 template <typename T>
 void dp_blocks(const uint16_t* xp, int64_t xs, int64_t M, int64_t K2, int64_t N, const uint16_t* wp,
                const Out<T>& out, int64_t blocks) {
-  const int64_t block_bytes = K2 * 2 * kBlock * 2;
+  const int64_t block_bytes = std::max<int64_t>(1, K2 * 2 * kBlock * 2);     // K = 0: no division by 0
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / block_bytes);
   const int64_t group = std::max<int64_t>(1, (256 << 10) / block_bytes);
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {

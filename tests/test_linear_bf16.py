@@ -56,7 +56,7 @@ def test_linear_bf16_matches_the_fp64_reference(n, k, dtype, with_bias):
     packed = ops.pack_bf16(w)
     assert packed.shape[0] == -(-n // 16) and packed.dtype == torch.bfloat16
     assert torch.equal(_unpacked(packed, n, k), w)
-    assert packed.sum() == w.sum()                               # zero past N and K
+    assert torch.count_nonzero(packed) == torch.count_nonzero(w)   # zero past N and K
     bias32 = b.float() if with_bias else None
     for rows in range(1, 21):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
@@ -65,6 +65,20 @@ def test_linear_bf16_matches_the_fp64_reference(n, k, dtype, with_bias):
         ref, tol = _reference_and_tolerance(x, w, bias32, dtype)
         err = (y.double() - ref).abs()
         assert (err <= tol).all(), (rows, (err / tol).max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_layer_with_no_inputs_returns_its_bias(dtype):
+    """K = 0 (an nn.Linear with in_features 0): y is the bias broadcast over the rows, on
+    every path (the VDPBF16PS one once divided its block size by zero)."""
+    w = torch.zeros(37, 0, dtype=torch.bfloat16)
+    packed = ops.pack_bf16(w)
+    bias = torch.randn(37)
+    for rows in (1, 9):
+        y = ops.linear_bf16(torch.zeros(rows, 0, dtype=dtype), packed, bias, 37)
+        assert torch.equal(y.float(), bias.to(dtype).float().expand(rows, 37))
+        assert torch.equal(ops.linear_bf16(torch.zeros(rows, 0, dtype=dtype), packed, None, 37).float(),
+                           torch.zeros(rows, 37))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -126,7 +140,7 @@ def test_the_kernel_alone_only_with_avx512_bf16_and_without_amx(monkeypatch):
 
 def test_packed_linear_runs_a_bf16_weight_through_the_block_kernel_at_few_rows():
     """A bf16 nn.Linear packed as "bf16" holds the block copy (checked against the weight),
-    oneDNN's beside it, the bias kept in fp32 too."""
+    oneDNN's beside it unless packed_linear.bf16_kernel_only(), the bias kept in fp32 too."""
     lin = nn.Linear(70, 37, dtype=torch.bfloat16)
     packed = PackedLinear(lin, "bf16")
     assert packed.kind == "bf16" and isinstance(packed.packed, Bf16Weight)
@@ -141,7 +155,8 @@ def test_packed_linear_runs_a_bf16_weight_through_the_block_kernel_at_few_rows()
 
 def test_the_block_copy_is_taken_only_within_its_byte_budget(monkeypatch):
     """The fused bf16 forward asks for the block kernel's second copy only while the model's
-    linear weights fit BF16_BLOCK_COPY_MAX_BYTES; over it every layer keeps oneDNN's one copy."""
+    linear weights fit BF16_BLOCK_COPY_MAX_BYTES; over it every layer keeps oneDNN's one copy
+    (where both copies are kept at all: not with the VDPBF16PS kernel without AMX)."""
     from engine import fused_llama, packed_linear
 
     model = nn.Sequential(nn.Linear(64, 32, dtype=torch.bfloat16), nn.Linear(32, 16, dtype=torch.bfloat16))

@@ -6,8 +6,9 @@
 For each layer shape (fused q/k/v, o, fused gate/up, down, lm_head) and row count: the C++
 kernel on fp32 weights packed for it (`streamgate::linear`), MKL's fp32 `F.linear`, torch's
 bf16 `F.linear`, oneDNN's bf16 matmul on weights prepacked for it and the bf16 block kernel
-(`streamgate::linear_bf16`; the fused Llama forward in bf16 runs the block kernel up to
-engine/packed_linear.py's BF16_KERNEL_MAX_ROWS rows, oneDNN above). Median of --reps calls
+(`streamgate::linear_bf16`; the fused Llama forward in bf16 runs it at every step where it is
+the VDPBF16PS form without AMX, engine/packed_linear.py's `bf16_kernel_only()`, and elsewhere up
+to BF16_KERNEL_MAX_ROWS rows, oneDNN above). Median of --reps calls
 each, the forms alternating per shape. --crossover times only the two bf16 forms the engine
 chooses between, alternating call by call (a shared host's load falls on both), and prints
 each one's GFLOP/s, the ratio of medians and the load average. Where
