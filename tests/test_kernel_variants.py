@@ -66,7 +66,7 @@ NO_PLUGINS = [arg for name in ("cacheprovider", "langsmith_plugin", "hypothesisp
 
 @pytest.fixture(scope="module")
 def variant_runs(request, tmp_path_factory):
-    """The pytest subprocess of every variant this session selected, all started at once:
+    """The pytest subprocess of every variant this pytest run selected, all started at once:
     each spends ~20 s starting an interpreter, importing torch and collecting, on one thread
     (OMP_NUM_THREADS=1, and tests/conftest.py sets torch to one), so together they take
     little more than the slowest alone. Each test waits on its own variant's process."""
