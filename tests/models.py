@@ -71,18 +71,16 @@ def load_reference(model_dir: str, device: str = "cpu", dtype: str = "float32"):
 _GREEDY: dict[tuple, list[int]] = {}
 
 
-@torch.inference_mode()
+def _key(model, prompt, max_new_tokens: int) -> tuple:
+    return model.name_or_path, str(model.device), model.dtype, tuple(prompt), max_new_tokens
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Hugging Face `generate`, greedy, explicit attention mask, EOS ignored (as the engine's
-    `ignore_eos`; `min_new_tokens` would instead mask EOS and change the argmax)."""
-    key = (model.name_or_path, str(model.device), model.dtype, tuple(prompt), max_new_tokens)
-    if key not in _GREEDY:
-        ids = torch.tensor([prompt], device=model.device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             eos_token_id=None, do_sample=False, pad_token_id=0,
-                             temperature=None, top_p=None, top_k=None)
-        _GREEDY[key] = out[0, len(prompt):].tolist()
-    return list(_GREEDY[key])
+    `ignore_eos`; `min_new_tokens` would instead mask EOS and change the argmax). One prompt
+    alone is hf_greedy_batch without padding."""
+    hf_greedy_batch(model, [prompt], max_new_tokens)
+    return list(_GREEDY[_key(model, prompt, max_new_tokens)])
 
 
 @torch.inference_mode()
@@ -91,8 +89,7 @@ def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int) -> Non
     references: ~35% less CPU than one call each), into the same cache. Padding moves HF's
     logits only by rounding, which can flip a near-tie; `assert_greedy_parity` accepts a
     difference only where it is one, teacher-forcing the engine's own output."""
-    todo = [p for p in dict.fromkeys(map(tuple, prompts))
-            if (model.name_or_path, str(model.device), model.dtype, p, max_new_tokens) not in _GREEDY]
+    todo = [p for p in dict.fromkeys(map(tuple, prompts)) if _key(model, p, max_new_tokens) not in _GREEDY]
     if not todo:
         return
     width = max(map(len, todo))
@@ -101,7 +98,7 @@ def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int) -> Non
     out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=None,
                          do_sample=False, pad_token_id=0, temperature=None, top_p=None, top_k=None)
     for p, row in zip(todo, out[:, width:].tolist()):
-        _GREEDY[(model.name_or_path, str(model.device), model.dtype, p, max_new_tokens)] = row
+        _GREEDY[_key(model, p, max_new_tokens)] = row
 
 
 @torch.inference_mode()
