@@ -116,6 +116,13 @@ def test_each_rank_holds_its_share_of_kv_heads(tp_engine):
     assert k.shape[1] == PRESSURE["num_kv_blocks"] * PRESSURE["block_size"]
 
 
+# The heartbeat and the step timeout are the rank group's (engine/tp_runner.py), the same for
+# every family, dtype and attention backend: one engine per backend waits them out (each
+# costs ~TP_TIMEOUT_S of waiting).
+SUPERVISION = pytest.mark.parametrize("tp_engine", ENGINES[:2], indirect=True)
+
+
+@SUPERVISION
 def test_idle_engine_outlives_the_collective_timeout(tp_engine):
     """Heartbeats keep idle ranks in step: after idling past tp_timeout_s, a request still runs."""
     idle = time.monotonic() - IDLE_SINCE[id(tp_engine)]     # the parity test's references ran meanwhile
@@ -126,6 +133,7 @@ def test_idle_engine_outlives_the_collective_timeout(tp_engine):
     assert len(out["idle"]) == 4
 
 
+@SUPERVISION
 def test_hung_rank_fails_the_step_within_the_timeout(tp_engine):
     """SIGSTOP rank 1 (runs last: it ends the shared engine): the next step's requests end
     with an error within about tp_timeout_s, health checks raise from then on, and close()
