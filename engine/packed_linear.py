@@ -19,17 +19,8 @@ oneDNN's copy is not made: one copy of the weights. Otherwise (AMX: oneDNN's til
 AVX512-BF16: the shift+FMA form, compute-bound above ~4 rows) the kernel runs steps of up to
 BF16_KERNEL_MAX_ROWS rows and oneDNN's prepacked copy the rest; both copies are held, so only
 while the model's linear weights are at most BF16_BLOCK_COPY_MAX_BYTES (2 GiB of bf16: a
-~1B-parameter model). Measured 2026-12-02 on the Zen 4 host (AVX512-BF16, no AMX; shared,
-load 4-5; one thread, as two threads on the loaded host stalled ~8 ms a call in both forms;
-`python -m bench.engine.gemm --crossover --threads 1 --reps 21`), the VDPBF16PS kernel
-against oneDNN's prepacked bf16 matmul, SmolLM2-135M's shapes: q/k/v, o, gate/up, down 1.75-2.5x
-at 1 row, 1.4-1.9x at 4, 1.2-1.7x at 8, 1.0-1.2x at 32, 0.96-1.05x at 64-512 rows; the
-49152x576 head (logits rows only: one per sequence) 1.3-2.1x at 1-2 rows, 0.87-1.1x at 4-512.
-The fused bf16 forward with the kernel alone against both copies, steps alternating in one
-process: decode of 8 sequences as fast (load 2.6) to 10-30 % faster (five runs at load 5-9);
-one 512-token prefill chunk 2.5 % faster on one thread, +1.5 % slower on two at load 2.6,
-and -7 %, +5 %, +17 % in three two-thread runs at load 5-9 (two threads stall ~8 ms a call
-there). A tie from 64 to 512 rows and a gain below: the second copy is not worth its bytes.
+~1B-parameter model). The measurements behind both splits: docs/ENGINE.md ("The forward
+pass") and docs/BENCHMARKS.md §10 (`gemm-crossover`).
 A third kind, "int8", holds int8 weight-only codes in the kernel's block layout
 (quantization.py, csrc/linear_int8.cpp) where `EngineConfig.quantization` is "int8".
 """

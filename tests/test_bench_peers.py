@@ -102,6 +102,18 @@ def test_server_specs_parse_and_bad_ones_name_the_option():
         parse_server("x=llamacpp")
 
 
+def test_the_guidellm_command_line_is_logged_without_the_api_key(tmp_path, capsys):
+    """The harness prints each GuideLLM command it runs; the streamgate server's key (a real
+    tenant key for the run) is masked. A GuideLLM that fails names its log instead."""
+    from bench.peers.clients import Load, run_guidellm
+
+    key = "sg-secret-peers-key"
+    with pytest.raises(RuntimeError, match="GuideLLM exited 1"):
+        run_guidellm("false", "http://127.0.0.1:9", "m", str(tmp_path), key, Load(1, 1, 8, 4, 5.0), tmp_path)
+    err = capsys.readouterr().err
+    assert "running: false run" in err and "api_key=<key>" in err and key not in err
+
+
 def test_harness_runs_streamgate_with_its_own_client(tiny_model, tmp_path):
     """`python -m bench.peers --client loadgen` starts streamgate, measures two levels with
     every request producing exactly its output tokens, writes JSON and markdown, records

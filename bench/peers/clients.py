@@ -65,7 +65,8 @@ def run_guidellm(exe: str, url: str, model: str, model_dir: str, api_key: str, l
     out = workdir / f"guidellm-c{load.concurrency}.json"
     log = workdir / f"guidellm-c{load.concurrency}.log"
     cmd = guidellm_command(exe, url, model, model_dir, api_key, load, out)
-    print(f"running: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    shown = shlex.join(cmd).replace(api_key, "<key>") if api_key else shlex.join(cmd)
+    print(f"running: {shown}", file=sys.stderr, flush=True)     # the key is the run's own, still not logged
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     with open(log, "w") as sink:
         proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
