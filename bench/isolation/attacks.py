@@ -21,7 +21,7 @@ import sys
 import time
 
 from bench.isolation.attacks_more import MORE
-from bench.isolation.client import MiB, connect, error_code, raw_post, request_outcomes, send_all
+from bench.isolation.client import MiB, connect, connect_counted, error_code, raw_post, request_outcomes, send_all
 from bench.workload import _WORDS
 
 TEXT = (" ".join(_WORDS) + " ") * 8          # ordinary English words: they tokenize like a real prompt
@@ -123,20 +123,13 @@ async def stats_flood(p: dict) -> dict:
 
 async def keyless_ws(p: dict) -> dict:
     """`sockets` WebSockets opened with no key that never send anything, held for hold_s."""
-    import websockets
-
     opened, failed, closed_at = [], collections.Counter(), {}
     gate = asyncio.Semaphore(64)
 
     async def open_one(i: int) -> None:
         async with gate:
-            try:
-                ws = await connect(p["url"], None, timeout_s=15)
-            except websockets.InvalidStatus as exc:
-                failed[f"HTTP {exc.response.status_code}"] += 1
-                return
-            except Exception as exc:
-                failed[type(exc).__name__] += 1
+            ws = await connect_counted(failed, connect(p["url"], None, timeout_s=15))
+            if ws is None:
                 return
         opened.append((ws, asyncio.ensure_future(watch(i, ws, time.monotonic()))))
 

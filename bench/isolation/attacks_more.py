@@ -14,7 +14,7 @@ import time
 import zlib
 from urllib.parse import urlsplit
 
-from bench.isolation.client import close_code, connect, raw_post, ws_url
+from bench.isolation.client import close_code, connect, connect_counted, raw_post, ws_url
 
 
 def emit(**msg) -> None:
@@ -163,14 +163,10 @@ async def keyed_upgrades(p: dict) -> dict:
 
     async def one() -> None:
         async with gate:
-            try:
-                ws = await websockets.connect(ws_url(p["url"]), open_timeout=15, close_timeout=1,
-                                              additional_headers={"Authorization": f"Bearer {p['key']}"})
-            except websockets.InvalidStatus as exc:
-                results[f"HTTP {exc.response.status_code}"] += 1
-                return
-            except Exception as exc:
-                results[type(exc).__name__] += 1
+            ws = await connect_counted(results, websockets.connect(
+                ws_url(p["url"]), open_timeout=15, close_timeout=1,
+                additional_headers={"Authorization": f"Bearer {p['key']}"}))
+            if ws is None:
                 return
             results["101"] += 1
             ws.transport.abort()

@@ -148,3 +148,15 @@ async def connect(url: str, key: str | None, timeout_s: float = 30.0):
     return ws
 
 
+async def connect_counted(failures, opening):
+    """Await `opening` (a WebSocket handshake); a refusal counts in `failures` (a Counter) as
+    "HTTP <status>", any other failure by its exception's name, and gives None."""
+    import websockets
+
+    try:
+        return await opening
+    except websockets.InvalidStatus as exc:
+        failures[f"HTTP {exc.response.status_code}"] += 1
+    except Exception as exc:
+        failures[type(exc).__name__] += 1
+    return None
