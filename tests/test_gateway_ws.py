@@ -178,3 +178,41 @@ async def test_stats_stream_is_aggregate_only(live):
             assert seen_running and text
     finally:
         engine.release()
+
+
+async def test_a_gateway_fault_mid_stream_ends_that_request_with_one_error(live, monkeypatch):
+    """A bug in the gateway's own frame formatting after the first delta (injected): that
+    request ends with exactly one error frame, no chat.done and nothing after it; the engine aborts it, its blocks
+    and lease come back, and the socket serves the next request."""
+    from gateway.ws_format import WsFrames
+
+    real, calls = WsFrames.delta, {"n": 0}
+
+    def failing_delta(self, event):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected formatting bug")
+        return real(self, event)
+
+    engine = live.gateway.engine
+    engine.hold(8)                  # the stream is still running when the fault happens
+    try:
+        async with await connect(live) as ws:
+            monkeypatch.setattr(WsFrames, "delta", failing_delta)
+            await ws.send(json.dumps({"type": "chat.request", "id": "f", "messages": HELLO, "max_tokens": 1000}))
+            msgs = [await recv(ws)]
+            while msgs[-1]["type"] == "chat.delta":
+                msgs.append(await recv(ws))
+            assert [m["type"] for m in msgs] == ["chat.delta", "error"], msgs
+            assert msgs[-1]["id"] == "f" and "inside the gateway" in msgs[-1]["error"]["message"]
+            monkeypatch.setattr(WsFrames, "delta", real)
+            engine.release()
+            await ws.send(json.dumps({"type": "chat.request", "id": "g", "messages": HELLO, "max_tokens": 3}))
+            after = [await recv(ws)]
+            while after[-1]["type"] == "chat.delta":
+                after.append(await recv(ws))
+            assert after[-1]["type"] == "chat.done" and {m["id"] for m in after} == {"g"}, after
+    finally:
+        engine.release()
+    assert wait_until(lambda: live.engine_stats()["running"] == 0 and live.engine_stats()["kv_blocks_used"] == 0)
+    assert live.gateway.quotas.in_flight("acme") == 0
