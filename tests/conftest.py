@@ -134,6 +134,7 @@ SLOW_TESTS = {                                                   # each 3-16 s o
                          "test_sliding_window_families_keep_their_output"),
     "test_engine_speed": ("test_auto_backend_takes_the_kernel_where_it_builds",),
     "test_bench_serve_loadgen": ("test_tenant_rates_set_the_mix_of_tenants",),
+    "test_bench_report_families": ("test_a_real_speed_run_renders_its_json_rows",),   # 5-14 s: a real benchmark run
 }
 # One greedy-parity run on the default CPU path stays in the fast set as its smoke check.
 FAST_TESTS = {"test_parity": ("test_greedy_parity_chunked_mixed_batches[llama-cpu-fp32-kernel]",)}

@@ -1,8 +1,11 @@
 """Model families: KV blocks a long conversation holds on sliding-window models, and the
 decode step's cost per family in the fused and generic forwards, with the MoE blocks' share.
 
-    python -m bench.families kv [--tokens 4096] [--prompt 3584] [--block-size 16]
-    python -m bench.families speed [--families llama,mistral,...] [--seqs 8] [--steps 24] [--smol]
+    python -m bench.engine.families kv [--tokens 4096] [--prompt 3584] [--block-size 16]
+    python -m bench.engine.families speed [--families llama,mistral,...] [--seqs 8] [--steps 24] [--smol]
+
+Each mode writes its JSON with its provenance to bench/results/families-MODE.json (`--json-out`);
+docs/BENCHMARKS.md §11 renders it (bench/renderers/families.py).
 
 `kv` drives the real block manager (engine/block_manager.py) the way the scheduler does (the
 prompt allocated at admission, computed in 512-token chunks, then one token per step) for
@@ -20,7 +23,6 @@ dense MLPs of Llama's generic path, for the paper estimate of an expert-grouped 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -130,6 +132,9 @@ def _param_counts(model_dir: str) -> tuple[int, int]:
     return total, embed
 
 
+PROMPT_TOKENS = 32          # each sequence's prompt in `speed`; the steps timed are decode-only
+
+
 def time_decode(model_dir: str, fused: bool, seqs: int, steps: int, threads: int, mlp: bool = False,
                 profile: bool = False) -> dict | None:
     """Median decode-only step of `seqs` sequences (None: the fused forward does not apply).
@@ -147,7 +152,7 @@ def time_decode(model_dir: str, fused: bool, seqs: int, steps: int, threads: int
     timer = _MLPTimer(engine.runner.model) if mlp and not is_fused else None
     params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     for i in range(seqs):
-        engine.add_request(f"r{i}", [100 + i + j for j in range(32)], params)
+        engine.add_request(f"r{i}", [100 + i + j for j in range(PROMPT_TOKENS)], params)
     times, mlp_times = [], []
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
     while engine.has_unfinished():
@@ -167,7 +172,10 @@ def time_decode(model_dir: str, fused: bool, seqs: int, steps: int, threads: int
         top = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10)
     total, embed = _param_counts(model_dir)
     step = statistics.median(times)
-    return {"step_ms": step * 1e3, "tokens_per_s": seqs / step, "params": total, "non_embedding_params": total - embed,
+    on_kernel = list(engine.runner.on_kernel)
+    attention = "kernel" if all(on_kernel) else "torch" if not any(on_kernel) else "kernel+torch"
+    return {"dtype": str(engine.runner.dtype).removeprefix("torch."), "attention": attention,
+            "step_ms": step * 1e3, "tokens_per_s": seqs / step, "params": total, "non_embedding_params": total - embed,
             "mlp_ms": statistics.median(mlp_times) * 1e3 if timer else None, "steps": len(times), "profile": top}
 
 
@@ -206,6 +214,10 @@ def run_speed(args) -> dict:
             row = {"fused": time_decode(model_dir, True, args.seqs, args.steps, args.threads),
                    "generic": time_decode(model_dir, False, args.seqs, args.steps, args.threads,
                                           mlp=moe or name == "llama")}
+            if moe:
+                cfg = AutoConfig.from_pretrained(model_dir)
+                row["experts"] = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+                row["top_k"] = cfg.num_experts_per_tok
             rows[name] = row
         if "llama" in rows:
             base = rows["llama"]["generic"]
@@ -253,17 +265,24 @@ def main(argv=None) -> int:
                     help="1 by default: on a shared 2-core host, two threads wait on each other's descheduling")
     sp.add_argument("--smol", action="store_true", help="also SmolLM2-135M (the default model)")
     sp.add_argument("--profile", action="store_true", help="profile every family 2x or more slower than Llama")
-    for p in (kv, sp):
-        p.add_argument("--json-out", default=None)
+    for p, mode in ((kv, "kv"), (sp, "speed")):
+        p.add_argument("--json-out", default=f"bench/results/families-{mode}.json")
     args = ap.parse_args(argv)
-    from bench.provenance import finish, provenance
+    from bench.provenance import provenance, write_json
 
     prov = provenance("engine.families", argv)
-    result = run_kv(args) if args.mode == "kv" else run_speed(args)
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps({"provenance": finish(prov), "args": vars(args), "result": result},
-                                                  indent=2))
+    if args.mode == "kv":
+        result, env = run_kv(args), {}
+    else:
+        import torch
+        import transformers
+
+        from engine.kernels import loaded_variant
+
+        result = run_speed(args)
+        env = {"threads": args.threads, "prompt_tokens": PROMPT_TOKENS, "kernels": loaded_variant(), "torch": torch.__version__,
+               "transformers": transformers.__version__}
+    print(f"wrote {write_json(args.json_out, prov, args=vars(args), env=env, result=result)}")
     return 0
 
 
