@@ -143,3 +143,19 @@ def test_a_real_gateway_backends_run_keeps_every_run_and_renders(tiny_model, tmp
     ratio = statistics.median(r["tokens_per_s"] for r in runs["sse+redis"]) / statistics.median(
         r["tokens_per_s"] for r in runs["sse"]) - 1
     assert rows["gateway, SSE, Redis quotas"][4] == f"**{ratio:+.1%}**"
+
+
+def test_the_preemption_and_backend_regions_are_published_with_their_json():
+    """§1's preemption and §5's gateway-backends regions are on the page, each JSON a real run
+    (its command a bench module) that renders with its table: the preemption rows, and every
+    run of both quota backends (`python -m bench report --check` is tests/test_bench_report.py's)."""
+    regions = set(report.REGION.findall(report.DOC.read_text()))
+    assert {"preemption", "gateway-backends"} <= regions
+    pre = json.loads((report.RESULTS / "preemption.json").read_text())
+    assert report.renderer_for(pre) is render_preemption
+    assert pre["provenance"]["command"].startswith("python -m bench.engine.scheduling preemption")
+    assert [f"{r['context_tokens']:,}" for r in pre["result"]["rows"]] == list(_rows(render_preemption(pre, "p")))[1:]
+    gb = json.loads((report.RESULTS / "gateway-backends.json").read_text())
+    assert gb["provenance"]["command"].startswith("python -m bench.serving.gateway_overhead")
+    assert set(gb["runs"]) == {"sse", "sse+redis"} and "inprocess" not in gb["results"]
+    assert render_gateway_overhead(gb, "gateway-backends") == render_backends(gb, "gateway-backends")
