@@ -2,7 +2,7 @@
 the gateway over SSE and over WebSocket (a `streamgate serve` subprocess on loopback).
 
     python -m bench.serving.gateway_overhead [--requests 64] [--rate 4] [--max-tokens 96] [--idle 16]
-                                     [--redis [URL]]
+                                     [--redis [URL]] [--repeats N]
 
 Every request decodes greedily for exactly its max_tokens (`ignore_eos`), so each mode does
 the same work. Reported per mode: output tokens/s over the trace's makespan, TTFT
