@@ -1,7 +1,7 @@
 """Scheduler benchmarks on SmolLM2 (issue: scheduler under pressure).
 
     python -m bench.engine.scheduling smoothness   # 16 decoding streams while 4 ~2k-token prompts arrive
-    python -m bench.engine.scheduling preemption   # cost of a preemption per 1k tokens: recompute vs swap
+    python -m bench.engine.scheduling preemption   # cost of a preemption by context length: recompute vs swap
     python -m bench.engine.scheduling burst        # 32 streams start at once: fixed budget vs ITL targets
     python -m bench.engine.scheduling model        # the same two traces on a cost model (no torch, seconds)
 
@@ -209,36 +209,39 @@ def model(args) -> dict:
 
 
 def preemption(args) -> dict:
-    """Time to bring back 1k tokens of context: recompute (prefill again) vs swap (copy
-    blocks out to the host pool and back)."""
+    """Time to bring back a context of each `--contexts` length: recompute (prefill it again,
+    in chunks of 1,024) vs swap (copy its blocks out to the host pool and back)."""
     import torch
 
     from engine import SamplingParams
     from engine.scheduler_output import SchedulerOutput
 
-    eng = _engine(args, True, 1024, num_swap_blocks=256)
+    contexts = [int(n) for n in args.contexts.split(",")]
+    eng = _engine(args, True, 1024, num_swap_blocks=max(256, -(-max(contexts) // 8)))
     rng = random.Random(args.seed)
-    ctx = [rng.randrange(1000, 40000) for _ in range(1024)]
-    recompute = []
-    for i in range(args.repeats):
-        eng.add_request(f"p{i}", ctx, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-        t = time.perf_counter()
-        while eng.has_unfinished():
-            eng.step()
-        recompute.append(time.perf_counter() - t)
-    blocks = list(range(1024 // eng.config.block_size))
-    swap = []
-    for _ in range(args.repeats):
-        t = time.perf_counter()
-        moved = eng.runner.swap(SchedulerOutput(swap_out=[(b, b) for b in blocks]))
-        moved += eng.runner.swap(SchedulerOutput(swap_in=[(b, b) for b in blocks]))
-        swap.append(time.perf_counter() - t)
-    res = {"context_tokens": 1024, "recompute_s_median": statistics.median(recompute),
-           "swap_out_and_in_s_median": statistics.median(swap), "swap_bytes": moved,
-           "threads": torch.get_num_threads()}
-    print(f"per 1k tokens of context: recompute {res['recompute_s_median'] * 1000:.0f} ms, "
-          f"swap out+in {res['swap_out_and_in_s_median'] * 1000:.1f} ms ({moved / 2**20:.0f} MiB moved)", flush=True)
-    return res
+    rows = []
+    for n in contexts:
+        ctx = [rng.randrange(1000, 40000) for _ in range(n)]
+        recompute, swap = [], []
+        for i in range(args.repeats):
+            eng.add_request(f"p{n}-{i}", ctx, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            t = time.perf_counter()
+            while eng.has_unfinished():
+                eng.step()
+            recompute.append(time.perf_counter() - t)
+        blocks = list(range(-(-n // eng.config.block_size)))
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            moved = eng.runner.swap(SchedulerOutput(swap_out=[(b, b) for b in blocks]))
+            moved += eng.runner.swap(SchedulerOutput(swap_in=[(b, b) for b in blocks]))
+            swap.append(time.perf_counter() - t)
+        r = {"context_tokens": n, "recompute_s_median": statistics.median(recompute),
+             "swap_out_and_in_s_median": statistics.median(swap), "swap_bytes": moved, "blocks": len(blocks),
+             "recompute_s": recompute, "swap_out_and_in_s": swap}
+        rows.append(r)
+        print(f"{n:,} tokens of context: recompute {r['recompute_s_median'] * 1000:.0f} ms, "
+              f"swap out+in {r['swap_out_and_in_s_median'] * 1000:.1f} ms ({moved / 2**20:.1f} MiB moved)", flush=True)
+    return {"rows": rows, "block_size": eng.config.block_size, "threads": torch.get_num_threads()}
 
 
 def main(argv=None) -> int:
@@ -257,6 +260,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--targets", default="none,1000,1500,2500", help="burst: 'none' (fixed 512) or ITL targets in ms")
+    ap.add_argument("--contexts", default="512,1024,2048", help="preemption: context lengths in tokens")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     add_engine_args(ap, only=("model", "dtype"))

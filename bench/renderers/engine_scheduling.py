@@ -1,8 +1,9 @@
-"""docs/BENCHMARKS.md §2: decode smoothness under chunked prefill (`bench.engine.scheduling smoothness`)."""
+"""docs/BENCHMARKS.md §2: decode smoothness under chunked prefill (`bench.engine.scheduling smoothness`);
+§1: what a preemption costs, recompute against swap (`bench.engine.scheduling preemption`)."""
 
 from __future__ import annotations
 
-from bench.renderers.common import caption
+from bench.renderers.common import caption, table
 
 TARGET = 2.0            # chunked prefill: ITL p99 <= 2x its p50 while long prompts arrive
 
@@ -29,4 +30,17 @@ def render_smoothness(data: dict, name: str) -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"engine.scheduling smoothness": render_smoothness}
+def render_preemption(data: dict, name: str) -> str:
+    a, result = data["args"], data["result"]
+    extra = (f"; {data.get('dtype') or a.get('dtype')}, {result['threads']} threads, blocks of {result['block_size']} "
+             f"tokens; the median of {a['repeats']} of each: recompute = one request of the context prefilled "
+             "again (chunks of 1,024) to its first token, swap = its blocks copied to the host pool and back")
+    rows = [[f"{r['context_tokens']:,}", f"{r['recompute_s_median'] * 1000:,.1f} ms",
+             f"{r['swap_out_and_in_s_median'] * 1000:,.1f} ms", f"{r['swap_bytes'] / 2**20:,.1f} MiB",
+             f"**{r['recompute_s_median'] / r['swap_out_and_in_s_median']:,.0f}×**"] for r in result["rows"]]
+    return "\n".join([caption(data, name, extra), "",
+                      *table(["context tokens", "recompute", "swap out + in", "bytes moved (out + in)",
+                              "recompute / swap"], rows)])
+
+
+RENDERERS = {"engine.scheduling smoothness": render_smoothness, "engine.scheduling preemption": render_preemption}
