@@ -1,25 +1,19 @@
 """`bench.engine.profile_decode --forwards` and `--serving` write JSON that the report renders into
-docs/BENCHMARKS.md (§1's decode steps, §8's torch.compile table): the real benchmark runs on the
+docs/BENCHMARKS.md (§1's decode steps, §8's torch.compile table). --forwards runs for real on the
 tiny model, the report rewrites a page's region from its JSON, and every rendered cell is the
-JSON's number (step medians, tokens per second, compiled / eager ratios, graph counts)."""
+JSON's number (step medians, tokens per second, ratios). --serving does not run here (a cold
+inductor cache compiles for ~40 s even on the tiny model): its renderer is checked on a run
+written in the test."""
 
 from __future__ import annotations
 
 import json
 import re
 import statistics
-import subprocess
-import sys
 
 from bench import report
 from bench.renderers import RENDERERS
 from bench.renderers.profile import render_forwards, render_serving
-
-
-def _run(args: list[str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", "bench.engine.profile_decode", *args], capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _region(tmp_path, name: str) -> list[list[str]]:
@@ -41,30 +35,38 @@ def _num(cell: str) -> float:
 
 
 def test_forwards_rows_are_the_runs_medians(tiny_model, tmp_path):
-    """Two batch sizes at one and two threads on the tiny model: one JSON row per size, thread
-    count and forward path with its step times, and one table line per size and thread count
-    whose cells are the fused path's median in ms, rows / median as tok/s, and each other path's
-    median with its ratio to the fused one."""
+    """Three decoding rows at one and two threads on the tiny model (in this process: torch's
+    thread count is put back): one JSON row per thread count and forward path with its step
+    times, and a table line for the batch whose cells give, at 1 / 2 threads, the fused path's
+    median in ms, rows / median as tok/s, and each other path's median over the fused one's."""
+    import torch
+
+    from bench.engine.profile_decode import main
+
     out = tmp_path / "results" / "forwards.json"
-    _run(["--forwards", "--model-dir", tiny_model("llama"), "--seqs", "1,3", "--min-ctx", "8", "--max-ctx", "20",
-          "--steps", "3", "--threads", "1,2", "--json-out", str(out)])
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--forwards", "--model-dir", tiny_model("llama"), "--seqs", "3", "--min-ctx", "8",
+                     "--max-ctx", "20", "--steps", "3", "--threads", "1,2", "--json-out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
     data = json.loads(out.read_text())
     assert data["provenance"]["benchmark"] == "engine.profile_decode" and data["args"]["mode"] == "forwards"
     assert report.renderer_for(data) is render_forwards
     by = {(r["rows"], r["threads"], r["path"]): r for r in data["rows"]}
-    assert set(by) == {(n, t, p) for n in (1, 3) for t in (1, 2) for p in ("fused", "packed", "torch")}
+    assert set(by) == {(3, t, p) for t in (1, 2) for p in ("fused", "packed", "torch")}
     for r in by.values():
         assert len(r["times_s"]) == 3 and r["median_s"] == statistics.median(r["times_s"]) > 0
-    rows = _region(tmp_path, "forwards")
-    assert [(int(r[0]), int(r[1]), r[2]) for r in rows] == [(1, 1, "fp32"), (1, 2, "fp32"), (3, 1, "fp32"),
-                                                            (3, 2, "fp32")]
-    for n, t, _, ms, tok, packed, torch_ in rows:
-        fused = by[int(n), int(t), "fused"]["median_s"]
-        assert abs(_num(ms) - fused * 1e3) <= 0.05 and abs(_num(tok) - int(n) / fused) <= 0.05 * max(1, int(n) / fused)
-        for cell, path in ((packed, "packed"), (torch_, "torch")):
-            med = by[int(n), int(t), path]["median_s"]
-            ratio = float(re.search(r"\(([\d.]+)×\)", cell)[1])
-            assert abs(_num(cell) - med * 1e3) <= 0.05 and abs(ratio - med / fused) <= 0.005
+    [row] = _region(tmp_path, "forwards")
+    assert row[:2] == ["3", "fp32"]
+    fused = [by[3, t, "fused"]["median_s"] for t in (1, 2)]
+    for got, want in zip(row[2].split(" / "), fused):                  # ms per step at 1 / 2 threads
+        assert abs(float(got) - want * 1e3) <= 0.05
+    for got, want in zip(row[3].split(" / "), fused):                  # tok/s
+        assert abs(_num(got) - 3 / want) <= 0.5
+    for cell, path in ((row[4], "packed"), (row[5], "torch")):         # a path's step over the fused one's
+        for got, t in zip(cell.split(" / "), (1, 2)):
+            assert abs(float(got.rstrip("×")) - by[3, t, path]["median_s"] / by[3, t, "fused"]["median_s"]) <= 0.005
 
 
 def test_serving_ratio_reads_both_ways_and_unequal_step_counts_show():

@@ -2,7 +2,8 @@
 forward paths, engines stepping in turn at each thread count in turn, so that every path and
 thread count sees the same load: transformers' forward on torch's linears (packed_linear off:
 MKL in fp32, oneDNN in bf16), transformers' forward on the packed linear kernel (fused_layers
-off), and the default fused Llama forward. For each batch size in `--seqs` (decoding sequences
+off; fp32 only: the kernel packs fp32 linears, so in bf16 it would be the torch path again), and
+the default fused Llama forward. For each batch size in `--seqs` (decoding sequences
 of random context in [min-ctx, max-ctx]) and each of `--threads`: the median whole engine step
 of `--steps`. The engines' adaptive thread choice is off, so a step runs on the count given.
 Writes JSON (bench/renderers/profile.py renders it)."""
@@ -24,9 +25,12 @@ def run_forwards(args, argv, threads: list[int]) -> int:
 
     from bench.provenance import provenance, write_json
     from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.dtypes import resolve_dtype
     from engine.kernels import loaded_variant
 
     prov = provenance("engine.profile_decode", argv)
+    resolved = resolve_dtype(args.dtype, torch.device(args.device))
+    paths = {key: path for key, path in PATHS.items() if key != "packed" or resolved == torch.float32}
     rows, loads, dtype = [], [os.getloadavg()[0]], None
     for n in (int(x) for x in args.seqs.split(",")):
         tokens = args.max_ctx + len(threads) * args.steps + 16
@@ -35,7 +39,7 @@ def run_forwards(args, argv, threads: list[int]) -> int:
                                                enable_prefix_caching=False, num_kv_blocks=n * tokens // 16 + 8,
                                                attention_backend=args.attention_backend, adaptive_threads=False,
                                                **cfg))
-                   for key, (_, cfg) in PATHS.items()}
+                   for key, (_, cfg) in paths.items()}
         dtype = str(engines["fused"].runner.dtype).removeprefix("torch.")
         rng = random.Random(0)
         prompts = [[rng.randrange(1000, 40000) for _ in range(rng.randint(args.min_ctx, args.max_ctx))]
@@ -59,7 +63,7 @@ def run_forwards(args, argv, threads: list[int]) -> int:
         loads.append(os.getloadavg()[0])
         for t in threads:
             fused = statistics.median(times["fused", t])
-            for key, (label, _) in PATHS.items():
+            for key, (label, _) in paths.items():
                 med = statistics.median(times[key, t])
                 rows.append({"rows": n, "threads": t, "path": key, "median_s": med, "times_s": times[key, t]})
                 print(f"{n:3d} rows {t:2d} threads  {label:30s} {med * 1000:7.1f} ms  "
@@ -68,7 +72,7 @@ def run_forwards(args, argv, threads: list[int]) -> int:
             eng.close()
         del engines
     path = write_json(args.json_out, prov, args={**vars(args), "mode": "forwards"}, dtype=dtype,
-                      kernels=loaded_variant(), paths={key: label for key, (label, _) in PATHS.items()},
+                      kernels=loaded_variant(), paths={key: label for key, (label, _) in paths.items()},
                       rows=rows, loadavg_range=[min(loads), max(loads)])
     print(f"wrote {path}")
     return 0

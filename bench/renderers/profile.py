@@ -43,21 +43,26 @@ def render_serving(data: dict, name: str) -> str:
 
 
 def render_forwards(data: dict, name: str) -> str:
+    """A line per batch size; each cell holds the thread counts' figures in turn ("12.5 / 8.8")."""
     a, paths = data["args"], data["paths"]
-    extra = (f"; decode steps of sequences with {a['min_ctx']:,}–{a['max_ctx']:,} tokens of context each, the median "
-             f"of {a['steps']} whole engine steps per path and thread count, the three engines and the thread counts "
-             f"taking turns (adaptive threads off); {data.get('kernels') or 'no C++'} kernels; "
-             "in brackets: a path's step over the fused forward's")
     by = {(r["rows"], r["threads"], r["path"]): r["median_s"] for r in data["rows"]}
+    threads = sorted({t for _, t, _ in by})
+    others = [k for k in paths if k != "fused"]
+    extra = (f"; decode steps of sequences with {a['min_ctx']:,}–{a['max_ctx']:,} tokens of context each, the median "
+             f"of {a['steps']} whole engine steps per path and thread count, the engines and the thread counts "
+             f"taking turns (adaptive threads off); {data.get('kernels') or 'no C++'} kernels; each cell gives "
+             f"{' / '.join(map(str, threads))} threads; the transformers columns give their step over the fused one's")
+
+    def cells(n: int, fmt) -> str:
+        return " / ".join(fmt(n, t) if (n, t, "fused") in by else "—" for t in threads)
+
     rows = []
-    for n, t in sorted({(n, t) for n, t, _ in by}):
-        fused = by[n, t, "fused"]
-        others = [f"{by[n, t, k] * 1e3:.1f} ms ({by[n, t, k] / fused:.2f}×)" if (n, t, k) in by else "—"
-                  for k in paths if k != "fused"]
-        rows.append([n, t, SHORT.get(data["dtype"], data["dtype"]), f"{fused * 1e3:.1f}", f"{n / fused:,.1f}",
-                     *others])
-    head = ["rows", "threads", "dtype", f"{paths['fused']}: ms per step", "tok/s",
-            *(paths[k] for k in paths if k != "fused")]
+    for n in sorted({n for n, _, _ in by}):
+        rows.append([n, SHORT.get(data["dtype"], data["dtype"]),
+                     cells(n, lambda n, t: f"{by[n, t, 'fused'] * 1e3:.1f}"),
+                     cells(n, lambda n, t: f"{n / by[n, t, 'fused']:,.0f}"),
+                     *(cells(n, lambda n, t, k=k: f"{by[n, t, k] / by[n, t, 'fused']:.2f}×") for k in others)])
+    head = ["rows", "dtype", f"{paths['fused']}: ms per step", "tok/s", *(paths[k] for k in others)]
     return "\n".join([caption(data, name, extra), "", *table(head, rows)])
 
 
