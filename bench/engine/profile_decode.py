@@ -1,23 +1,23 @@
-"""Where the engine's time goes: torch.profiler over SmolLM2 steps.
+"""Where the engine's time goes: torch.profiler over SmolLM2 steps, and two comparisons.
 
     python -m bench.engine.profile_decode [--seqs 32] [--min-ctx 200] [--max-ctx 1000] [--steps 3]
                                    [--dtype auto] [--attention-backend auto|kernel|torch]
     python -m bench.engine.profile_decode --offline [--num-requests 16] [--max-prompt 512] [--max-output 32] [--compile]
-    python -m bench.engine.profile_decode --serving [--num-requests 64] [--max-prompt 512] [--max-output 64]
-    python -m bench.engine.profile_decode --forwards [--seqs 1,8,32] [--steps 20]
+    python -m bench.engine.profile_decode --serving [--dtypes bfloat16,float32] [--num-requests 16]
+                                   [--max-prompt 512] [--max-output 32] [--json-out bench/results/profile-serving.json]
+    python -m bench.engine.profile_decode --forwards [--seqs 1,8,32] [--steps 20] [--threads 1,2]
+                                   [--json-out bench/results/profile-forwards.json]
 
 Default: prefills `--seqs` prompts of random length in [min-ctx, max-ctx], then profiles
 `--steps` pure decode steps and prints the operators by self CPU time. `--offline`: runs
 bench.engine.offline's engine workload (same generator and engine settings) to completion under the
 profiler and also prints the time by kind (linear layers, attention, gather, ...) and the
-share spent outside the model forward. `--serving`: requests arrive one per step (decode
-batches of 1..32 beside chunked prefill) on an eager and a compiled engine stepping in turn (the
-host is shared: alternating steps gives both the same load); prints each one's forward time by
-step kind, the graphs torch.compile made (start-up and during the run) and whether the greedy
-outputs agree. `--forwards`: decode steps (no profiler) of three engines stepping in turn:
-transformers' forward on MKL linears (packed_linear off), transformers' forward on the packed
-linear kernel (fused_layers off), and the default fused Llama forward; median step per engine
-for each batch size in `--seqs`.
+share spent outside the model forward. `--serving` (bench/engine/profile_serving.py): eager
+against torch.compile on staggered arrivals, each dtype in its own process with a fresh inductor
+cache. `--forwards` (bench/engine/profile_forwards.py): decode steps of the three CPU forward
+paths at each batch size and thread count. Those two write JSON (`--json-out`) that
+`streamgate-bench report` renders into docs/BENCHMARKS.md. `--model-dir`: another model (tests
+run a tiny one).
 """
 
 from __future__ import annotations
@@ -47,33 +47,48 @@ def main(argv=None) -> int:
     ap.add_argument("--max-ctx", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=3)
     add_engine_args(ap, only=("device", "dtype", "attention_backend", "compile"))
+    ap.add_argument("--model-dir", default=None, help="a local model directory (default: SmolLM2, the engine's)")
     ap.add_argument("--offline", action="store_true", help="profile bench.engine.offline's engine workload instead")
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--max-output", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--threads", default=None,
+                    help="torch.set_num_threads (default: torch's); --forwards: comma-separated counts, taken in turn")
     ap.add_argument("--serving", action="store_true", help="eager vs compiled on staggered arrivals (see above)")
-    ap.add_argument("--forwards", action="store_true", help="decode steps: MKL vs packed linears vs fused forward")
+    ap.add_argument("--dtypes", default=None, help="--serving: comma-separated dtypes, each in its own process "
+                                                   "with a fresh inductor cache (default: --dtype)")
+    ap.add_argument("--forwards", action="store_true", help="decode steps: torch vs packed linears vs fused forward")
+    ap.add_argument("--json-out", default=None, help="--serving / --forwards: where the JSON goes "
+                                                     "(default: bench/results/profile-MODE.json)")
+    ap.add_argument("--serving-child", default=None, help=argparse.SUPPRESS)   # one dtype's run, for --serving
     args = ap.parse_args(argv)
+
+    threads = [int(t) for t in args.threads.split(",")] if args.threads else []
+    if len(threads) > 1 and not args.forwards:
+        ap.error("--threads takes one count except with --forwards")
+    if args.json_out is None and (args.serving or args.forwards):
+        args.json_out = f"bench/results/profile-{'serving' if args.serving else 'forwards'}.json"
+    if args.serving:
+        from bench.engine.profile_serving import run_serving
+        return run_serving(args, argv)
 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from engine import EngineConfig, LLMEngine, SamplingParams
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.forwards:
+        from bench.engine.profile_forwards import run_forwards
+        return run_forwards(args, argv, threads or [torch.get_num_threads()])
+    if threads:
+        torch.set_num_threads(threads[0])
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
     if args.offline:
         return profile_offline(args, activities)
-    if args.serving:
-        return compare_serving(args)
-    if args.forwards:
-        return compare_forwards(args)
     args.seqs = int(args.seqs)
-    eng = LLMEngine(EngineConfig(model="default", device=args.device, dtype=args.dtype, max_num_batched_tokens=2048,
-                                 max_num_seqs=max(64, args.seqs), enable_prefix_caching=False,
-                                 attention_backend=args.attention_backend))
+    eng = LLMEngine(EngineConfig(model=args.model_dir or "default", device=args.device, dtype=args.dtype,
+                                 max_num_batched_tokens=2048, max_num_seqs=max(64, args.seqs),
+                                 enable_prefix_caching=False, attention_backend=args.attention_backend))
     rng = random.Random(0)
     for i in range(args.seqs):
         prompt = [rng.randrange(1000, 40000) for _ in range(rng.randint(args.min_ctx, args.max_ctx))]
@@ -102,7 +117,7 @@ def profile_offline(args, activities) -> int:
     from engine import EngineConfig, LLMEngine, SamplingParams
     from engine.models import resolve_model
 
-    model_dir = resolve_model("default")
+    model_dir = resolve_model(args.model_dir or "default")
     requests = make_workload(AutoTokenizer.from_pretrained(model_dir), num_requests=args.num_requests, seed=0,
                              min_prompt=min(16, args.max_prompt), max_prompt=args.max_prompt,
                              min_output=min(16, args.max_output), max_output=args.max_output)
@@ -133,87 +148,6 @@ def profile_offline(args, activities) -> int:
         print(f"  {kind:24s} {seconds:8.2f} s {seconds / wall:7.1%}")
     print(f"  {'outside the forward':24s} {wall - forward:8.2f} s {(wall - forward) / wall:7.1%}")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
-    return 0
-
-
-def compare_forwards(args) -> int:
-    """Median decode step of three forward paths, side by side (engines step in turn)."""
-    import statistics
-
-    from engine import EngineConfig, LLMEngine, SamplingParams
-
-    paths = {"transformers + MKL linears": dict(packed_linear=False),
-             "transformers + packed linears": dict(fused_layers=False),
-             "fused Llama forward (default)": {}}
-    for n in (int(x) for x in args.seqs.split(",")):
-        blocks = n * (args.max_ctx + args.steps + 16) // 16 + 8
-        engines = {name: LLMEngine(EngineConfig(model="default", device=args.device, dtype=args.dtype,
-                                                max_num_batched_tokens=2048, max_num_seqs=max(64, n),
-                                                enable_prefix_caching=False, num_kv_blocks=blocks, **cfg))
-                   for name, cfg in paths.items()}
-        rng = random.Random(0)
-        prompts = [[rng.randrange(1000, 40000) for _ in range(rng.randint(args.min_ctx, args.max_ctx))] for _ in range(n)]
-        times = {name: [] for name in engines}
-        for name, eng in engines.items():
-            for i, prompt in enumerate(prompts):
-                eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=args.steps + 4, temperature=0.0, ignore_eos=True))
-            while eng.stats()["waiting"] or any(s.is_prefill for s in eng.scheduler.running):
-                eng.step()
-            eng.step()                                               # one warm decode step
-        for _ in range(args.steps):
-            for name, eng in engines.items():
-                start = time.perf_counter()
-                eng.step()
-                times[name].append(time.perf_counter() - start)
-        base = statistics.median(times["transformers + MKL linears"])
-        for name, ts in times.items():
-            med = statistics.median(ts)
-            print(f"{n:3d} rows  {name:30s} {med * 1000:7.1f} ms  {base / med:5.2f}x")
-        del engines
-    return 0
-
-
-def compare_serving(args) -> int:
-    """One request arrives per step into an eager and a compiled engine that step in turn."""
-    from torch._dynamo.utils import counters
-
-    from engine import EngineConfig, LLMEngine, SamplingParams
-
-    cfg = dict(model="default", device=args.device, dtype=args.dtype, max_num_seqs=32, max_num_batched_tokens=256,
-               attention_backend=args.attention_backend)
-    engines = {"eager": LLMEngine(EngineConfig(**cfg))}
-    engines["compiled"] = LLMEngine(EngineConfig(**cfg, compile=True))
-    startup_graphs = counters["stats"]["unique_graphs"]
-    rng = random.Random(0)
-    requests = [([rng.randrange(1000, 40000) for _ in range(rng.randint(16, args.max_prompt))],
-                 SamplingParams(max_tokens=rng.randint(4, args.max_output), temperature=0.0, ignore_eos=True))
-                for _ in range(args.num_requests)]
-    outputs = {name: {} for name in engines}
-    forward = {name: Counter() for name in engines}
-    step = 0
-    while step < len(requests) or any(e.has_unfinished() for e in engines.values()):
-        for name, eng in engines.items():
-            if step < len(requests):
-                eng.add_request(f"r{step}", *requests[step])
-            if not eng.has_unfinished():
-                continue
-            decode_only = not eng.scheduler.waiting and all(not s.is_prefill for s in eng.scheduler.running)
-            for out in eng.step():
-                outputs[name].setdefault(out.request_id, []).extend(out.new_token_ids)
-            kind = "decode-only steps" if decode_only else "steps with prefill"
-            forward[name][kind] += eng.runner.last_forward_time
-            forward[name][kind + " (count)"] += 1
-        step += 1
-    same = sum(outputs["eager"][r] == outputs["compiled"][r] for r in outputs["eager"])
-    print(f"{args.num_requests} requests (prompts 16..{args.max_prompt}, outputs 4..{args.max_output}), one per "
-          f"step, max 32 running, 256-token steps; compile took {engines['compiled'].runner.compile_time_s:.1f} s")
-    for kind in ("decode-only steps", "steps with prefill"):
-        e, c = forward["eager"][kind], forward["compiled"][kind]
-        print(f"  {kind:20s} eager {e:7.2f} s ({forward['eager'][kind + ' (count)']} steps), compiled {c:7.2f} s "
-              f"({forward['compiled'][kind + ' (count)']}): compiled/eager {c / e if e else float('nan'):.3f}")
-    print(f"  graphs: {startup_graphs} at start-up, {counters['stats']['unique_graphs'] - startup_graphs} more "
-          f"during {step} steps; graph breaks {sum(counters['graph_break'].values())}; "
-          f"greedy outputs equal for {same}/{len(outputs['eager'])} requests")
     return 0
 
 
