@@ -44,8 +44,13 @@ redis:
 	bash scripts/ensure_redis.sh
 	bash scripts/ensure_router.sh
 
+# Two pytest-xdist workers, a test file each at a time (module fixtures such as the TP
+# engines stay in one process): most tests run on one torch thread or wait on a server,
+# a rank or a timeout, so one process left the second core idle.
+TEST_WORKERS ?= 2
+
 test: setup browser redis
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 	$(MAKE) test-alt-python
 
 # The gateway tests that need no torch, also on Python 3.12 or 3.13 (asyncio differs there):
@@ -55,7 +60,7 @@ test-alt-python: setup redis
 	MAIN_PY=$(PY) bash scripts/test_alt_python.sh
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 bench: setup
 	$(PY) -m bench.engine.offline

@@ -17,6 +17,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs two workers) the controller converts the default
+    model before any worker starts, so two workers never convert it at once."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    from engine.models import resolve_model
+
+    resolve_model("default")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread():
     """Tiny models gain nothing from intra-op threads, and OpenMP's spinning threads slow

@@ -117,9 +117,9 @@ def test_each_rank_holds_its_share_of_kv_heads(tp_engine):
 
 
 # The heartbeat and the step timeout are the rank group's (engine/tp_runner.py), the same for
-# every family, dtype and attention backend: one engine per backend waits them out (each
-# costs ~TP_TIMEOUT_S of waiting).
-SUPERVISION = pytest.mark.parametrize("tp_engine", ENGINES[:2], indirect=True)
+# every family, dtype and attention backend: one CPU engine per backend waits them out (each
+# costs ~TP_TIMEOUT_S of waiting), and the CUDA one where two GPUs exist.
+SUPERVISION = pytest.mark.parametrize("tp_engine", [*ENGINES[:2], ENGINES[-1]], indirect=True)
 
 
 @SUPERVISION
