@@ -21,11 +21,15 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     """A tensor of zeros. On the CPU it is anonymous memory from mmap, which the OS hands out as
     zero pages when first touched: the pool costs start-up nothing and holds resident only the
     blocks used so far (torch.zeros writes every byte: ~0.4 s and all of it resident for the
-    1 GiB CPU default). Page-aligned, so every kernel's vector loads stay aligned."""
+    1 GiB CPU default). Page-aligned, so every kernel's vector loads stay aligned. A shared
+    mapping on purpose: its pages count as the process's RssShmem, apart from the heap, so a
+    memory check (bench/isolation/victim.py) can tell the pool filling up from a leak. The
+    engine never forks after this (tensor-parallel ranks are spawned)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)   # the tensor keeps the map
+    pool = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pool, dtype=dtype).view(shape)   # the tensor keeps the map
 
 
 class PagedKVCache:

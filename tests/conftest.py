@@ -24,7 +24,10 @@ def pytest_configure(config):
         return
     from engine.models import resolve_model
 
-    resolve_model("default")
+    try:
+        resolve_model("default")
+    except Exception:           # the tests that need it report it (default_model_dir); the rest run
+        pass
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -144,6 +147,7 @@ SLOW_TESTS = {                                                   # each 3-16 s o
                          "test_sliding_window_families_keep_their_output"),
     "test_engine_speed": ("test_auto_backend_takes_the_kernel_where_it_builds",),
     "test_bench_serve_loadgen": ("test_tenant_rates_set_the_mix_of_tenants",),
+    "test_bench_report_profile": ("test_forwards_rows_are_the_runs_medians",),
     "test_bench_report_families": ("test_a_real_speed_run_renders_its_json_rows",),   # 5-14 s: a real benchmark run
 }
 # One greedy-parity run on the default CPU path stays in the fast set as its smoke check.

@@ -48,8 +48,8 @@ def build_tiny_model(family: str, out: Path, tokenizer_dir: str) -> str:
 
 # A test engine's KV pool when the test does not size it: 64 MiB, thousands of blocks on a
 # tiny model and hundreds on SmolLM2, more than any of these workloads of a few hundred
-# tokens holds. The default 1 GiB costs ~0.5-1 s per engine (allocation, zeroing, block
-# bookkeeping), most of it system time, and never fills in a test.
+# tokens holds. The default 1 GiB cost ~0.5-1 s per engine while the pool was zeroed at
+# start-up (it is mapped lazily since 0e5bef2); the block bookkeeping still scales with it.
 TEST_POOL = {"kv_cache_memory_gb": 1 / 16}
 
 

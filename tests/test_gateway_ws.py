@@ -205,6 +205,8 @@ async def test_a_gateway_fault_mid_stream_ends_that_request_with_one_error(live,
                 msgs.append(await recv(ws))
             assert [m["type"] for m in msgs] == ["chat.delta", "error"], msgs
             assert msgs[-1]["id"] == "f" and "inside the gateway" in msgs[-1]["error"]["message"]
+            # aborted while the engine still holds it (a held engine serves aborts), not run out
+            assert wait_until(lambda: live.engine_stats()["running"] == 0 and live.engine_stats()["kv_blocks_used"] == 0)
             monkeypatch.setattr(WsFrames, "delta", real)
             engine.release()
             await ws.send(json.dumps({"type": "chat.request", "id": "g", "messages": HELLO, "max_tokens": 3}))

@@ -1,5 +1,7 @@
 """The CPU KV pool is zeroed memory that becomes resident only where it is used."""
 
+import mmap
+
 import torch
 
 from engine.kv_cache import PagedKVCache
@@ -7,7 +9,7 @@ from engine.kv_cache import PagedKVCache
 
 def resident_bytes() -> int:
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+        return int(f.read().split()[1]) * mmap.PAGESIZE
 
 
 def test_a_cpu_pool_is_zero_and_resident_only_where_written():
@@ -23,6 +25,6 @@ def test_a_cpu_pool_is_zero_and_resident_only_where_written():
     assert torch.equal(cache.k[3, slots], key) and torch.equal(cache.v[3, slots], -key)
     # every other slot reads as zero, in both pools, and the k and v pools do not alias
     assert cache.k[3, :40 * 16].abs().sum() == 0 and cache.v[2].abs().sum() == 0
-    assert cache.k_host.abs().sum() == 0 and cache.k.data_ptr() % 64 == 0
+    assert cache.k_host.abs().sum() == 0 and cache.k.data_ptr() % mmap.PAGESIZE == 0
     moved = cache.swap([(40, 7)], [])
     assert moved == cache.bytes_per_block and torch.equal(cache.k_host[3, 7 * 16:8 * 16], key)

@@ -31,14 +31,16 @@ def main_thread_cpu_s(pid: int) -> float | None:
 
 
 def rss_bytes(pid: int) -> int | None:
-    """VmRSS of process `pid`, from /proc/<pid>/status."""
+    """VmRSS of process `pid` less its RssShmem, from /proc/<pid>/status: the engine's CPU KV
+    pool is a shared mapping whose pages become resident as blocks are first used (engine/
+    kv_cache.py), which is the pool filling up to its configured size, not growth an attack
+    causes."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                      if ":" in line)
+        return (int(fields["VmRSS"].split()[0]) - int(fields.get("RssShmem", "0 kB").split()[0])) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 class Victim:

@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--redis", nargs="?", const="local", default=None, metavar="URL",
                    help="also run each gateway mode with the Redis quota backend (default: a local redis-server)")
-    p.add_argument("--repeats", type=int, default=1, help="runs of each gateway mode, interleaved; results: the median")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each gateway mode, interleaved; results: the median run (the lower middle one for an even count)")
     p.add_argument("--json-out", default="bench/results/gateway_overhead.json")
     args = p.parse_args(argv)
     prov = provenance("serving.gateway_overhead", argv)
