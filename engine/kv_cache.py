@@ -17,17 +17,18 @@ import mmap
 import torch
 
 
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, pin: bool = False) -> torch.Tensor:
     """A tensor of zeros. On the CPU it is anonymous memory from mmap, which the OS hands out as
     zero pages when first touched: the pool costs start-up nothing and holds resident only the
     blocks used so far (torch.zeros writes every byte: ~0.4 s and all of it resident for the
     1 GiB CPU default). Page-aligned, so every kernel's vector loads stay aligned. A shared
     mapping on purpose: its pages count as the process's RssShmem, apart from the heap, so a
     memory check (bench/isolation/victim.py) can tell the pool filling up from a leak. The
-    engine never forks after this (tensor-parallel ranks are spawned)."""
+    engine never forks after this (tensor-parallel ranks are spawned). `pin`: page-locked host
+    memory for CUDA transfers, from torch."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if torch.device(device).type != "cpu" or nbytes == 0:
-        return torch.zeros(shape, dtype=dtype, device=device)
+    if torch.device(device).type != "cpu" or nbytes == 0 or pin:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
     pool = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(pool, dtype=dtype).view(shape)   # the tensor keeps the map
 
@@ -48,8 +49,8 @@ class PagedKVCache:
         # The swap pool lives in host memory (pinned on CUDA for faster transfers).
         host_shape = (num_layers, num_host_blocks * block_size, num_kv_heads, head_dim)
         pin = torch.device(device).type == "cuda"
-        self.k_host = torch.zeros(host_shape, dtype=dtype, pin_memory=True) if pin else zeroed(host_shape, dtype, "cpu")
-        self.v_host = torch.zeros(host_shape, dtype=dtype, pin_memory=True) if pin else zeroed(host_shape, dtype, "cpu")
+        self.k_host = zeroed(host_shape, dtype, "cpu", pin)
+        self.v_host = zeroed(host_shape, dtype, "cpu", pin)
         self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * self.k.element_size()
         # Row views [L, S, H_kv * D]: gathering whole rows with index_select into a reused
         # scratch buffer is several times faster on CPU than advanced indexing into a fresh
