@@ -34,20 +34,23 @@ def document(chars: int = 6000) -> str:
     return text[:chars]
 
 
-def workloads(tokenizer, max_tokens: int) -> dict[str, list[list[int]]]:
+def grounded_messages() -> dict[str, str]:
+    """The input-grounded user messages by workload: `edit` asks for `document()` back with
+    one word replaced, `summarize` for its summary (bench.peers sends the same texts)."""
     doc = document()
+    return {"edit": "Rewrite the following document exactly as it is, but replace the word 'sequence' with "
+                    f"'request' everywhere.\n\n{doc}",
+            "summarize": f"Summarize the following document in a few paragraphs.\n\n{doc}"}
 
+
+def workloads(tokenizer, max_tokens: int) -> dict[str, list[list[int]]]:
     def chat(msg: str) -> list[int]:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True,
                                             tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    return {
-        "edit": [chat("Rewrite the following document exactly as it is, but replace the word 'sequence' with "
-                      f"'request' everywhere.\n\n{doc}")],
-        "summarize": [chat(f"Summarize the following document in a few paragraphs.\n\n{doc}")],
-        "chat": [chat(m) for m in CHAT],
-    }
+    return {**{name: [chat(text)] for name, text in grounded_messages().items()},
+            "chat": [chat(m) for m in CHAT]}
 
 
 def one(engine, rid: str, prompt: list[int], params) -> dict:
