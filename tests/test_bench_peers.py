@@ -133,3 +133,51 @@ def test_harness_runs_streamgate_with_its_own_client(tiny_model, tmp_path):
     assert "| sg | 4 | 4/0 |" in (tmp_path / "peers.md").read_text()
     with pytest.raises(httpx.TransportError):
         httpx.get(sg["url"] + "/health", timeout=2)
+
+
+def test_grounded_prompts_are_refused_with_guidellm(capsys):
+    """GuideLLM sends only its own synthetic prompts: `--workload grounded --client guidellm`
+    is a usage error naming the loadgen client."""
+    from bench.peers.run import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--workload", "grounded", "--client", "guidellm"])
+    assert exc.value.code == 2 and "--client loadgen" in capsys.readouterr().err
+
+
+def test_grounded_run_compares_streamgate_with_and_without_speculation(tiny_model, tmp_path):
+    """`--workload grounded` (loadgen by default) sends bench.engine.speculative's edit and
+    summarize messages to each server: one row per workload and level, every request
+    producing exactly its output tokens, the prompt tokens as each server counted them
+    (the same on both, edit's longer than summarize's); the report renders a table with a
+    line per workload and level."""
+    from bench.engine.speculative import grounded_messages
+    from bench.report import render
+
+    cmd = [sys.executable, "-m", "bench.peers", "--workload", "grounded", "--model", tiny_model("llama"),
+           "--server", "sg=streamgate", "--server", "sg-spec=streamgate:--num-speculative-tokens 3",
+           "--peer", "sg", "--concurrency", "1", "--requests-per-stream", "1", "--min-requests", "2",
+           "--output-tokens", "6", "--max-seconds", "120", "--start-timeout", "120", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "peers.json").read_text())
+    assert report["args"]["workload"] == "grounded" and report["args"]["client"] == "loadgen"
+    counts = {}
+    for name in ("sg", "sg-spec"):
+        rows = report["servers"][name]["rows"]
+        assert [(r["workload"], r["concurrency"], r["ok"], r["failed"], r["output_tokens"]) for r in rows] == \
+            [("edit", 1, 2, 0, 12), ("summarize", 1, 2, 0, 12)]
+        assert all(r["output_tps"] > 0 and r["ttft_p99_ms"] > 0 and r["itl_p50_ms"] > 0 for r in rows)
+        counts[name] = {r["workload"]: r["prompt_tokens"] for r in rows}
+    assert counts["sg"] == counts["sg-spec"]
+    (edit,), (summarize,) = counts["sg"]["edit"], counts["sg"]["summarize"]
+    assert summarize > 1000 and edit > summarize
+    assert list(grounded_messages()) == ["edit", "summarize"]
+    assert "| sg | edit | 1 | 2/0 |" in (tmp_path / "peers.md").read_text()
+
+    text = render("peers", tmp_path)
+    assert f"edit {edit}, summarize {summarize}" in text
+    lines = text.splitlines()
+    head = lines.index("| workload | streams | sg tok/s | sg-spec tok/s | × sg | TTFT p99, sg / sg-spec | × sg "
+                       "| ITL p50, sg / sg-spec |")
+    assert [ln.split(" | ")[:2] for ln in lines[head + 2:head + 4]] == [["| edit", "1"], ["| summarize", "1"]]

@@ -1,14 +1,16 @@
 """The two load clients of `bench.peers`, both closed loops of C concurrent streams with
-synthetic prompts of P tokens and outputs of exactly N tokens (`ignore_eos`):
+synthetic prompts of P tokens and outputs of exactly N tokens (`ignore_eos`, greedy):
 
 - `guidellm`: GuideLLM's CLI from its own venv (`guidellm run`, concurrent profile),
   run as a bounded subprocess; its JSON report is parsed by `peers_report`.
 - `loadgen`: this repository's own client (`bench.replay.replay` over SSE through
-  `bench.drivers.SseDriver`), for when GuideLLM is not installed or cannot run.
+  `bench.drivers.SseDriver`), for when GuideLLM is not installed or cannot run, and the
+  only one that sends the input-grounded prompts (`run_grounded`: bench.engine.speculative's
+  edit and summarize messages, where n-gram speculation finds its drafts in the prompt).
 
 Both report one row per concurrency (see `peers_report`), with the same
 definitions: output tokens/s over the level's wall time, TTFT per request, and ITL as
-each request's (latency - TTFT) / (tokens - 1).
+each request's (latency - TTFT) / (tokens - 1); a grounded row also names its workload.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class Load:
 
     concurrency: int
     requests: int
-    prompt_tokens: int
+    prompt_tokens: int              # synthetic prompts' length; 0 for grounded ones (counted per row)
     output_tokens: int
     max_seconds: float
 
@@ -100,13 +102,14 @@ def token_prompts(model_dir: str, n: int, tokens: int, seed: int = 0) -> list[st
     return out
 
 
-def run_loadgen(url: str, api_key: str, load: Load, prompts: list[str]) -> dict:
-    """`load.concurrency` users each sending its next request when the previous ends. The
-    requests name no model: each server answers with the one it serves."""
-    reqs = [Req(f"peers-c{load.concurrency}-{i}", "bench", "peers", None, i % load.concurrency, 0.0,
+def loadgen_records(url: str, api_key: str, load: Load, prompts: list[str], tag: str = "peers") -> list[dict]:
+    """`load.concurrency` users each sending its next request when the previous ends, the
+    i-th request's user message being `prompts[i % len(prompts)]`; one `replay` record per
+    request. The requests name no model: each server answers with the one it serves."""
+    reqs = [Req(f"{tag}-c{load.concurrency}-{i}", "bench", "peers", None, i % load.concurrency, 0.0,
                 [{"role": "user", "content": prompts[i % len(prompts)]}], load.prompt_tokens, load.output_tokens)
             for i in range(load.requests)]
-    wl = Workload(name=f"peers-c{load.concurrency}", num_requests=load.requests, duration_s=load.max_seconds,
+    wl = Workload(name=f"{tag}-c{load.concurrency}", num_requests=load.requests, duration_s=load.max_seconds,
                   arrival="closed", users=load.concurrency)
     driver = SseDriver(url, {"bench": api_key})
 
@@ -114,12 +117,27 @@ def run_loadgen(url: str, api_key: str, load: Load, prompts: list[str]) -> dict:
         await driver.open(reqs)
         try:
             return await replay(reqs, wl, driver.send, time_limit=load.max_seconds + 120,
-                                label=f"c={load.concurrency}")
+                                label=f"{tag} c={load.concurrency}")
         finally:
             await driver.close()
 
-    recs = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def run_loadgen(url: str, api_key: str, load: Load, prompts: list[str]) -> dict:
+    """One level of synthetic prompts through `loadgen_records`; returns its row."""
+    recs = loadgen_records(url, api_key, load, prompts)
     return peers_report.row_from_summary(servestats.summarize(recs, [], 1e9, 1e9), load.concurrency)
+
+
+def run_grounded(url: str, api_key: str, load: Load, workload: str, message: str) -> dict:
+    """One level of `load.requests` copies of one grounded message (edit or summarize)
+    through `loadgen_records`; returns its row with `workload` and `prompt_tokens`, the
+    distinct prompt lengths the server reported (one, normally)."""
+    recs = loadgen_records(url, api_key, load, [message], tag=workload)
+    row = peers_report.row_from_summary(servestats.summarize(recs, [], 1e9, 1e9), load.concurrency)
+    counted = sorted({r["prompt_tokens"] for r in recs if r["prompt_tokens"] is not None})
+    return {"workload": workload, **row, "prompt_tokens": counted}
 
 
 def warm_up(url: str, model: str, api_key: str, timeout_s: float = 300.0) -> float:

@@ -5,6 +5,8 @@ functions: no I/O.
 A row: `concurrency`, `ok`, `failed`, `output_tokens` (of successful requests),
 `output_tps` (output tokens per second of the level's wall time), `ttft_p50_ms`,
 `ttft_p99_ms`, `itl_p50_ms`, `itl_p99_ms` (ITL: each request's (latency - TTFT) / (tokens - 1)).
+A grounded run's rows also have `workload` (edit, summarize) and `prompt_tokens`; rows are
+compared by workload and concurrency.
 """
 
 from __future__ import annotations
@@ -55,15 +57,20 @@ def row_from_summary(summary: dict, concurrency: int) -> dict:
             "itl_p50_ms": summary["tpot_ms"]["p50"], "itl_p99_ms": summary["tpot_ms"]["p99"]}
 
 
-def ratios(results: dict[str, list[dict]], peer: str) -> dict[str, dict[int, dict]]:
-    """Per server and concurrency: output tok/s over the peer's (higher is better) and TTFT
-    p99 over the peer's (lower is better); None where either side has no number."""
-    base = {r["concurrency"]: r for r in results.get(peer, [])}
-    out: dict[str, dict[int, dict]] = {}
+def level(row: dict) -> int | tuple[str, int]:
+    """What a row is compared by: its concurrency, or (workload, concurrency) for a grounded row."""
+    return (row["workload"], row["concurrency"]) if "workload" in row else row["concurrency"]
+
+
+def ratios(results: dict[str, list[dict]], peer: str) -> dict[str, dict]:
+    """Per server and level (`level`): output tok/s over the peer's (higher is better) and
+    TTFT p99 over the peer's (lower is better); None where either side has no number."""
+    base = {level(r): r for r in results.get(peer, [])}
+    out: dict[str, dict] = {}
     for name, rows in results.items():
         for r in rows:
-            b = base.get(r["concurrency"])
-            out.setdefault(name, {})[r["concurrency"]] = {
+            b = base.get(level(r))
+            out.setdefault(name, {})[level(r)] = {
                 "output_tps": _ratio(r["output_tps"], b and b["output_tps"]),
                 "ttft_p99": _ratio(r["ttft_p99_ms"], b and b["ttft_p99_ms"])}
     return out
@@ -86,14 +93,24 @@ def _x(x: float | None) -> str:
 HEADER = ("server", "streams", "ok/failed", "out tok/s", "x peer", "TTFT p50", "TTFT p99", "x peer", "ITL p50")
 
 
+def _grounded(results: dict[str, list[dict]]) -> bool:
+    return any("workload" in r for rows in results.values() for r in rows)
+
+
+def header(results: dict[str, list[dict]]) -> tuple[str, ...]:
+    """HEADER, with a workload column after the server's for a grounded run."""
+    return (HEADER[0], "workload", *HEADER[1:]) if _grounded(results) else HEADER
+
+
 def table_rows(results: dict[str, list[dict]], peer: str | None) -> list[tuple[str, ...]]:
-    """The comparison table's cells, one line per server and concurrency."""
+    """The comparison table's cells (columns as `header`), one line per server and level."""
     rel = ratios(results, peer) if peer in results else {}
     lines = []
     for name, rows in results.items():
         for r in rows:
-            q = rel.get(name, {}).get(r["concurrency"], {})
-            lines.append((name, str(r["concurrency"]), f"{r['ok']}/{r['failed']}", f"{r['output_tps']:.1f}",
+            q = rel.get(name, {}).get(level(r), {})
+            lead = (name, r["workload"]) if "workload" in r else (name,)
+            lines.append((*lead, str(r["concurrency"]), f"{r['ok']}/{r['failed']}", f"{r['output_tps']:.1f}",
                           _x(q.get("output_tps")), _ms(r["ttft_p50_ms"]), _ms(r["ttft_p99_ms"]),
                           _x(q.get("ttft_p99")), _ms(r["itl_p50_ms"])))
     return lines
@@ -101,15 +118,16 @@ def table_rows(results: dict[str, list[dict]], peer: str | None) -> list[tuple[s
 
 def format_text(results: dict[str, list[dict]], peer: str | None) -> list[str]:
     """A fixed-width table for the terminal."""
-    cells = [HEADER, *table_rows(results, peer)]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
+    head = header(results)
+    cells = [head, *table_rows(results, peer)]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
     return ["  ".join(c[i].rjust(widths[i]) if i else c[i].ljust(widths[i]) for i in range(len(c))) for c in cells]
 
 
 def format_markdown(results: dict[str, list[dict]], peer: str | None, notes: list[str]) -> str:
     """The table as markdown, ratios against `peer`, followed by `notes` as a list."""
-    cells = table_rows(results, peer)
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    head, cells = header(results), table_rows(results, peer)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(c) + " |" for c in cells]
     lines.append("\n\"failed\" counts requests that errored or were still running at the level's time bound.")
     if peer in results:

@@ -7,6 +7,7 @@ outside client at 1, 8 and 32 concurrent streams of synthetic 256-token prompts 
     python -m bench.peers --client loadgen                  # this repository's own client instead
     python -m bench.peers --server sg=streamgate:"--dtype bfloat16" \\
         --server vllm-bf16=vllm:"--dtype bfloat16" --concurrency 1,8,32 --peer vllm-bf16
+    python -m bench.peers --workload grounded --output-tokens 200 ...   # edit and summarize prompts
 
 Each server is started on 127.0.0.1 (`bench.peers.servers`), warmed up with one short
 request, measured at each concurrency (GuideLLM's concurrent profile, or `--client
@@ -16,6 +17,14 @@ under /work/peers); a server whose venv is missing is skipped with a note. Outpu
 table on stdout with ratios against `--peer`, and JSON + markdown in `--out-dir`. The
 machine should be otherwise idle: the 1-minute load average is recorded before each
 server and a warning is printed when it is above `--max-load`.
+
+`--workload grounded` sends, instead of synthetic prompts, bench.engine.speculative's
+input-grounded messages (`grounded_messages`: edit a ~1.6k-token document with one word
+replaced, summarize it), where n-gram speculation drafts from the prompt: at each
+concurrency, the level's requests of edit, then of summarize, one row each, greedy and
+exactly `--output-tokens` tokens. Only the loadgen client can send them (the default
+client then). Each prompt repeats, so after its first request a server's prefix cache
+holds its prefill.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from bench.engine.speculative import grounded_messages
 from bench.peers import clients as peers_clients
 from bench.peers import report as peers_report
 from bench.peers import servers as peers_servers
@@ -73,8 +83,19 @@ def available(spec: peers_servers.ServerSpec, args) -> str | None:
     return None
 
 
+def level_rows(args, run: peers_servers.Running, model_dir: str, load: Load, workdir: Path,
+               prompts: list[str] | dict[str, str]) -> list[dict]:
+    """One level's rows: GuideLLM's or loadgen's synthetic row, or a row per grounded
+    message (`prompts` by workload name)."""
+    if args.client == "guidellm":
+        return [peers_clients.run_guidellm(args.guidellm, run.url, run.model, model_dir, run.api_key, load, workdir)]
+    if args.workload == "grounded":
+        return [peers_clients.run_grounded(run.url, run.api_key, load, name, text) for name, text in prompts.items()]
+    return [peers_clients.run_loadgen(run.url, run.api_key, load, prompts)]
+
+
 def measure(spec: peers_servers.ServerSpec, args, model_dir: str, loads: list[Load], workdir: Path,
-            prompts: list[str]) -> dict:
+            prompts: list[str] | dict[str, str]) -> dict:
     """Start one server, warm it up, run every load level, stop it."""
     result = {"load_before": load_average(args.max_load), "rows": [], "errors": []}
     run = peers_servers.start(spec, model_dir, workdir, peer_python=peer_python(args), timeout_s=args.start_timeout)
@@ -82,15 +103,11 @@ def measure(spec: peers_servers.ServerSpec, args, model_dir: str, loads: list[Lo
     try:
         result["warmup_s"] = peers_clients.warm_up(run.url, run.model, run.api_key)
         for load in loads:
-            print(f"== {spec.name}: {load.concurrency} streams, {load.requests} requests via {args.client}",
+            each = f" of each of {', '.join(prompts)}" if args.workload == "grounded" else ""
+            print(f"== {spec.name}: {load.concurrency} streams, {load.requests} requests{each} via {args.client}",
                   file=sys.stderr, flush=True)
             try:
-                if args.client == "guidellm":
-                    row = peers_clients.run_guidellm(args.guidellm, run.url, run.model, model_dir, run.api_key,
-                                                     load, workdir)
-                else:
-                    row = peers_clients.run_loadgen(run.url, run.api_key, load, prompts)
-                result["rows"].append(row)
+                result["rows"] += level_rows(args, run, model_dir, load, workdir, prompts)
             except Exception as exc:            # recorded; the other levels and servers still run
                 print(f"{spec.name} at {load.concurrency} streams failed: {exc}", file=sys.stderr, flush=True)
                 result["errors"].append(f"{load.concurrency} streams: {str(exc)[:2000]}")
@@ -107,13 +124,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="NAME=KIND[:FLAGS], KIND in streamgate|vllm|hf (repeatable; default: "
                         + ", ".join(peers_servers.DEFAULT_SERVERS) + ")")
     add_engine_args(p, only=("model",))
-    p.add_argument("--client", default="guidellm", choices=["guidellm", "loadgen"])
+    p.add_argument("--workload", default="synthetic", choices=["synthetic", "grounded"],
+                   help="synthetic: random words of --prompt-tokens; grounded: bench.engine.speculative's "
+                        "edit and summarize messages (loadgen client only)")
+    p.add_argument("--client", default=None, choices=["guidellm", "loadgen"],
+                   help="default: guidellm for synthetic prompts, loadgen for grounded ones")
     p.add_argument("--guidellm", default=os.environ.get("GUIDELLM", str(PEERS_DIR / "guidellm/bin/guidellm")))
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", str(PEERS_DIR / "vllm/bin/python")))
     p.add_argument("--hf-python", default=os.environ.get("HF_SERVE_PYTHON", str(PEERS_DIR / "hf/bin/python")),
                    help="python of a venv with transformers[serving] (for --server NAME=hf)")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated stream counts")
-    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--prompt-tokens", type=int, default=256, help="synthetic prompts' length")
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--requests-per-stream", type=float, default=2.0)
     p.add_argument("--min-requests", type=int, default=8, help="at least this many requests per level")
@@ -124,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-load", type=float, default=0.5, help="warn when the 1-min load average is above this")
     p.add_argument("--out-dir", default="bench/results")
     args = p.parse_args(argv)
+    if args.workload == "grounded" and args.client == "guidellm":
+        p.error("--workload grounded needs --client loadgen: GuideLLM sends only its own synthetic prompts")
+    args.client = args.client or ("loadgen" if args.workload == "grounded" else "guidellm")
     prov = provenance("peers", argv)
 
     try:
@@ -137,10 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     from engine.models import resolve_model
 
     model_dir = str(resolve_model(args.model))
-    loads = [Load(c, requests_for(c, args.requests_per_stream, args.min_requests), args.prompt_tokens,
+    prompt_tokens = args.prompt_tokens if args.workload == "synthetic" else 0
+    loads = [Load(c, requests_for(c, args.requests_per_stream, args.min_requests), prompt_tokens,
                   args.output_tokens, args.max_seconds) for c in map(int, args.concurrency.split(","))]
-    prompts = (peers_clients.token_prompts(model_dir, max(ld.requests for ld in loads), args.prompt_tokens)
-               if args.client == "loadgen" else [])
+    if args.workload == "grounded":
+        prompts = grounded_messages()
+    elif args.client == "loadgen":
+        prompts = peers_clients.token_prompts(model_dir, max(ld.requests for ld in loads), args.prompt_tokens)
+    else:
+        prompts = []
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGHUP, _terminate)
 

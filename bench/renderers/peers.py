@@ -1,8 +1,10 @@
 """docs/BENCHMARKS.md §6: streamgate against another server, side by side (`bench.peers`;
-the run's peers.json)."""
+the run's peers.json): a synthetic run's rows by stream count, a grounded run's
+(`--workload grounded`) by workload and stream count."""
 
 from __future__ import annotations
 
+from bench.peers.report import level
 from bench.renderers.common import caption
 
 
@@ -31,17 +33,28 @@ def _loads(data: dict) -> list[float]:
     return [x for x in loads if x is not None]
 
 
+def _prompt_tokens(servers: dict) -> str:
+    """Each grounded workload's prompt tokens as the servers reported them ("/" where they differ)."""
+    counts: dict[str, set] = {}
+    for s in servers.values():
+        for r in s.get("rows", []):
+            counts.setdefault(r["workload"], set()).update(r.get("prompt_tokens") or ())
+    return ", ".join(f"{w} {'/'.join(map(str, sorted(n))) or '?'}" for w, n in counts.items())
+
+
 def table(peer: str, peer_rows: list[dict], name: str, rows: list[dict]) -> list[str]:
-    """One line per stream count either side measured: tok/s and its ratio, TTFT p99 and its
-    ratio (lower is better), ITL p50."""
-    base = {r["concurrency"]: r for r in peer_rows}
-    mine = {r["concurrency"]: r for r in rows}
-    lines = [f"| streams | {peer} tok/s | {name} tok/s | × {peer} | TTFT p99, {peer} / {name} | × {peer} "
-             f"| ITL p50, {peer} / {name} |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    for c in sorted(base.keys() | mine.keys()):
-        b, m = base.get(c, {}), mine.get(c, {})
-        lines.append(f"| {c} | {_tps(b.get('output_tps'))} | {_tps(m.get('output_tps'))} | "
+    """One line per level either side measured (stream count; workload and stream count for
+    grounded rows): tok/s and its ratio, TTFT p99 and its ratio (lower is better), ITL p50."""
+    grounded = any("workload" in r for r in [*peer_rows, *rows])
+    base = {level(r): r for r in peer_rows}
+    mine = {level(r): r for r in rows}
+    lines = [f"| {'workload | ' if grounded else ''}streams | {peer} tok/s | {name} tok/s | × {peer} "
+             f"| TTFT p99, {peer} / {name} | × {peer} | ITL p50, {peer} / {name} |",
+             f"|{'---|' if grounded else ''}---:|---:|---:|---:|---:|---:|---:|"]
+    for k in sorted(base.keys() | mine.keys()):
+        b, m = base.get(k, {}), mine.get(k, {})
+        lead = " | ".join(map(str, k)) if grounded else str(k)
+        lines.append(f"| {lead} | {_tps(b.get('output_tps'))} | {_tps(m.get('output_tps'))} | "
                      f"{_ratio(m.get('output_tps'), b.get('output_tps'), bold=True)} | "
                      f"{_s(b.get('ttft_p99_ms'))} / {_s(m.get('ttft_p99_ms'))} | "
                      f"{_ratio(m.get('ttft_p99_ms'), b.get('ttft_p99_ms'))} | "
@@ -52,7 +65,13 @@ def table(peer: str, peer_rows: list[dict], name: str, rows: list[dict]) -> list
 def render_peers(data: dict, name: str) -> str:
     a, servers = data["args"], data["servers"]
     peer = a["peer"]
-    extra = (f"; {a.get('client', '?')} client, {a.get('prompt_tokens')}-token prompts, {a.get('output_tokens')} output "
+    if a.get("workload") == "grounded":
+        prompts = (f"bench.engine.speculative's input-grounded prompts (tokens as the servers counted them: "
+                   f"{_prompt_tokens(servers)}; each repeated, so after its first request a server's prefix "
+                   "cache holds it), greedy")
+    else:
+        prompts = f"{a.get('prompt_tokens')}-token prompts"
+    extra = (f"; {a.get('client', '?')} client, {prompts}, {a.get('output_tokens')} output "
              f"tokens, servers in the order {', '.join(servers)}")
     if data.get("env"):
         extra += "; environment " + " ".join(f"`{k}={v}`" for k, v in sorted(data["env"].items()))
