@@ -18,8 +18,8 @@
 // Accumulation is fp32 either way; the bias is added once at the end and the output rounded
 // once to the activation's dtype. Blocks are split over the threads.
 //
-// The VDPBF16PS form runs 8 rows a pass (8 accumulators in flight; 1-3 rows keep 4/3/2 over
-// k), prefetches 4 KB ahead in passes of 4+ rows (a gain for the 49152x576 head at 8-64
+// The VDPBF16PS form runs 8 rows a pass, one in-order sum per output at every pass width
+// (row-invariant: a row gets the same bits whatever rows share the call), prefetches 4 KB ahead in passes of 4+ rows (a gain for the 49152x576 head at 8-64
 // rows, whose rows come from memory), and takes each thread's blocks in ~256 KB groups, every pass over a group before
 // the next, so a pass's activations stay in L1 and the weights are read from memory once a
 // call. Measured on the Zen 4 host (shared, load 4-5, one thread; 2026-12-02; python -m
@@ -74,6 +74,13 @@ struct Bf16Code {
 
 #if defined(__AVX512BF16__)
 constexpr int kDpRows = 8;       // rows per pass over a block (8 accumulators in flight)
+// One accumulator per row and output lane, summed over the k-pairs in order, at every pass
+// width: a row's sum is then the same sequence of VDPBF16PS whatever rows share its call, so
+// a one-row decode and the same position verified among k drafts (or batched beside other
+// sequences) give the same bits (speculative greedy output equals the plain run's). Passes of
+// 1-3 rows, whose one chain a block would wait on VDPBF16PS's latency, run kDpBlocks(R) blocks
+// side by side instead: independent chains over other outputs, each still in k order.
+constexpr int kDpBlocks(int R) { return R == 1 ? 4 : R == 2 ? 3 : R == 3 ? 2 : 1; }
 // Software prefetch 4 KB ahead (in packed rows of 64 B) for passes of 4+ rows, whose 8
 // VDPBF16PS a row leave the stream latency-bound (measured: the head at 8-64 rows); not for
 // 1-3 rows, which stream as fast as the memory allows (prefetchnta cost the shift+FMA form's
@@ -81,38 +88,33 @@ constexpr int kDpRows = 8;       // rows per pass over a block (8 accumulators i
 constexpr int64_t kAhead = 64;
 
 // Rows row..row+R-1 of x as bf16 k-pairs (one 32-bit word each, row stride xs words) against
-// one block of K2 packed pair rows: U accumulators per row over the pairs, VDPBF16PS with the
-// pair broadcast. Not inlined, as block_rows.
-template <int R, int U, typename T>
+// B consecutive blocks of K2 packed pair rows from `block` (outputs n0..n0+16B-1, of N): one
+// accumulator per row and block, VDPBF16PS with the pair broadcast. Not inlined, as block_rows.
+template <int R, int B, typename T>
 __attribute__((noinline)) void dp_rows(const uint16_t* x, int64_t xs, const uint16_t* block, int64_t K2,
-                                       const Out<T>& out, int64_t row, int64_t n0, int64_t valid) {
-  __m512 acc[U][R];
-  for (int u = 0; u < U; ++u)
-    for (int j = 0; j < R; ++j) acc[u][j] = _mm512_setzero_ps();
+                                       const Out<T>& out, int64_t row, int64_t n0, int64_t N) {
+  const int64_t stride = K2 * 2 * kBlock;          // codes per block
+  __m512 acc[B][R];
+  for (int b = 0; b < B; ++b)
+    for (int j = 0; j < R; ++j) acc[b][j] = _mm512_setzero_ps();
   auto pair = [&](int j, int64_t r) {
     int32_t v;
     std::memcpy(&v, x + 2 * (j * xs + r), sizeof v);
     return (__m512bh)_mm512_set1_epi32(v);
   };
-  int64_t r = 0;
-  for (; r + U <= K2; r += U) {
+  for (int64_t r = 0; r < K2; ++r) {
     if constexpr (R >= 4) _mm_prefetch(reinterpret_cast<const char*>(block + (r + kAhead) * 2 * kBlock), _MM_HINT_T0);
-    for (int u = 0; u < U; ++u) {
-      const __m512bh w = (__m512bh)_mm512_loadu_si512(block + (r + u) * 2 * kBlock);
-      for (int j = 0; j < R; ++j) acc[u][j] = _mm512_dpbf16_ps(acc[u][j], w, pair(j, r + u));
+    for (int b = 0; b < B; ++b) {
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(block + b * stride + r * 2 * kBlock);
+      for (int j = 0; j < R; ++j) acc[b][j] = _mm512_dpbf16_ps(acc[b][j], w, pair(j, r));
     }
   }
-  for (; r < K2; ++r) {
-    const __m512bh w = (__m512bh)_mm512_loadu_si512(block + r * 2 * kBlock);
-    for (int j = 0; j < R; ++j) acc[0][j] = _mm512_dpbf16_ps(acc[0][j], w, pair(j, r));
-  }
-  for (int j = 0; j < R; ++j) {
-    __m512 sum = acc[0][j];
-    for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][j]);
-    float tmp[kBlock];
-    _mm512_storeu_ps(tmp, sum);
-    out.store(row + j, n0, tmp, valid);
-  }
+  for (int b = 0; b < B; ++b)
+    for (int j = 0; j < R; ++j) {
+      float tmp[kBlock];
+      _mm512_storeu_ps(tmp, acc[b][j]);
+      out.store(row + j, n0 + b * kBlock, tmp, std::min(kBlock, N - n0 - b * kBlock));
+    }
 }
 
 // x bf16 [M, K] -> its rows as k-pairs: x itself where the pairs are whole words (unit
@@ -138,11 +140,10 @@ void dp_blocks(const uint16_t* xp, int64_t xs, int64_t M, int64_t K2, int64_t N,
     for (int64_t g0 = b0; g0 < b1; g0 += group) {
       const int64_t g1 = std::min(b1, g0 + group);
       row_groups<kDpRows>(M, [&](auto r, int64_t m) {
-        constexpr int R = decltype(r)::value;
-        constexpr int U = R == 1 ? 4 : R == 2 ? 3 : R <= 4 ? 2 : 1;
-        for (int64_t b = g0; b < g1; ++b)
-          dp_rows<R, U>(xp + m * xs * 2, xs, wp + b * K2 * 2 * kBlock, K2, out, m, b * kBlock,
-                        std::min(kBlock, N - b * kBlock));
+        constexpr int R = decltype(r)::value, B = kDpBlocks(R);
+        int64_t b = g0;
+        for (; b + B <= g1; b += B) dp_rows<R, B>(xp + m * xs * 2, xs, wp + b * K2 * 2 * kBlock, K2, out, m, b * kBlock, N);
+        for (; b < g1; ++b) dp_rows<R, 1>(xp + m * xs * 2, xs, wp + b * K2 * 2 * kBlock, K2, out, m, b * kBlock, N);
       });
     }
   });

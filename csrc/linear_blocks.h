@@ -113,8 +113,15 @@ inline void split_blocks(int64_t blocks, int64_t block_bytes, int64_t grain_byte
   });
 }
 
-// The FMA path: every block, 4 rows a pass (one widened row shared by four), the 3/2/1-row
-// tails with 2/2/4 accumulators over k so the FMA latency does not bound them.
+// The FMA path: every block, kFmaRows rows a pass (one widened row shared by them), each row
+// with kFmaSplit accumulators over k whatever the pass width, so a row's sum is the same
+// sequence of FMAs in a one-row decode as among k verified drafts or other sequences' rows
+// (row-invariant: speculative greedy output equals the plain run's). Two chains keep a
+// one-row stream ahead of memory; with 16-lane registers 4 rows x 2 fit the 32 of AVX-512,
+// with two 8-lane halves (AVX2, 16 registers) passes of 2 rows do.
+constexpr int kFmaSplit = 2;
+constexpr int kFmaRows = kParts == 1 ? 4 : 2;
+
 template <class Code, bool Prefetch, typename T>
 void fma_blocks(const float* xp, int64_t xs, int64_t M, int64_t K, int64_t N, const typename Code::code_t* wp,
                 const Out<T>& out, int64_t blocks, int64_t grain_bytes) {
@@ -122,10 +129,9 @@ void fma_blocks(const float* xp, int64_t xs, int64_t M, int64_t K, int64_t N, co
   split_blocks(blocks, block_codes * sizeof(typename Code::code_t), grain_bytes, [&](int64_t b) {
     const auto* block = wp + b * block_codes;
     const int64_t n0 = b * kBlock, valid = std::min(kBlock, N - n0);
-    row_groups<4>(M, [&](auto r, int64_t m) {
+    row_groups<kFmaRows>(M, [&](auto r, int64_t m) {
       constexpr int R = decltype(r)::value;
-      constexpr int U = R >= 4 ? 1 : R >= 2 ? 2 : 4;
-      block_rows<Code, R, U, Prefetch>(xp + m * xs, xs, block, K, out, m, n0, valid);
+      block_rows<Code, R, kFmaSplit, Prefetch>(xp + m * xs, xs, block, K, out, m, n0, valid);
     });
   });
 }

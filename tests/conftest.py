@@ -144,6 +144,7 @@ SLOW_TESTS = {                                                   # each 3-16 s o
                          "test_stops_inside_an_accepted_run_end_where_the_plain_run_ends",
                          "test_rows_that_may_not_speculate_decode_beside_rows_that_do",
                          "test_the_benchmark_runs_and_finds_the_same_tokens",
+                         "test_smollm2_bf16_output_with_speculation_equals_the_plain_run",
                          "test_sliding_window_families_keep_their_output"),
     "test_engine_speed": ("test_auto_backend_takes_the_kernel_where_it_builds",),
     "test_bench_serve_loadgen": ("test_tenant_rates_set_the_mix_of_tenants",),

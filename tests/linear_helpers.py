@@ -32,3 +32,17 @@ def reference_and_tolerance(x: torch.Tensor, w: torch.Tensor, bias, out_dtype, r
     if out_u:
         tol = tol + out_u * (ref.abs() + tol) + (2.0 ** -25 if out_dtype == torch.float16 else 0.0)
     return ref, tol, mag
+
+
+def assert_rows_invariant(linear, x: torch.Tensor) -> None:
+    """Every row of `linear(x)` has exactly the bits of that row computed alone, and of it
+    computed among every shorter prefix of x: a kernel whose sum for a row depends on how many
+    rows share the call would let a one-row decode and the same position verified among
+    drafts (or batched with other sequences) round differently (speculative greedy output
+    must equal the plain run's)."""
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(x.shape[0])])
+    for m in range(2, x.shape[0] + 1):
+        got = linear(x[:m])
+        bad = (got.view(torch.int16 if got.element_size() == 2 else torch.int32)
+               != alone[:m].view(torch.int16 if got.element_size() == 2 else torch.int32)).any(dim=1)
+        assert not bad.any(), f"{m} rows: rows {bad.nonzero().flatten().tolist()} differ from the row alone"

@@ -10,6 +10,7 @@ from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.kernels import load_kernels
 from engine.packed_linear import PackedLinear, available
+from tests.linear_helpers import assert_rows_invariant
 
 pytestmark = pytest.mark.skipif(not available(), reason="neither the C++ kernels nor oneDNN are available")
 KINDS = [pytest.param("streamgate", marks=pytest.mark.skipif(not load_kernels(), reason="C++ kernels did not build")),
@@ -32,6 +33,16 @@ def test_packed_linear_matches_nn_linear_for_any_row_count(kind, bias, out_featu
             ref, out = lin(x), packed(x)
         assert out.shape == ref.shape
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not load_kernels(), reason="C++ kernels did not build")
+def test_the_fp32_kernel_gives_a_row_the_same_bits_whatever_rows_share_its_call():
+    """1..20 rows: each output row of the fp32 kernel is bitwise the row computed alone (one
+    in-order sum per lane), so a decode and the same position among verified drafts agree."""
+    torch.manual_seed(0)
+    packed = PackedLinear(nn.Linear(96, 37), "streamgate")
+    with torch.inference_mode():
+        assert_rows_invariant(packed, torch.randn(20, 96))
 
 
 def test_runner_packs_eager_fp32_by_default_and_not_when_off(tiny_model):
