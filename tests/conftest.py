@@ -88,6 +88,27 @@ def tokenizer_dir(default_model_dir) -> str:
 
 
 @pytest.fixture(scope="session")
+def repeat_model(tmp_path_factory, tokenizer_dir) -> str:
+    """A ~4M-parameter random Llama with tied embeddings and initializer_range 0.1: its greedy
+    output falls into runs of one repeated token broken by context-dependent changes, so n-gram
+    proposals are both accepted and rejected (tests/test_speculative.py, tests/test_tp.py)."""
+    import torch
+    import transformers
+
+    from tests.models import TINY
+
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = transformers.LlamaConfig(vocab_size=len(tok), **{**TINY, "initializer_range": 0.1,
+                                                                 "tie_word_embeddings": True})
+    config.bos_token_id, config.eos_token_id = tok.bos_token_id, tok.eos_token_id
+    torch.manual_seed(1234)
+    out = tmp_path_factory.mktemp("tiny-repeat")
+    transformers.LlamaForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, tokenizer_dir):
     """Factory: a tiny random model of a family, saved with SmolLM2's tokenizer."""
     from tests.models import build_tiny_model

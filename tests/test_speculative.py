@@ -20,25 +20,9 @@ from engine.config import SamplingParams as SP
 from engine.sequence import Sequence
 from engine.spec_decode import verify
 from engine.speculative import NgramIndex, Speculator, plain_sampling
-from tests.models import TINY, assert_greedy_parity, load_reference, run_to_completion
+from tests.models import assert_greedy_parity, load_reference, run_to_completion
 
 FP32_TOL = 1e-4
-
-
-@pytest.fixture(scope="session")
-def repeat_model(tmp_path_factory, tokenizer_dir) -> str:
-    """A ~4M-parameter random Llama whose greedy output repeats (see the module docstring)."""
-    import transformers
-
-    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = transformers.LlamaConfig(vocab_size=len(tok), **{**TINY, "initializer_range": 0.1,
-                                                                 "tie_word_embeddings": True})
-    config.bos_token_id, config.eos_token_id = tok.bos_token_id, tok.eos_token_id
-    torch.manual_seed(1234)
-    out = tmp_path_factory.mktemp("tiny-repeat")
-    transformers.LlamaForCausalLM(config).save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -357,11 +341,9 @@ def run_to_completion_logprobs(eng: LLMEngine, reqs, lps: list) -> dict[str, lis
     (dict(speculative_ngram_min=0), "EngineConfig.speculative_ngram_min"),
     (dict(speculative_ngram_min=3, speculative_ngram_max=2), "EngineConfig.speculative_ngram_max"),
     (dict(speculative_min_acceptance=1.5), "EngineConfig.speculative_min_acceptance"),
-    (dict(num_speculative_tokens=4, tensor_parallel_size=2),
-     "EngineConfig.num_speculative_tokens: speculative decoding is not supported with tensor_parallel_size > 1"),
 ])
 def test_speculative_fields_are_validated(bad, match):
-    """Bad values and the tensor-parallel combination raise ValueError naming the field."""
+    """Bad values raise ValueError naming the field."""
     with pytest.raises(ValueError, match=match):
         EngineConfig(**bad)
 
