@@ -58,6 +58,14 @@ class PagedKVCache:
         self._k_rows = self.k.view(num_layers, -1, num_kv_heads * head_dim)
         self._v_rows = self.v.view(num_layers, -1, num_kv_heads * head_dim)
         self._scratch = (self.k.new_empty(0), self.v.new_empty(0))
+        self._write_op = None            # streamgate::write_kv once use_kernel() found it
+
+    def use_kernel(self) -> None:
+        """Write through the C++ kernels' `write_kv` (csrc/write_kv.cpp: keys and values in
+        one call, a memcpy per token and head) instead of two index_copy_ a layer; for a CPU
+        pool once the kernels are loaded."""
+        if self.k.device.type == "cpu" and hasattr(torch.ops.streamgate, "write_kv"):
+            self._write_op = torch.ops.streamgate.write_kv
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -71,6 +79,9 @@ class PagedKVCache:
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """key/value: [N, H_kv, D] for the N packed tokens; slots: [N] int64 (the layer's group's)."""
         row = self.row(layer)
+        if self._write_op is not None:
+            self._write_op(self.k[row], self.v[row], slots, key, value)
+            return
         self.k[row].index_copy_(0, slots, key)
         self.v[row].index_copy_(0, slots, value)
 

@@ -15,7 +15,7 @@ from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .dtypes import resolve_dtype
 from .fused_llama import maybe_fuse
-from .kernels import paged_attention_op
+from .kernels import load_kernels, paged_attention_op
 from .kv_cache import PagedKVCache
 from .threads import ThreadTuner
 from .kv_groups import plan_groups
@@ -63,6 +63,8 @@ class ModelRunner:
             register_fakes()
         self.on_kernel = tuple(kernel and (layer.plain or has_features()) for layer in self.family.layers)
         self.use_kernel = any(self.on_kernel)
+        if self.device.type == "cpu" and not config.compile and load_kernels():
+            self.kv_cache.use_kernel()
         self.use_torch = not all(self.on_kernel)
         self.pad_rows = _PAD_ROWS if config.compile and self.use_kernel else 0
         log.info("%s: dtype %s, attention backend %s, KV-cache groups %s", self.family.model_type, self.dtype,
