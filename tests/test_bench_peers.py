@@ -149,8 +149,8 @@ def test_grounded_run_compares_streamgate_with_and_without_speculation(tiny_mode
     """`--workload grounded` (loadgen by default) sends bench.engine.speculative's edit and
     summarize messages to each server: one row per workload and level, every request
     producing exactly its output tokens, the prompt tokens as each server counted them
-    (the same on both, edit's longer than summarize's); the report renders a table with a
-    line per workload and level."""
+    (the same on both, edit's longer than summarize's); the report renders one table with a
+    line per workload and level and both servers' columns."""
     from bench.engine.speculative import grounded_messages
     from bench.report import render
 
@@ -178,6 +178,6 @@ def test_grounded_run_compares_streamgate_with_and_without_speculation(tiny_mode
     text = render("peers", tmp_path)
     assert f"edit {edit}, summarize {summarize}" in text
     lines = text.splitlines()
-    head = lines.index("| workload | streams | sg tok/s | sg-spec tok/s | × sg | TTFT p99, sg / sg-spec | × sg "
+    head = lines.index("| workload | streams | sg tok/s | sg-spec tok/s (× sg) | TTFT p99, sg / sg-spec "
                        "| ITL p50, sg / sg-spec |")
     assert [ln.split(" | ")[:2] for ln in lines[head + 2:head + 4]] == [["| edit", "1"], ["| summarize", "1"]]

@@ -1,6 +1,6 @@
 """docs/BENCHMARKS.md §6: streamgate against another server, side by side (`bench.peers`;
-the run's peers.json): a synthetic run's rows by stream count, a grounded run's
-(`--workload grounded`) by workload and stream count."""
+the run's peers.json): a synthetic run's rows by stream count, a table per compared server; a
+grounded run's (`--workload grounded`) by workload and stream count, every server in one table."""
 
 from __future__ import annotations
 
@@ -62,6 +62,25 @@ def table(peer: str, peer_rows: list[dict], name: str, rows: list[dict]) -> list
     return lines
 
 
+def grounded_table(peer: str, servers: dict, others: list[str]) -> list[str]:
+    """A grounded run in one table: a line per workload and level, each server's tok/s with
+    its ratio to the peer's, then every server's TTFT p99 and ITL p50 side by side."""
+    by = {n: {level(r): r for r in servers.get(n, {}).get("rows", [])} for n in [peer, *others]}
+    names = " / ".join([peer, *others])
+    lines = [f"| workload | streams | {peer} tok/s | " + " | ".join(f"{o} tok/s (× {peer})" for o in others)
+             + f" | TTFT p99, {names} | ITL p50, {names} |",
+             "|---|---:|---:|" + "---:|" * len(others) + "---:|---:|"]
+    for k in sorted(set().union(*by.values())):
+        rows = [by[n].get(k, {}) for n in [peer, *others]]
+        base = rows[0].get("output_tps")
+        mine = " | ".join(f"{_tps(r.get('output_tps'))} ({_ratio(r.get('output_tps'), base, bold=True)})"
+                          for r in rows[1:])
+        ttft = " / ".join(_s(r.get("ttft_p99_ms")).removesuffix(" s") for r in rows) + " s"
+        itl = " / ".join("—" if r.get("itl_p50_ms") is None else f"{r['itl_p50_ms']:.0f}" for r in rows) + " ms"
+        lines.append(f"| {k[0]} | {k[1]} | {_tps(base)} | {mine} | {ttft} | {itl} |")
+    return lines
+
+
 def render_peers(data: dict, name: str) -> str:
     a, servers = data["args"], data["servers"]
     peer = a["peer"]
@@ -82,6 +101,9 @@ def render_peers(data: dict, name: str) -> str:
         extra += f"; {note}"
     lines = [caption({**data, "loadavg_range": _loads(data)}, name, extra)]
     others = [n for n, s in servers.items() if n != peer and s.get("rows")]
+    if a.get("workload") == "grounded":
+        lines += [""] + grounded_table(peer, servers, others)
+        others = []
     for other in others:
         lines.append("")
         if len(others) > 1:
