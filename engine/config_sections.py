@@ -116,8 +116,8 @@ class ForwardConfig(Section):
                                      none="auto: on where packed linears are")
     compile: bool = knob(False, "torch.compile the model (start-up takes minutes)")
     cuda_graphs: bool = knob(True, "with compile on CUDA: decode steps replay CUDA graphs per batch bucket")
-    adaptive_threads: bool = knob(True, "CPU eager: steps of <= 4 tokens on 1 thread or all, whichever "
-                                  "measures faster")
+    adaptive_threads: bool = knob(True, "CPU eager: steps of <= 4 tokens (and, on kernels that split no sum, "
+                                  "every size) on 1 thread or all, whichever measures faster")
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,7 @@ class FusedLlama:
 
     def __init__(self, model: nn.Module, kind: str = "streamgate", family=None):
         cfg, body = model.config, model.model
+        self.kind = kind                                # how the linears are packed (packed_linear.py)
         windows = [layer.window for layer in family.layers] if family is not None else [None] * len(body.layers)
         self.embed, self.rotary_emb = body.embed_tokens, body.rotary_emb
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads

@@ -20,7 +20,7 @@ from .kv_cache import PagedKVCache
 from .threads import ThreadTuner
 from .kv_groups import plan_groups
 from .models import load_model
-from .packed_linear import maybe_pack
+from .packed_linear import bf16_kernel_only, maybe_pack
 from .prompt_logprobs import rows as prompt_logprob_rows
 from .scheduler import SchedulerOutput
 
@@ -76,7 +76,12 @@ class ModelRunner:
         if self.forward is self.model:
             maybe_pack(self.model, config, self.device, self.dtype)
         eager_cpu = self.device.type == "cpu" and not config.compile and tp == 1
-        self.threads = ThreadTuner(torch.get_num_threads()) if config.adaptive_threads and eager_cpu else None
+        # Steps of every size are tuned where the forward's kernels give the same bits on any
+        # thread count at every size (threads.py): the fused forward on the fp32 kernel, or on
+        # the bf16 block kernel alone; oneDNN and int8's dequantized GEMM run big steps otherwise.
+        kind = getattr(self.forward, "kind", None)
+        large = kind == "streamgate" or (kind == "bf16" and bf16_kernel_only())
+        self.threads = ThreadTuner(torch.get_num_threads(), large=large) if config.adaptive_threads and eager_cpu else None
         self.graphs: DecodeGraphs | None = None
         self.compile_time_s = 0.0
         if use_graphs:                                                # steps with prefill stay eager

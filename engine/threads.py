@@ -1,4 +1,4 @@
-"""How many threads a small step runs on, chosen by measuring it (CPU only).
+"""How many threads a step runs on, chosen by measuring it (CPU only).
 
 A decode step of a few rows is bound by reading the weights and by ~150 parallel regions
 (one per GEMM and attention call), each ending at a barrier. On an idle machine two threads
@@ -10,9 +10,17 @@ a token every 16-18 ms on two threads against 13 ms on one (docs/BENCHMARKS.md Â
 
 So `ThreadTuner` measures both: for steps of at most `max_rows` tokens it runs the faster
 choice by the median of its recent forward times (kept per row count), and every
-`explore_every` such steps runs `probe` steps with the other choice to keep both current. The
-outputs do not depend on it: the kernels split work by output rows and sequences, never a
-sum, so one and several threads give bit-identical logits (tests/test_threads.py).
+`explore_every` such steps runs `probe` steps with the other choice to keep both current.
+With `large` it does the same for every larger step, by power-of-two buckets of rows and
+time per row, exploring every `large_every` steps of a bucket (a one-thread probe of a
+prefill chunk costs up to twice its step on an idle host: 4 in 256 steps, ~1.5 %). Beside a
+process that takes a core (a load client on the same host), two threads' prefill and batched
+steps stalled at every barrier: SmolLM2 bf16, 32 streams in process beside one spinning
+process, 58 tok/s on two threads against 110 on one (Zen 4, 2026-12-04). The outputs do not
+depend on it: the kernels split work by output rows and sequences, never a sum, so one and
+several threads give bit-identical logits (tests/test_threads.py); `large` is only for
+forwards on those kernels at every size (model_runner.py), not where oneDNN or MKL run big
+steps.
 """
 
 from __future__ import annotations
@@ -22,34 +30,47 @@ from statistics import median
 
 
 class ThreadTuner:
-    def __init__(self, full: int, max_rows: int = 4, explore_every: int = 64, probe: int = 4, window: int = 16):
-        self.full, self.max_rows = full, max_rows
-        self.explore_every, self.probe, self.window = explore_every, probe, window
+    def __init__(self, full: int, max_rows: int = 4, explore_every: int = 64, probe: int = 4, window: int = 16,
+                 large: bool = False, large_every: int = 256):
+        self.full, self.max_rows, self.large = full, max_rows, large
+        self.explore_every, self.probe, self.window, self.large_every = explore_every, probe, window, large_every
         self.samples: dict[tuple[int, int], deque] = {}
-        self.small_steps = 0
+        self.steps: dict[int, int] = {}                          # measured steps per key
 
-    def _times(self, rows: int, threads: int) -> deque:
-        return self.samples.setdefault((rows, threads), deque(maxlen=self.window))
+    def key(self, rows: int) -> int | None:
+        """Row count up to max_rows; above it the power-of-two bucket (with `large`), else None."""
+        if rows <= self.max_rows:
+            return rows
+        return 1 << (rows - 1).bit_length() if self.large else None
+
+    def _times(self, key: int, threads: int) -> deque:
+        return self.samples.setdefault((key, threads), deque(maxlen=self.window))
 
     def choose(self, rows: int) -> int:
         """Threads for a forward over `rows` tokens."""
-        if self.full <= 1 or rows > self.max_rows:
+        key = self.key(rows)
+        if self.full <= 1 or key is None:
             return self.full
-        self.small_steps += 1
+        n = self.steps[key] = self.steps.get(key, 0) + 1
         for threads in (self.full, 1):                           # until both have been measured
-            if len(self._times(rows, threads)) < self.probe:
+            if len(self._times(key, threads)) < self.probe:
                 return threads
         best = self.preferred(rows)
         other = 1 if best == self.full else self.full
-        return other if self.small_steps % self.explore_every < self.probe else best
+        every = self.explore_every if rows <= self.max_rows else self.large_every
+        return other if n % every < self.probe else best
 
     def record(self, rows: int, threads: int, seconds: float) -> None:
-        if self.full > 1 and rows <= self.max_rows:
-            self._times(rows, threads).append(seconds)
+        key = self.key(rows)
+        if self.full > 1 and key is not None:
+            self._times(key, threads).append(seconds / rows)
 
     def preferred(self, rows: int) -> int | None:
         """The choice measured faster so far for `rows` tokens (None: not measured yet)."""
-        a, b = self._times(rows, self.full), self._times(rows, 1)
+        key = self.key(rows)
+        if key is None:
+            return None
+        a, b = self._times(key, self.full), self._times(key, 1)
         if not a or not b:
             return None
         return self.full if median(a) <= median(b) else 1

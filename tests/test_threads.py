@@ -35,6 +35,52 @@ def test_tuner_measures_both_then_runs_the_faster_and_keeps_probing():
     assert [ThreadTuner(full=1).choose(1) for _ in range(3)] == [1, 1, 1]
 
 
+def test_large_steps_are_tuned_by_bucket_where_asked():
+    """With `large`, steps over max_rows are measured too, per power-of-two bucket and by time
+    per row (a 300- and a 500-row step share the 512 bucket), exploring every `large_every`
+    steps; without it they always take all threads."""
+    tuner = ThreadTuner(full=2, max_rows=4, probe=2, window=4, large=True, large_every=20)
+    cost = {2: 0.004, 1: 0.003}                                       # per row: one thread faster (a busy host)
+    picks = []
+    for i in range(40):
+        rows = 300 if i % 2 else 500
+        t = tuner.choose(rows)
+        tuner.record(rows, t, cost[t] * rows)
+        picks.append(t)
+    assert picks[:4] == [2, 2, 1, 1] and tuner.preferred(400) == 1 and tuner.key(300) == tuner.key(512) == 512
+    assert 0 < picks[4:].count(2) < picks[4:].count(1)                 # still probing, mostly the faster
+    assert tuner.preferred(40) is None and tuner.choose(1) == 2         # other buckets measured apart
+    assert ThreadTuner(full=2).choose(500) == 2 and ThreadTuner(full=2).key(500) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_steps_are_bit_identical_on_one_or_all_threads_where_tuned(default_model_dir, dtype, all_threads):
+    """Where the tuner takes steps of every size (the fused forward on the fp32 kernel, or on
+    the bf16 block kernel alone), a 330-row prefill step gives the same logits on one thread
+    and on all; the fp32 forward is always such a forward where the kernels load."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one core: nothing to choose")
+    from engine.packed_linear import bf16_kernel_only
+
+    eng = LLMEngine(EngineConfig(model=default_model_dir, dtype=dtype, **TEST_POOL))
+    assert eng.runner.threads.large == (dtype == "float32" or bf16_kernel_only())
+    if not eng.runner.threads.large:               # big bf16 steps run oneDNN here: always all threads
+        return
+    for i, n in enumerate((40, 90, 200)):
+        eng.add_request(f"r{i}", list(range(100 + i, 100 + i + n)), SamplingParams(max_tokens=8, temperature=0.0))
+    batch = eng.scheduler.schedule()
+    assert batch.num_batched_tokens == 330
+    full, logits = torch.get_num_threads(), {}
+    eng.runner.threads = None                      # the thread count set here, not the tuner's
+    try:
+        for threads in (full, 1):
+            torch.set_num_threads(threads)
+            logits[threads] = eng.runner.execute(*eng.runner._prepare(batch)).clone()
+    finally:
+        torch.set_num_threads(full)
+    assert torch.equal(logits[full], logits[1])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_small_steps_are_bit_identical_on_one_or_all_threads(default_model_dir, dtype, all_threads):
     """A decode step of 1-3 rows gives the same logits, bit for bit, on one thread and on all:
