@@ -116,8 +116,10 @@ class ForwardConfig(Section):
                                      none="auto: on where packed linears are")
     compile: bool = knob(False, "torch.compile the model (start-up takes minutes)")
     cuda_graphs: bool = knob(True, "with compile on CUDA: decode steps replay CUDA graphs per batch bucket")
-    adaptive_threads: bool = knob(True, "CPU eager: steps of <= 4 tokens (and, on kernels that split no sum, "
-                                  "every size) on 1 thread or all, whichever measures faster")
+    adaptive_threads: bool = knob(True, "CPU eager: steps of <= 4 tokens on 1 thread or all, whichever "
+                                  "measures faster")
+    adaptive_threads_all_steps: bool = knob(False, "with adaptive_threads, steps of every size too, where the "
+                                            "kernels split no sum (engine/threads.py)")
 
 
 @dataclass(frozen=True)

@@ -76,11 +76,11 @@ class ModelRunner:
         if self.forward is self.model:
             maybe_pack(self.model, config, self.device, self.dtype)
         eager_cpu = self.device.type == "cpu" and not config.compile and tp == 1
-        # Steps of every size are tuned where the forward's kernels give the same bits on any
-        # thread count at every size (threads.py): the fused forward on the fp32 kernel, or on
-        # the bf16 block kernel alone; oneDNN and int8's dequantized GEMM run big steps otherwise.
+        # Steps of every size are tuned (when asked) only where the forward's kernels give the
+        # same bits on any thread count at every size (threads.py): the fused forward on the fp32
+        # kernel, or on the bf16 block kernel alone; oneDNN and int8's GEMM run big steps otherwise.
         kind = getattr(self.forward, "kind", None)
-        large = kind == "streamgate" or (kind == "bf16" and bf16_kernel_only())
+        large = config.adaptive_threads_all_steps and (kind == "streamgate" or (kind == "bf16" and bf16_kernel_only()))
         self.threads = ThreadTuner(torch.get_num_threads(), large=large) if config.adaptive_threads and eager_cpu else None
         self.graphs: DecodeGraphs | None = None
         self.compile_time_s = 0.0

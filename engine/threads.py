@@ -20,7 +20,9 @@ process, 58 tok/s on two threads against 110 on one (Zen 4, 2026-12-04). The out
 depend on it: the kernels split work by output rows and sequences, never a sum, so one and
 several threads give bit-identical logits (tests/test_threads.py); `large` is only for
 forwards on those kernels at every size (model_runner.py), not where oneDNN or MKL run big
-steps.
+steps. It is opt-in (`EngineConfig.adaptive_threads_all_steps`): served under GuideLLM, whose
+load comes in bursts, one run at 32 streams made 152.8 tok/s with it against 178.7 without
+(docs/BENCHMARKS.md §6): a choice probed 4 steps in 256 lags the client's phases.
 """
 
 from __future__ import annotations
