@@ -82,18 +82,25 @@ def call_schema(fn) -> dict:
     return closed(fn.parameters or {"type": "object", "properties": {}})
 
 
-def closed(schema):
+MAX_SCHEMA_DEPTH = 64       # nested subschemas a tool's or response_format's JSON schema may have
+
+
+def closed(schema, depth: int = 0):
     """`schema` with every object that lists its properties and says nothing of others closed
     (`additionalProperties: false`), as OpenAI's strict mode requires them written: without
-    it the grammar lets a model add keys of its own, and a weak one never stops adding."""
+    it the grammar lets a model add keys of its own, and a weak one never stops adding.
+    Deeper than MAX_SCHEMA_DEPTH it raises RecursionError (output_grammar's 400) at a depth
+    that does not depend on the interpreter's recursion limit (inductor raises it to 2,000)."""
+    if depth > MAX_SCHEMA_DEPTH:
+        raise RecursionError(f"a JSON schema nested deeper than {MAX_SCHEMA_DEPTH}")
     if isinstance(schema, list):
-        return [closed(s) for s in schema]
+        return [closed(s, depth + 1) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: closed(v) if k in _SUBSCHEMAS else v for k, v in schema.items()}
+    out = {k: closed(v, depth + 1) if k in _SUBSCHEMAS else v for k, v in schema.items()}
     for k in ("properties", "$defs", "definitions", "patternProperties"):
         if isinstance(out.get(k), dict):
-            out[k] = {name: closed(sub) for name, sub in out[k].items()}
+            out[k] = {name: closed(sub, depth + 1) for name, sub in out[k].items()}
     if "properties" in out and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out

@@ -5,13 +5,14 @@ message and `<tool_call>` text; forced tool choices and response formats become 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from transformers import AutoTokenizer
 
 from gateway.errors import BadRequest
 from gateway.schemas import parse_chat_request
-from gateway.tools import closed, output_grammar, template_inputs
+from gateway.tools import MAX_SCHEMA_DEPTH, closed, output_grammar, template_inputs
 
 TOOL = {"type": "function", "function": {"name": "lookup", "description": "find a word",
                                          "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
@@ -88,3 +89,25 @@ def test_a_schema_nested_too_deep_is_a_400_naming_the_field():
     with pytest.raises(BadRequest) as exc:
         output_grammar(parse_chat_request(body))
     assert exc.value.param == "response_format"
+
+
+def test_schema_depth_limit_does_not_depend_on_the_recursion_limit():
+    """The refusal comes at MAX_SCHEMA_DEPTH, also where something (inductor) raised the
+    interpreter's recursion limit far above it; a schema within it is closed as usual."""
+    def nested(levels: int) -> dict:
+        schema: dict = {"type": "object", "properties": {}}
+        for _ in range(levels):
+            schema = {"type": "object", "properties": {"a": schema}}
+        return schema
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)
+    try:
+        with pytest.raises(RecursionError, match=str(MAX_SCHEMA_DEPTH)):
+            closed(nested(MAX_SCHEMA_DEPTH + 1))
+    finally:
+        sys.setrecursionlimit(limit)
+    inner = closed(nested(MAX_SCHEMA_DEPTH // 2 - 1))
+    for _ in range(MAX_SCHEMA_DEPTH // 2 - 1):
+        assert inner["additionalProperties"] is False
+        inner = inner["properties"]["a"]
