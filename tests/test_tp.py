@@ -154,31 +154,6 @@ def test_hung_rank_fails_the_step_within_the_timeout(tp_engine):
         tp_engine.check_health()
 
 
-def test_speculative_decoding_on_two_ranks_equals_one_process_without_it(repeat_model):
-    """2 ranks verifying n-gram drafts, under chunked prefill and recompute and swap
-    preemption: the drafts travel in the prepared step rank 0 broadcasts, every rank writes
-    their KV to its own pool and rewrites the rejected ones' slots later, as one process
-    does, so fp32 greedy output equals the one-process engine without speculation, with
-    drafts accepted."""
-    model = repeat_model
-    rng = random.Random(5)
-    arrivals: dict[int, list[tuple]] = {}
-    for i in range(6):                        # input-grounded: a text, then the text again up to a cut
-        text = [rng.randrange(100, 40_000) for _ in range(rng.randrange(10, 70))]
-        params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-        arrivals[i] = [(f"s{i}", text + text[:rng.randrange(1, len(text))], params)]
-    want = run_to_completion(LLMEngine(EngineConfig(model=model, **PRESSURE)), arrivals)
-    tp = LLMEngine(EngineConfig(model=model, tensor_parallel_size=2, tp_timeout_s=60.0, num_speculative_tokens=3,
-                                speculative_ngram_min=1, **PRESSURE))
-    try:
-        got = run_to_completion(tp, arrivals)
-        stats = tp.stats()
-    finally:
-        tp.close()
-    assert got == want
-    assert stats["spec_accepted_tokens"] > 0 and stats["preemptions_recompute"] + stats["preemptions_swap"] > 0
-
-
 def test_heads_that_do_not_divide_fail_at_start_naming_them(tiny_model):
     """tensor_parallel_size=3 on 4 query / 2 KV heads is refused before any rank starts."""
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3.*num_attention_heads=4, num_key_value_heads=2"):
