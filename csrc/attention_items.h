@@ -17,6 +17,8 @@
 namespace streamgate::cpu {
 
 constexpr int64_t kQueryTile = 32;   // query rows of one sequence per work item
+constexpr int64_t kQueryTileAmx = 64;   // ... on AMX tiles (attention_amx_item.h): each span's keys and
+                                        // values are copied once per item, for twice the queries
 
 struct Item {
   int64_t seq, kv_head, row_begin, row_end;   // rows counted from the sequence's first row
@@ -42,7 +44,8 @@ inline void check_inputs(const torch::Tensor& q, const torch::Tensor& k_pool, co
 
 inline std::vector<std::vector<Item>> deal_items(const torch::Tensor& q, const torch::Tensor& k_pool,
                                                  const torch::Tensor& block_tables, const torch::Tensor& q_start,
-                                                 const torch::Tensor& ctx_lens, int64_t block_size) {
+                                                 const torch::Tensor& ctx_lens, int64_t block_size,
+                                                 int64_t query_tile = kQueryTile) {
   const int64_t num_seqs = ctx_lens.size(0);
   const int64_t* starts = q_start.data_ptr<int64_t>();
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
@@ -59,8 +62,8 @@ inline std::vector<std::vector<Item>> deal_items(const torch::Tensor& q, const t
       continue;
     }
     for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t r = 0; r < q_len; r += kQueryTile)
-        items.push_back({b, h, r, std::min(q_len, r + kQueryTile)});
+      for (int64_t r = 0; r < q_len; r += query_tile)
+        items.push_back({b, h, r, std::min(q_len, r + query_tile)});
   }
   // at::parallel_for hands each thread one contiguous range, so items are first dealt into
   // one bin per thread, longest first, each to the least loaded bin (contexts are ragged).

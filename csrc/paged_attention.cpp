@@ -26,6 +26,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_amx_item.h"
 #include "attention_bf16.h"
 #include "attention_decode.h"
 #include "attention_decode_bf16.h"
@@ -43,7 +44,7 @@ template <typename scalar_t>
 void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
          const torch::Tensor& block_tables, const torch::Tensor& q_start, const torch::Tensor& ctx_lens,
          int64_t block_size, double scale, const Features& f, torch::Tensor& out,
-         const std::vector<std::vector<Item>>& bins) {
+         const std::vector<std::vector<Item>>& bins, bool use_amx) {
   const int64_t num_heads = q.size(1), D = q.size(2);
   const int64_t num_kv_heads = k_pool.size(1), group = num_heads / num_kv_heads;
   const scalar_t* qp = q.data_ptr<scalar_t>();
@@ -62,12 +63,13 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
   // row is paid once per span, not once per (small) block.
   const int64_t span = std::max<int64_t>(1, kSpan / block_size) * block_size;
   const int64_t kpad = (span + kLanes - 1) / kLanes * kLanes;             // keys per span, padded
-  const int64_t max_q = kQueryTile * group;                               // query vectors per item
+  const int64_t max_q = (use_amx ? kQueryTileAmx : kQueryTile) * group;   // query vectors per item
   // bf16 pools with bf16 dot products: query tiles take the VDPBF16PS tiles (attention_bf16.h).
   constexpr bool bf16_tiles = kTileBf16 && std::is_same_v<scalar_t, c10::BFloat16>;
   const bool tile16 = bf16_tiles && D % 16 == 0;
   const int64_t kpad16 = (kpad + 15) / 16 * 16;
   const bool decode16 = kDecodeBf16 && std::is_same_v<scalar_t, c10::BFloat16> && D % 32 == 0;
+  const bool amx = bf16_tiles && use_amx;                                 // ... or on AMX (attention_amx_item.h)
 
   at::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t first_bin, int64_t last_bin) {
     // qf [max_q, D] scaled queries; kT [D, kpad] one span of K transposed; vb [kpad, D] its V;
@@ -86,6 +88,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
     std::vector<c10::BFloat16> qb(tile16 ? max_q * D : 0), pb(tile16 ? max_q * kpad16 : 0);
     std::vector<uint32_t> kP(tile16 ? D / 2 * kpad16 : 0, 0u), vP(tile16 ? kpad16 / 2 * D : 0);
     std::vector<const scalar_t*> vsrc(kpad);
+    AmxScope amx_scope(amx);
+    AmxScratch amx_scratch(amx ? max_q : 0, D, span);
     for (int64_t bin = first_bin; bin < last_bin; ++bin)
     for (const Item& w : bins[bin]) {
       if (w.kv_head < 0) {
@@ -107,6 +111,17 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
       const int64_t ctx = lens[w.seq];
       const int64_t nq = (w.row_end - w.row_begin) * group;
       const bool by_key = nq < kRows;                                  // a decode row: few query vectors
+      if constexpr (bf16_tiles) {
+        if (amx && !by_key) {
+          const AmxItem item{qp + starts[w.seq] * q_row + w.kv_head * group * q_head, q_row, q_head,
+                             kp + w.kv_head * kv_head_stride, vp + w.kv_head * kv_head_stride, kv_slot,
+                             tables + w.seq * table_width, block_size, ctx, q_len, w.row_begin, w.row_end, group, D,
+                             span, fscale, w.kv_head * group, op + starts[w.seq] * o_row + w.kv_head * group * o_head,
+                             o_row, o_head};
+          tile_item_amx(item, f, amx_scratch);
+          continue;
+        }
+      }
       const bool packed = tile16 && !by_key;                           // a query tile on bf16 dot products
       // Query vectors of the tile, scaled, fp32: index i = row * group + g.
       for (int64_t r = w.row_begin; r < w.row_end; ++r) {
@@ -205,6 +220,12 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
           const float inv = 1.0f / l[i];
           scalar_t* dst = op + (starts[w.seq] + r) * o_row + (w.kv_head * group + g) * o_head;
           const float* ai = acc.data() + i * D;
+          if constexpr (bf16_tiles) {
+            if (D % 16 == 0) {
+              store_scaled_bf16(dst, ai, inv, D);
+              continue;
+            }
+          }
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(ai[d] * inv);
         }
@@ -229,9 +250,13 @@ void paged_attention_ext(const torch::Tensor& q, const torch::Tensor& k_pool, co
                 sinks->size(0) == q.size(1), "paged_attention: sinks fp32 [num_heads]");
     f.sinks = sinks->data_ptr<float>();
   }
-  const std::vector<std::vector<Item>> bins = deal_items(q, k_pool, block_tables, q_start, ctx_lens, block_size);
+  // bf16 query tiles run on AMX where this process may, for head_dim % 32 == 0, without soft-capping.
+  const bool use_amx = kAmxBuilt && q.scalar_type() == at::kBFloat16 && q.size(2) % 32 == 0 && softcap == 0.0 &&
+                       amx_switch().load(std::memory_order_relaxed);
+  const std::vector<std::vector<Item>> bins =
+      deal_items(q, k_pool, block_tables, q_start, ctx_lens, block_size, use_amx ? kQueryTileAmx : kQueryTile);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    run<scalar_t>(q, k_pool, v_pool, block_tables, q_start, ctx_lens, block_size, scale, f, out, bins);
+    run<scalar_t>(q, k_pool, v_pool, block_tables, q_start, ctx_lens, block_size, scale, f, out, bins, use_amx);
   });
 }
 
@@ -239,6 +264,13 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const 
                      const torch::Tensor& block_tables, const torch::Tensor& q_start,
                      const torch::Tensor& ctx_lens, int64_t block_size, double scale, torch::Tensor out) {
   paged_attention_ext(q, k_pool, v_pool, block_tables, q_start, ctx_lens, block_size, scale, 0, 0.0, std::nullopt, out);
+}
+
+// Whether query tiles of bf16 pools run on AMX (attention_amx_item.h); `enable` turns it on
+// (where this process may run AMX tiles) or off, for every later call in the process.
+bool amx_tiles(std::optional<bool> enable) {
+  if (enable.has_value()) amx_switch().store(*enable && amx_supported());
+  return amx_switch().load();
 }
 
 }  // namespace
@@ -250,6 +282,7 @@ TORCH_LIBRARY_FRAGMENT(streamgate, m) {
         "Tensor ctx_lens, int block_size, float scale, Tensor(a!) out) -> ()");
   m.def("paged_attention_ext(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor q_start, "
         "Tensor ctx_lens, int block_size, float scale, int window, float softcap, Tensor? sinks, Tensor(a!) out) -> ()");
+  m.def("amx_tiles(bool? enable=None) -> bool", &amx_tiles);
 }
 
 TORCH_LIBRARY_IMPL(streamgate, CPU, m) {

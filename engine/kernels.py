@@ -51,8 +51,10 @@ class Variant:
 
 # x86-64 microarchitecture levels (the psABI's v3 = Haswell's AVX2/FMA/BMI, v4 = AVX-512
 # F/BW/CD/DQ/VL) plus AVX512-BF16, whose dot products the bf16 attention uses
-# (csrc/attention_bf16.h, attention_decode_bf16.h). An AMX host runs the avx512_bf16 build:
-# no kernel uses AMX tiles (oneDNN uses them for the bf16 matmuls by itself).
+# (csrc/attention_bf16.h, attention_decode_bf16.h). An AMX host runs the avx512_bf16 build,
+# whose prefill attention tiles use AMX where the CPU has AMX-BF16 and Linux grants the tile
+# state (csrc/attention_amx.h: functions compiled for the AMX target, chosen at run time, so no
+# variant of its own); oneDNN uses AMX for the bf16 matmuls by itself.
 # -mtune=native only orders instructions for the build host; it never adds any.
 _V3 = frozenset({"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"})
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}

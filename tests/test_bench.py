@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_offline_benchmark_smoke(tiny_model, tmp_path):
     """`python -m bench.engine.offline` on 6 short requests: every system produces all tokens, the
@@ -60,6 +62,25 @@ def test_attention_benchmark_runs_both_backends(capsys, tmp_path):
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
     assert [r[0] for r in rows[1:]] == ["1", "8"], rows
     assert all(float(r[4]) < 1e-3 for r in rows[1:]), rows                    # fp32: the same outputs
+
+
+def test_attention_benchmark_times_amx_against_its_absence(capsys, tmp_path):
+    """In bf16 on a CPU with AMX the kernel is timed with its AMX tiles and without them, and the
+    switch is left as it was."""
+    import torch
+
+    from bench.engine.attention import main
+    from engine.kernels import paged_attention_ops
+
+    ops = paged_attention_ops()
+    if ops is None or not ops.amx_tiles():
+        pytest.skip("no AMX tiles in this process")
+    out = tmp_path / "attention.json"
+    assert main(["--dtype", "bfloat16", "--case", "1x64-64/64", "--reps", "1", "--threads", "1",
+                 "--json-out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["amx"] is True and data["rows"][0]["kernel_no_amx_ms"] > 0
+    assert torch.ops.streamgate.amx_tiles() is True
 
 
 def test_benchmarks_have_their_own_entry_point_and_the_gateway_never_imports_them():

@@ -1,6 +1,7 @@
 """The C++ paged attention kernel against the pure-torch reference (gather + SDPA) on random
 pools and block tables: ragged contexts, partially filled last blocks, prefill chunks over
-cached context, GQA, fp32 and bf16."""
+cached context, GQA, fp32 and bf16; on a CPU with AMX, bf16 query tiles both on AMX tiles
+(csrc/attention_amx_item.h) and on VDPBF16PS (attention_bf16.h)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,19 @@ from tests.bf16 import assert_tensor_within_noise
 
 ops = paged_attention_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="the paged attention kernel did not build (see the log)")
+# Whether this process runs AMX tiles (the CPU has AMX-BF16, Linux grants the tile state, and
+# STREAMGATE_AMX is not 0): then every bf16 test runs on both paths.
+AMX = ops is not None and ops.amx_tiles()
+NO_AMX = "no AMX here (CPU without AMX-BF16, kernel variant without AVX512-BF16, or STREAMGATE_AMX=0)"
+
+
+@pytest.fixture(params=[pytest.param(False, id="no-amx"),
+                        pytest.param(True, id="amx", marks=pytest.mark.skipif(not AMX, reason=NO_AMX))])
+def amx(request):
+    """Runs the test with the kernel's AMX tiles off, and again on where this CPU has them."""
+    ops.amx_tiles(request.param)
+    yield request.param
+    ops.amx_tiles(AMX)
 
 
 def reference(q, k_pool, v_pool, tables, q_lens, ctx_lens, block_size, scale, dtype=torch.float32):
@@ -77,12 +91,20 @@ CASES = {
     # odd key counts in the last span: the tails of the bf16 tiles (attention_bf16.h)
     "tails-d48": ([9, 20, 1], [50, 95, 33], 6, 2, 48, 40),
     "tails-d80": ([12, 7], [40, 131], 4, 1, 80, 24),
+    # AMX's shapes (head_dim % 32 == 0): head_dim 96 (four output tiles and two more), GQA 4:1
+    # (128 query vectors a tile), spans of 48 keys (block size 24: the last 16 of a 64-key score
+    # tile and of a 32-key value step unused), chunks of 1-3 query tiles, a 3-row chunk (12
+    # vectors: one tile of 16 rows, 4 of them padding)
+    "amx-d96": ([70, 3, 33, 1], [200, 3, 95, 50], 8, 2, 96, 24),
+    # MHA at head_dim 128 (one query vector per row: a 17-row chunk is two row tiles, the second
+    # of one row), block size 16, a chunk over a long context (many spans)
+    "amx-d128": ([17, 64], [17, 700], 2, 2, 128, 16),
 }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_matches_torch_reference(case, dtype):
+def test_kernel_matches_torch_reference(case, dtype, amx):
     """Every query row's output equals gather + SDPA in fp32 within fp32 rounding; bf16 and
     fp16 pools by the bf16 contract (tests/bf16.py): within twice what torch's own SDPA in
     that dtype is off fp32 on the same inputs."""
@@ -144,8 +166,8 @@ FEATURES = {"window": (24, 0.0, False), "softcap": (0, 3.0, False), "sinks": (0,
 @pytest.mark.skipif(ops is None or not hasattr(ops, "paged_attention_ext"), reason="no paged_attention_ext")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("feature", FEATURES)
-@pytest.mark.parametrize("case", ["decode", "mixed", "long", "odd", "many", "wide", "tails-d48", "families"])
-def test_kernel_features_match_eager_reference(case, feature, dtype):
+@pytest.mark.parametrize("case", ["decode", "mixed", "long", "odd", "many", "wide", "tails-d48", "families", "amx-d96"])
+def test_kernel_features_match_eager_reference(case, feature, dtype, amx):
     """Every path of the kernel (decode rows on all heads, query tiles, bf16 tiles) with a
     window not a multiple of the block size, soft-capping and sinks equals the eager math;
     keys before a sequence's first window are never read (NaN there would show)."""
@@ -164,3 +186,27 @@ def test_kernel_features_match_eager_reference(case, feature, dtype):
                             block_size, 0.3, window, softcap, sinks, out)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not AMX, reason=NO_AMX)
+def test_amx_tiles_switch_and_change_only_the_order_of_sums():
+    """amx_tiles() reports and sets the path: the same bf16 chunk on AMX and on VDPBF16PS differs
+    only by rounding (both within the bf16 contract of fp32 SDPA, above), and never by a whole
+    row (a wrong tile, a stale key or value past a span's end would)."""
+    q_lens, ctx_lens, heads, kv_heads, head_dim, block_size = CASES["amx-d96"]
+    q, k_pool, v_pool, tables = random_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size,
+                                             torch.bfloat16, seed=5)
+    outs = {}
+    try:
+        for on in (False, True):
+            assert ops.amx_tiles(on) is on
+            outs[on] = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+            ops.paged_attention(q, k_pool, v_pool, tables, torch.tensor([0] + q_lens).cumsum(0),
+                                torch.tensor(ctx_lens), block_size, head_dim ** -0.5, outs[on])
+    finally:
+        ops.amx_tiles(AMX)
+    want = reference(q, k_pool, v_pool, tables, q_lens, ctx_lens, block_size, head_dim ** -0.5)
+    low = reference(q, k_pool, v_pool, tables, q_lens, ctx_lens, block_size, head_dim ** -0.5, torch.bfloat16)
+    for on, out in outs.items():
+        assert_tensor_within_noise(out, want, low, what=f"amx={on}")
+    assert not torch.equal(outs[False], outs[True])         # the AMX path did run: other sums, other bits

@@ -10,7 +10,10 @@ decode token per sequence (or the last `--chunk` tokens of each context as a pre
 chunk over the rest), contexts of random length; several chunk sizes give the crossover. Times one step's attention over all
 layers (median of --reps, the two backends alternating so load on a shared host hits both):
 "torch" is the gather (index_select) + SDPA path the engine used before, "kernel" the C++
-kernel reading the pool in place. Writes --json-out (bench/results/attention.json).
+kernel reading the pool in place; in bf16 on a CPU with AMX, "kernel" runs the query tiles on AMX
+tiles and "kernel, no AMX" the same build with them off (`torch.ops.streamgate.amx_tiles`: the
+VDPBF16PS tiles an AVX512-BF16 CPU without AMX runs). Writes --json-out
+(bench/results/attention.json).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
     from engine.attention_torch import build_torch_groups
     from engine.kv_cache import PagedKVCache
 
+    ops = torch.ops.streamgate
+    amx = dtype == torch.bfloat16 and ops.amx_tiles()
     layers, heads, kv_heads, dim, bs = 30, 9, 3, 64, 16
     rng = random.Random(0)
     lens = [rng.randint(min_ctx, max_ctx) for _ in range(seqs)]
@@ -64,16 +69,23 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
     class Layer:
         layer_idx = 0
 
-    def step(meta, query, key) -> float:
-        start = time.perf_counter()
-        for layer in range(layers):
-            Layer.layer_idx = layer
-            paged_attention(Layer, query, key, key, None, scaling=dim ** -0.5, paged=meta)
-        return time.perf_counter() - start
+    def step(meta, query, key, amx_tiles: bool | None = None) -> float:
+        if amx_tiles is not None:                                   # AMX's A/B: off for this step only
+            ops.amx_tiles(amx_tiles)
+        try:
+            start = time.perf_counter()
+            for layer in range(layers):
+                Layer.layer_idx = layer
+                paged_attention(Layer, query, key, key, None, scaling=dim ** -0.5, paged=meta)
+            return time.perf_counter() - start
+        finally:
+            if amx_tiles is not None:
+                ops.amx_tiles(amx)
 
     print(f"{seqs} sequences, contexts {min(lens)}-{max(lens)} ({sum(lens)} tokens), {str(dtype)[6:]}, "
           f"30 layers, median of {reps} (ms per step):")
-    print(f"  {'query tokens':>12} {'torch':>9} {'kernel':>9} {'speed-up':>9}  max |diff|")
+    print(f"  {'query tokens':>12} {'torch':>9} {'kernel':>9} {'speed-up':>9}  max |diff|"
+          + (f"  {'no AMX':>9} {'AMX speed-up':>12}" if amx else ""))
     out = []
     for n in chunks:
         rows = seqs * n
@@ -89,10 +101,12 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
         key = torch.randn(1, kv_heads, rows, dim, dtype=dtype)     # a first chunk's own K/V (torch path)
         with torch.inference_mode():
             step(torch_meta, query, key), step(kernel_meta, query, key)
-            times = {"torch": [], "kernel": []}
+            times = {"torch": [], "kernel": [], **({"kernel_no_amx": []} if amx else {})}
             for _ in range(reps):
                 times["torch"].append(step(torch_meta, query, key))
                 times["kernel"].append(step(kernel_meta, query, key))
+                if amx:
+                    times["kernel_no_amx"].append(step(kernel_meta, query, key, amx_tiles=False))
             ref = paged_attention(Layer, query, key, key, None, scaling=dim ** -0.5, paged=torch_meta)[0]
             got = paged_attention(Layer, query, key, key, None, scaling=dim ** -0.5, paged=kernel_meta)[0]
         med = {k: statistics.median(v) * 1000 for k, v in times.items()}
@@ -100,9 +114,12 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
         # in the kernel, so only decode and chunks over context compare outputs.
         diff = float((ref - got).abs().max()) if min(lens) > n else None
         print(f"  {n:>12} {med['torch']:>9.1f} {med['kernel']:>9.1f} {med['torch'] / med['kernel']:>8.2f}x  "
-              f"{'not comparable' if diff is None else f'{diff:.1e}'}", flush=True)
+              f"{'not comparable' if diff is None else f'{diff:.1e}'}"
+              + (f"  {med['kernel_no_amx']:>9.1f} {med['kernel_no_amx'] / med['kernel']:>11.2f}x" if amx else ""),
+              flush=True)
         out.append({"seqs": seqs, "min_ctx": min_ctx, "max_ctx": max_ctx, "context_tokens": sum(lens), "chunk": n,
-                    "torch_ms": med["torch"], "kernel_ms": med["kernel"], "max_abs_diff": diff})
+                    "torch_ms": med["torch"], "kernel_ms": med["kernel"], "max_abs_diff": diff,
+                    **({"kernel_no_amx_ms": med["kernel_no_amx"]} if amx else {})})
     return out
 
 
@@ -135,7 +152,8 @@ def main(argv=None) -> int:
     print(f"{args.dtype}, {args.threads} threads")
     rows = [row for case in cases for row in run_case(*case, getattr(torch, args.dtype), args.reps)]
     write_json(args.json_out, prov, args={**vars(args), "case": [list(c) for c in cases]},
-               dtype=args.dtype, threads=args.threads, reps=args.reps, rows=rows)
+               dtype=args.dtype, threads=args.threads, reps=args.reps, rows=rows,
+               amx=any("kernel_no_amx_ms" in r for r in rows))
     print(f"wrote {args.json_out}")
     return 0
 

@@ -19,15 +19,24 @@ def _batch(r: dict) -> str:
 
 
 def render_attention(data: dict, name: str) -> str:
+    amx = data.get("amx", False)
     extra = (f"; SmolLM2's shapes (9 query / 3 KV heads, head_dim 64, 30 layers), {data['dtype']}, "
-             f"{_threads(data['threads'])}, median of {data['reps']} steps, the backends alternating")
+             f"{_threads(data['threads'])}, median of {data['reps']} steps, the backends alternating"
+             + ("; the kernel's query tiles on AMX tiles, and with them off (VDPBF16PS, what a CPU without AMX runs)"
+                if amx else ""))
+    head = "| batch (`--case`) | gather + SDPA | kernel | kernel speed-up |"
     lines = [caption(data, name, extra), "",
-             "| batch (`--case`) | gather + SDPA | kernel | kernel speed-up |",
-             "|---|---:|---:|---:|"]
+             head + (" kernel, no AMX | AMX speed-up |" if amx else ""),
+             "|---|---:|---:|---:|" + ("---:|---:|" if amx else "")]
     for r in data["rows"]:
         case = f"{r['seqs']}x{r['min_ctx']}-{r['max_ctx']}/{r['chunk']}"
-        lines.append(f"| {_batch(r)} (`{case}`) | {r['torch_ms']:,.1f} ms | {r['kernel_ms']:,.1f} ms | "
-                     f"{r['torch_ms'] / r['kernel_ms']:.2f}× |")
+        row = (f"| {_batch(r)} (`{case}`) | {r['torch_ms']:,.1f} ms | {r['kernel_ms']:,.1f} ms | "
+               f"{r['torch_ms'] / r['kernel_ms']:.2f}× |")
+        if amx and r["chunk"] == 1:                             # decode rows take no query tiles: the same code
+            row += f" {r['kernel_no_amx_ms']:,.1f} ms | — |"
+        elif amx:
+            row += f" {r['kernel_no_amx_ms']:,.1f} ms | {r['kernel_no_amx_ms'] / r['kernel_ms']:.2f}× |"
+        lines.append(row)
     return "\n".join(lines)
 
 
