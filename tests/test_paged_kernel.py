@@ -210,3 +210,19 @@ def test_amx_tiles_switch_and_change_only_the_order_of_sums():
     for on, out in outs.items():
         assert_tensor_within_noise(out, want, low, what=f"amx={on}")
     assert not torch.equal(outs[False], outs[True])         # the AMX path did run: other sums, other bits
+
+
+@pytest.mark.skipif(not AMX, reason=NO_AMX)
+def test_streamgate_amx_0_turns_the_tiles_off_in_a_new_process():
+    """STREAMGATE_AMX=0 is read when the library loads: that process starts with the tiles off
+    (an explicit amx_tiles(True) still turns them on where the CPU has them)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom engine.kernels import paged_attention_ops\nops = paged_attention_ops()\n"
+            "print(ops.amx_tiles(), ops.amx_tiles(True))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "STREAMGATE_AMX": "0"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["False", "True"], out.stdout
