@@ -121,55 +121,54 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void scores_t_amx(const c10:
   }
 }
 
+// C (2 or 4) column tiles of 16 outputs at c (rows of D fp32) += 16 rows of probabilities a
+// (abytes apart) times the values vP's columns from d0, over keys t < keys32.
+template <int C>
+__attribute__((target("amx-tile,amx-bf16"))) inline void values_tiles(const c10::BFloat16* a, long abytes,
+                                                                      const uint32_t* vP, int64_t keys32, float* c,
+                                                                      int64_t D, int64_t d0) {
+  static_assert(C == 2 || C == 4, "two or four column tiles");
+  const long bytes = D * 4;                        // a row of vP (words) and of acc (fp32)
+  _tile_loadd(0, c, bytes);
+  _tile_loadd(1, c + 16, bytes);
+  if constexpr (C == 4) {
+    _tile_loadd(2, c + 32, bytes);
+    _tile_loadd(3, c + 48, bytes);
+  }
+  for (int64_t k0 = 0; k0 < keys32; k0 += 32) {
+    const uint32_t* b = vP + k0 / 2 * D + d0;
+    _tile_loadd(4, a + k0, abytes);
+    _tile_loadd(5, b, bytes);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(5, b + 16, bytes);
+    _tile_dpbf16ps(1, 4, 5);
+    if constexpr (C == 4) {
+      _tile_loadd(5, b + 32, bytes);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(5, b + 48, bytes);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, c, bytes);
+  _tile_stored(1, c + 16, bytes);
+  if constexpr (C == 4) {
+    _tile_stored(2, c + 32, bytes);
+    _tile_stored(3, c + 48, bytes);
+  }
+}
+
 // acc[i] += sum_t p_i[t] v_t for rows i < rows16 over keys t < keys32 (a multiple of 32: pb
 // [rows16][pstride] bf16, zeros from each row's last key to keys32; vP [keys32/2][D] words,
-// finite). D % 32 == 0.
+// finite). D % 32 == 0: four column tiles at a time, two for the last 32 where D % 64 == 32.
 __attribute__((target("amx-tile,amx-bf16"))) inline void values_amx(const c10::BFloat16* pb, int64_t pstride,
                                                                     int64_t rows16, const uint32_t* vP,
                                                                     int64_t keys32, float* acc, int64_t D) {
   SG_AMX_FENCE();
-  const long abytes = pstride * 2, vbytes = D * 4, cbytes = D * 4;
   for (int64_t r0 = 0; r0 < rows16; r0 += 16) {
     const c10::BFloat16* a = pb + r0 * pstride;
     int64_t d0 = 0;
-    for (; d0 + 64 <= D; d0 += 64) {               // four column tiles of 16 outputs
-      float* c = acc + r0 * D + d0;
-      _tile_loadd(0, c, cbytes);
-      _tile_loadd(1, c + 16, cbytes);
-      _tile_loadd(2, c + 32, cbytes);
-      _tile_loadd(3, c + 48, cbytes);
-      for (int64_t k0 = 0; k0 < keys32; k0 += 32) {
-        const uint32_t* b = vP + k0 / 2 * D + d0;
-        _tile_loadd(4, a + k0, abytes);
-        _tile_loadd(5, b, vbytes);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(5, b + 16, vbytes);
-        _tile_dpbf16ps(1, 4, 5);
-        _tile_loadd(5, b + 32, vbytes);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(5, b + 48, vbytes);
-        _tile_dpbf16ps(3, 4, 5);
-      }
-      _tile_stored(0, c, cbytes);
-      _tile_stored(1, c + 16, cbytes);
-      _tile_stored(2, c + 32, cbytes);
-      _tile_stored(3, c + 48, cbytes);
-    }
-    if (d0 < D) {                                  // D % 64 == 32: two more
-      float* c = acc + r0 * D + d0;
-      _tile_loadd(0, c, cbytes);
-      _tile_loadd(1, c + 16, cbytes);
-      for (int64_t k0 = 0; k0 < keys32; k0 += 32) {
-        const uint32_t* b = vP + k0 / 2 * D + d0;
-        _tile_loadd(4, a + k0, abytes);
-        _tile_loadd(5, b, vbytes);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(5, b + 16, vbytes);
-        _tile_dpbf16ps(1, 4, 5);
-      }
-      _tile_stored(0, c, cbytes);
-      _tile_stored(1, c + 16, cbytes);
-    }
+    for (; d0 + 64 <= D; d0 += 64) values_tiles<4>(a, pstride * 2, vP, keys32, acc + r0 * D + d0, D, d0);
+    if (d0 < D) values_tiles<2>(a, pstride * 2, vP, keys32, acc + r0 * D + d0, D, d0);
   }
 }
 
