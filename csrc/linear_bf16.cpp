@@ -196,7 +196,7 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, const float* bp, i
   }
 #endif
   const auto xf = fp32_rows(x);
-  fma_blocks<Bf16Code, false>(xf.data_ptr<float>(), xf.stride(0), M, K, N, wp, out, blocks, 32 << 10);
+  fma_blocks<Bf16Code, kNoPrefetch>(xf.data_ptr<float>(), xf.stride(0), M, K, N, wp, out, blocks, 32 << 10);
 }
 
 // x [M, K] fp32, bf16 or fp16 (any strides); packed from pack_bf16; bias [N] fp32 or none

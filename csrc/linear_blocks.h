@@ -51,11 +51,32 @@ struct Out {
   }
 };
 
+// Software prefetch of the weight stream, 4 KB ahead: the locality __builtin_prefetch takes
+// (0: prefetchnta, 3: prefetcht0), or none. For int8 codes prefetchnta measured a gain on the
+// Zen 4 host (2026-12-02); on the Intel AMX host it left the stream at ~11 GB/s, as slow as none
+// at all, while prefetcht0 took SmolLM2's 120 int8 linears from 9.6 to 4.7-6.5 ms (2 threads,
+// weights cold) and the one-row int8 decode step from 16.1 to 13.5 ms (2026-12-04). bf16's block
+// kernel measured a ~20 % loss with prefetchnta (Zen 4) and passes kNoPrefetch.
+constexpr int kNoPrefetch = -1, kPrefetchNta = 0, kPrefetchT0 = 3;
+
+// The int8 stream's hint on this CPU: prefetcht0 on Intel's, prefetchnta elsewhere.
+inline int stream_prefetch_hint() {
+  static const int hint = [] {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") ? kPrefetchT0 : kPrefetchNta;
+#else
+    return kPrefetchNta;
+#endif
+  }();
+  return hint;
+}
+
 // Rows m..m+R-1 of x (fp32, row stride xs) against one block: U accumulators per row over
 // the packed rows. Not inlined: inside parallel_for's lambda GCC kept the accumulators on the
-// stack (a store and a reload per FMA, 3x slower). Prefetch: prefetchnta 4 KB ahead in the
-// stream; it measured a gain for int8 codes, a ~20 % loss for bf16 (Zen 4 host, 2026-12-02).
-template <class Code, int R, int U, bool Prefetch, typename T>
+// stack (a store and a reload per FMA, 3x slower). Hint: a software prefetch 4 KB ahead in the
+// stream with that locality (kNoPrefetch: none); see prefetch_hint().
+template <class Code, int R, int U, int Hint, typename T>
 __attribute__((noinline)) void block_rows(const float* x, int64_t xs, const typename Code::code_t* block, int64_t K,
                                           const Out<T>& out, int64_t row, int64_t n0, int64_t valid) {
   constexpr int P = Code::kPack;
@@ -67,7 +88,8 @@ __attribute__((noinline)) void block_rows(const float* x, int64_t xs, const type
       for (int p = 0; p < kParts; ++p) acc[u][j][p] = lanes_t{};
   int64_t r = 0;
   for (; r + U <= full; r += U) {
-    if constexpr (Prefetch) __builtin_prefetch(block + (r + 4096 / (kRow * sizeof(typename Code::code_t))) * kRow, 0, 0);
+    if constexpr (Hint != kNoPrefetch)
+      __builtin_prefetch(block + (r + 4096 / (kRow * sizeof(typename Code::code_t))) * kRow, 0, Hint);
     for (int u = 0; u < U; ++u)
       for (int s = 0; s < P; ++s)
         for (int p = 0; p < kParts; ++p) {
@@ -122,7 +144,7 @@ inline void split_blocks(int64_t blocks, int64_t block_bytes, int64_t grain_byte
 constexpr int kFmaSplit = 2;
 constexpr int kFmaRows = kParts == 1 ? 4 : 2;
 
-template <class Code, bool Prefetch, typename T>
+template <class Code, int Hint, typename T>
 void fma_blocks(const float* xp, int64_t xs, int64_t M, int64_t K, int64_t N, const typename Code::code_t* wp,
                 const Out<T>& out, int64_t blocks, int64_t grain_bytes) {
   const int64_t block_codes = (K + Code::kPack - 1) / Code::kPack * Code::kPack * kBlock;
@@ -131,7 +153,7 @@ void fma_blocks(const float* xp, int64_t xs, int64_t M, int64_t K, int64_t N, co
     const int64_t n0 = b * kBlock, valid = std::min(kBlock, N - n0);
     row_groups<kFmaRows>(M, [&](auto r, int64_t m) {
       constexpr int R = decltype(r)::value;
-      block_rows<Code, R, kFmaSplit, Prefetch>(xp + m * xs, xs, block, K, out, m, n0, valid);
+      block_rows<Code, R, kFmaSplit, Hint>(xp + m * xs, xs, block, K, out, m, n0, valid);
     });
   });
 }

@@ -10,8 +10,8 @@
 // accumulation is fp32, the scale and bias are applied once at the end and the result
 // rounded once to the activation's dtype. One row keeps four independent accumulators (k
 // unrolled by 4), four rows share one widened row; blocks are split over the threads, with a
-// software prefetch 4 KB ahead (a gain for int8, a loss for bf16). Activations in bf16/fp16
-// are converted to fp32 once per call (a few rows).
+// software prefetch 4 KB ahead (prefetchnta, or prefetcht0 on Intel's CPUs: linear_blocks.h).
+// Activations in bf16/fp16 are converted to fp32 once per call (a few rows).
 //
 // dequantize_int8 writes q * s in the model's dtype as a plain transposed weight [K, N]: steps
 // of many rows (a prefill chunk) dequantize one layer into a reused scratch buffer and run
@@ -86,22 +86,28 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  // Software prefetch 4 KB ahead in the stream: measured a gain for int8 codes.
-  switch (x.scalar_type()) {
-    case torch::kFloat:
-      fma_blocks<Int8Code, true>(xf.data_ptr<float>(), xf.stride(0), M, K, N, wp, Out<float>{y.data_ptr<float>(), N, sp, bp},
-                                 blocks, 32 << 10);
-      break;
-    case torch::kBFloat16:
-      fma_blocks<Int8Code, true>(xf.data_ptr<float>(), xf.stride(0), M, K, N, wp,
-                                 Out<at::BFloat16>{y.data_ptr<at::BFloat16>(), N, sp, bp}, blocks, 32 << 10);
-      break;
-    case torch::kHalf:
-      fma_blocks<Int8Code, true>(xf.data_ptr<float>(), xf.stride(0), M, K, N, wp, Out<at::Half>{y.data_ptr<at::Half>(), N, sp, bp},
-                                 blocks, 32 << 10);
-      break;
-    default: TORCH_CHECK(false, "linear_int8: x must be fp32, bf16 or fp16");
-  }
+  // Software prefetch 4 KB ahead in the stream, with the locality this CPU measured best at
+  // (linear_blocks.h's stream_prefetch_hint).
+  auto run = [&](auto hint) {
+    constexpr int H = decltype(hint)::value;
+    switch (x.scalar_type()) {
+      case torch::kFloat:
+        fma_blocks<Int8Code, H>(xf.data_ptr<float>(), xf.stride(0), M, K, N, wp, Out<float>{y.data_ptr<float>(), N, sp, bp},
+                                blocks, 32 << 10);
+        break;
+      case torch::kBFloat16:
+        fma_blocks<Int8Code, H>(xf.data_ptr<float>(), xf.stride(0), M, K, N, wp,
+                                Out<at::BFloat16>{y.data_ptr<at::BFloat16>(), N, sp, bp}, blocks, 32 << 10);
+        break;
+      case torch::kHalf:
+        fma_blocks<Int8Code, H>(xf.data_ptr<float>(), xf.stride(0), M, K, N, wp, Out<at::Half>{y.data_ptr<at::Half>(), N, sp, bp},
+                                blocks, 32 << 10);
+        break;
+      default: TORCH_CHECK(false, "linear_int8: x must be fp32, bf16 or fp16");
+    }
+  };
+  if (stream_prefetch_hint() == kPrefetchT0) run(std::integral_constant<int, kPrefetchT0>{});
+  else run(std::integral_constant<int, kPrefetchNta>{});
   return y;
 }
 
