@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -63,13 +64,15 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
   // row is paid once per span, not once per (small) block.
   const int64_t span = std::max<int64_t>(1, kSpan / block_size) * block_size;
   const int64_t kpad = (span + kLanes - 1) / kLanes * kLanes;             // keys per span, padded
-  const int64_t max_q = (use_amx ? kQueryTileAmx : kQueryTile) * group;   // query vectors per item
+  const int64_t tile_rows = use_amx ? kQueryTileAmx : kQueryTile;      // query rows per item (deal_items)
   // bf16 pools with bf16 dot products: query tiles take the VDPBF16PS tiles (attention_bf16.h).
   constexpr bool bf16_tiles = kTileBf16 && std::is_same_v<scalar_t, c10::BFloat16>;
   const bool tile16 = bf16_tiles && D % 16 == 0;
   const int64_t kpad16 = (kpad + 15) / 16 * 16;
   const bool decode16 = kDecodeBf16 && std::is_same_v<scalar_t, c10::BFloat16> && D % 32 == 0;
   const bool amx = bf16_tiles && use_amx;                                 // ... or on AMX (attention_amx_item.h)
+  // Query vectors per item in the buffers below (AMX items use their own, made on the first).
+  const int64_t max_q = (amx ? kQueryTile : tile_rows) * group;
 
   at::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t first_bin, int64_t last_bin) {
     // qf [max_q, D] scaled queries; kT [D, kpad] one span of K transposed; vb [kpad, D] its V;
@@ -89,7 +92,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
     std::vector<uint32_t> kP(tile16 ? D / 2 * kpad16 : 0, 0u), vP(tile16 ? kpad16 / 2 * D : 0);
     std::vector<const scalar_t*> vsrc(kpad);
     AmxScope amx_scope(amx);
-    AmxScratch amx_scratch(amx ? max_q : 0, D, span);
+    std::optional<AmxScratch> amx_scratch;                             // zeroed buffers: only if a tile comes
     for (int64_t bin = first_bin; bin < last_bin; ++bin)
     for (const Item& w : bins[bin]) {
       if (w.kv_head < 0) {
@@ -118,7 +121,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
                              tables + w.seq * table_width, block_size, ctx, q_len, w.row_begin, w.row_end, group, D,
                              span, fscale, w.kv_head * group, op + starts[w.seq] * o_row + w.kv_head * group * o_head,
                              o_row, o_head};
-          tile_item_amx(item, f, amx_scratch);
+          if (!amx_scratch) amx_scratch.emplace(tile_rows * group, D, span);
+          tile_item_amx(item, f, *amx_scratch);
           continue;
         }
       }
