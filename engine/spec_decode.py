@@ -33,6 +33,7 @@ import torch
 from .prompt_logprobs import record as record_prompt_logprobs
 from .prompt_logprobs import rows as prompt_logprob_rows
 from .sampler import draw, plain_probs, sample_step
+from .sampler import greedy as greedy_tokens
 from .sequence import RequestOutput, Sequence
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 def verify(logits: torch.Tensor, drafted: list[tuple[Sequence, list[int]]]) -> list[list[int]]:
     """`logits` [R, V]: 1 + len(drafts) rows per drafted sequence, in order. Returns each
     sequence's run: the accepted drafts and one token of the model's own."""
-    greedy = logits.argmax(dim=-1).tolist()
+    greedy = greedy_tokens(logits).tolist()
     starts, rows, sampled = [], [], []
     for seq, drafts in drafted:
         starts.append(len(rows))

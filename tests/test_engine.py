@@ -146,6 +146,19 @@ def test_sampled_tokens_follow_the_filtered_distribution():
     assert torch.allclose(counts / 4000, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95, atol=0.03)
 
 
+def test_greedy_takes_argmax_first_index_on_ties_nan_and_all_masked_rows():
+    """sampler.greedy (torch's max(dim), faster on CPU) picks the index argmax picks: the first of
+    tied maxima, a NaN as the maximum, index 0 of a fully masked row; on random [32, V] logits too."""
+    from engine.sampler import greedy
+
+    inf = float("inf")
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0], [float("nan"), 1.0, float("nan"), 2.0], [-inf] * 4, [2.0] * 4,
+                      [-1.0, -inf, 5.0, 5.0]])
+    assert greedy(x).tolist() == x.argmax(dim=-1).tolist() == [1, 0, 0, 0, 2]
+    y = torch.randn(32, 4096, generator=torch.Generator().manual_seed(0)).round(decimals=1)   # many ties
+    assert torch.equal(greedy(y), y.argmax(dim=-1))
+
+
 def test_exception_in_step_fails_that_batch_and_engine_keeps_serving(engine, monkeypatch):
     """A fault inside the forward pass ends that step's requests with 'error', frees their
     blocks, and later requests are served normally."""
