@@ -91,8 +91,9 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
     std::vector<c10::BFloat16> qb(tile16 ? max_q * D : 0), pb(tile16 ? max_q * kpad16 : 0);
     std::vector<uint32_t> kP(tile16 ? D / 2 * kpad16 : 0, 0u), vP(tile16 ? kpad16 / 2 * D : 0);
     std::vector<const scalar_t*> vsrc(kpad);
-    AmxScope amx_scope(amx);
-    std::optional<AmxScratch> amx_scratch;                             // zeroed buffers: only if a tile comes
+    // A thread's tile configuration and zeroed buffers: made on its first AMX item, if one comes.
+    std::optional<AmxScope> amx_scope;
+    std::optional<AmxScratch> amx_scratch;
     for (int64_t bin = first_bin; bin < last_bin; ++bin)
     for (const Item& w : bins[bin]) {
       if (w.kv_head < 0) {
@@ -121,7 +122,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
                              tables + w.seq * table_width, block_size, ctx, q_len, w.row_begin, w.row_end, group, D,
                              span, fscale, w.kv_head * group, op + starts[w.seq] * o_row + w.kv_head * group * o_head,
                              o_row, o_head};
-          if (!amx_scratch) amx_scratch.emplace(tile_rows * group, D, span);
+          if (!amx_scratch) amx_scope.emplace(true), amx_scratch.emplace(tile_rows * group, D, span);
           tile_item_amx(item, f, *amx_scratch);
           continue;
         }
