@@ -65,8 +65,12 @@ def _plain(logits: torch.Tensor, seqs: list[Sequence], skip: set[int] = frozense
     """The plain path for every row but those in `skip` (whose generators it leaves alone)."""
     if len(skip) == len(seqs):
         return [0] * len(seqs)
-    tokens = greedy(logits)                                          # [K] greedy for all
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in skip]
+    if len(rows) == len(seqs):          # every row draws: no greedy pass, no copy of the rows
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        _draw(plain_probs(logits, seqs), seqs, tokens, rows)
+        return tokens.tolist()
+    tokens = greedy(logits)                                          # [K] greedy for all
     if rows:
         probs = plain_probs(logits[torch.tensor(rows, device=logits.device)], [seqs[i] for i in rows])
         _draw(probs, [seqs[i] for i in rows], tokens, rows)
@@ -77,8 +81,10 @@ def plain_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """The plain path's distribution for row j of `logits` [R, V] (seqs[j]'s temperature,
     top-k and top-p): what a plain row's token is drawn from. [R, V]"""
     dev = logits.device
-    temps = torch.tensor([s.params.temperature for s in seqs], device=dev)
-    return _filtered_logits(logits / temps[:, None], torch.tensor([s.params.top_k for s in seqs], device=dev),
+    temps = [s.params.temperature for s in seqs]
+    # x / 1.0 is x bit for bit: at temperature 1 (the API's default) the [R, V] division is skipped.
+    tempered = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=dev)[:, None]
+    return _filtered_logits(tempered, torch.tensor([s.params.top_k for s in seqs], device=dev),
                             torch.tensor([s.params.top_p for s in seqs], device=dev)).softmax(dim=-1)
 
 

@@ -146,6 +146,31 @@ def test_sampled_tokens_follow_the_filtered_distribution():
     assert torch.allclose(counts / 4000, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95, atol=0.03)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_a_batch_of_drawing_rows_draws_what_each_draws_beside_a_greedy_row(temperature):
+    """sampler's plain path skips the greedy pass and the copy of the rows when every row draws,
+    and the division at temperature 1: each seeded row's tokens equal those it draws in a batch
+    that also holds a greedy row (the path that copies the drawing rows out)."""
+    from engine.sampler import sample
+    from engine.sequence import Sequence
+
+    torch.manual_seed(4)
+    logits = torch.randn(6, 4, 500) * 2
+
+    def seqs(greedy_at: int | None) -> list[Sequence]:
+        out = [Sequence(f"r{i}", [1], SamplingParams(temperature=temperature, seed=i)) for i in range(4)]
+        if greedy_at is not None:
+            out.insert(greedy_at, Sequence("g", [1], SamplingParams(temperature=0.0)))
+        return out
+
+    alone, mixed = seqs(None), seqs(2)
+    for step in logits:
+        got = sample(step, alone)
+        with_greedy = sample(torch.cat([step[:2], step[:1], step[2:]]), mixed)
+        assert got == with_greedy[:2] + with_greedy[3:]
+        assert with_greedy[2] == int(step[0].argmax())
+
+
 def test_greedy_takes_argmax_first_index_on_ties_nan_and_all_masked_rows():
     """sampler.greedy (torch's max(dim), faster on CPU) picks the index argmax picks: the first of
     tied maxima, a NaN as the maximum, index 0 of a fully masked row; on random [32, V] logits too."""

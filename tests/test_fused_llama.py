@@ -39,11 +39,13 @@ def test_rms_norm_and_residual_add_match_transformers():
         torch.testing.assert_close(out, norm(expected_residual), rtol=1e-5, atol=1e-5)
 
 
-def test_rotary_in_place_matches_transformers():
+@pytest.mark.parametrize("d", [16, 64, 84])
+def test_rotary_in_place_matches_transformers(d):
     """rotary applies apply_rotary_pos_emb to q [N, H, D] and k [N, H_kv, D] in place, views
-    into one fused q/k/v row as the fused forward has them."""
+    into one fused q/k/v row as the fused forward has them, at SmolLM2's head size (64), a small
+    one (16) and one whose half is no multiple of 8 (84)."""
     torch.manual_seed(1)
-    n, h, hkv, d = 5, 4, 2, 16
+    n, h, hkv = 5, 4, 2
     qkv = torch.randn(n, (h + 2 * hkv) * d)
     q, k = qkv[:, :h * d].view(n, h, d), qkv[:, h * d:(h + hkv) * d].view(n, hkv, d)
     angles = torch.rand(n, d // 2) * 6
