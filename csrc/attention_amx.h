@@ -48,8 +48,9 @@ inline std::atomic<bool>& amx_switch() {
   return on;
 }
 
-// Tile registers 0-3 accumulate (C), 4 holds A and 5 holds B; every tile is 16 rows of 64
-// bytes (16 fp32, or 32 bf16 = 16 pairs).
+// Tile registers 0-3 accumulate (C), 4 holds A and 5 holds B (linear_int8_amx.h also uses 6
+// for a second B and 7 for a second A); every tile is 16 rows of 64 bytes (16 fp32, or 32
+// bf16 = 16 pairs).
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -59,7 +60,7 @@ struct alignas(64) TileConfig {
 inline const TileConfig& tile_config() {
   static const TileConfig cfg = [] {
     TileConfig c;
-    for (int i = 0; i < 6; ++i) c.colsb[i] = 64, c.rows[i] = 16;
+    for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = 16;
     return c;
   }();
   return cfg;

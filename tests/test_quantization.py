@@ -65,6 +65,47 @@ def test_int8_linear_bf16_activations_within_the_bound_plus_bf16_rounding():
         assert (err <= _bound(lin, x) + 2 ** -7 * mag).all(), (k, rows)
 
 
+def _amx_here() -> bool:
+    from engine.kernels import load_kernels
+
+    return load_kernels() and torch.ops.streamgate.amx_tiles()
+
+
+@pytest.mark.skipif(not _amx_here(), reason="no AMX tiles here (CPU, kernel variant or STREAMGATE_AMX=0)")
+@pytest.mark.parametrize("k, n, bias", [(64, 37, True), (96, 40, False), (576, 960, True)])
+def test_int8_amx_tiles_within_the_bound_and_row_and_thread_invariant(k, n, bias):
+    """bf16 steps of more than six rows run on AMX tiles (csrc/linear_int8_amx.h) where the CPU
+    has them: within the quantization bound plus bf16's rounding, as the FMA path (the switch
+    off) is; a row's output does not depend on the other rows of the call (16-row tiles, padding
+    rows), nor on the number of threads (blocks of outputs split, never a sum)."""
+    torch.manual_seed(k + n)
+    lin = nn.Linear(k, n, bias=bias).bfloat16()
+    w8 = Int8Weight(lin.weight, lin.bias)
+    x = torch.randn(100, k).bfloat16()
+    ops = torch.ops.streamgate
+    w, b = lin.weight.double(), (lin.bias.double() if bias else torch.zeros(n, dtype=torch.double))
+    with torch.inference_mode():
+        for rows in (7, 16, 17, 33, 100):
+            y = w8.linear(x[:rows])
+            err = (y.double() - (x[:rows].double() @ w.T + b)).abs()
+            mag = x[:rows].double().abs() @ w.abs().T + b.abs()
+            assert (err <= _bound(lin, x[:rows]) + 2 ** -7 * mag).all(), rows
+            assert torch.equal(y, w8.linear(x[:100])[:rows])                        # row-invariant
+            ops.amx_tiles(False)
+            try:
+                fma = w8.linear(x[:rows])
+            finally:
+                ops.amx_tiles(True)
+            assert ((y.double() - fma.double()).abs() <= 2 ** -7 * mag).all()       # the FMA path's value
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = w8.linear(x)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one, w8.linear(x))
+
+
 def test_quantize_int8_codes_and_scales():
     """Each row's largest weight maps to +-127; a zero row gets codes 0 (no division by zero)."""
     w = torch.randn(6, 9)

@@ -1,0 +1,138 @@
+// int8 weight-only linear layers on AMX tiles, for steps of more than a few bf16 rows (batched
+// decode, a prefill chunk): y = (x q^T) * s + b with the codes widened to bf16 once per call
+// into a panel per pair of 16-output blocks, then TDPBF16PS against the activations read as
+// they are (16 x 32 bf16 tiles straight from x's rows).
+//
+// Why: linear_int8.cpp's FMA path widens every code for every row and is bound by fp32 FMAs
+// above a few rows (SmolLM2's layers at 32 rows: 26 ms a step on two cores of the Intel AMX
+// host, linear in the rows), and dequantize + oneDNN costs ~30 ms at any row count (a plain
+// weight reordered every call). Here a code is widened once per call however many rows
+// share it, and the products run on the tiles.
+//
+// Exactness: codes are integers in [-127, 127] (exact in bf16: the top half of their fp32),
+// x is bf16, so each product is exact in fp32 and sums are fp32, as in the FMA path; only the
+// order of the sums differs (TDPBF16PS adds pairs). Scale and bias are applied once at the
+// end and the result rounded once to bf16, as the FMA path does. A row's result does not
+// depend on the other rows of the call or on the threads (blocks of outputs are split, never
+// a sum), but it differs in the last bits from the FMA path's.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "attention_amx.h"
+
+#if defined(__AVX512BF16__) && defined(__x86_64__) && defined(__linux__)
+
+namespace streamgate::cpu {
+
+constexpr bool kInt8AmxBuilt = true;
+
+// panel[p][j] = the bf16 pair (q[2p][j], q[2p+1][j]) of one packed block (codes [K][16]), as a
+// 32-bit word (low half: k = 2p), p < K / 2: AMX's B layout for 16 outputs.
+__attribute__((target("avx512f,avx512bw"))) inline void widen_panel(const int8_t* codes, int64_t K,
+                                                                   uint32_t* panel) {
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = 0; p < K / 2; ++p) {
+    const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 2 * p * 16));
+    const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (2 * p + 1) * 16));
+    const __m512i f0 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r0)));
+    const __m512i f1 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r1)));
+    _mm512_storeu_si512(panel + p * 16, _mm512_or_si512(_mm512_srli_epi32(f0, 16), _mm512_and_si512(f1, hi_mask)));
+  }
+}
+
+// c[16 * MB rows][32] fp32 (row stride 32) = rows [m0, m0 + 16 MB) of x (bf16, row stride K,
+// K % 32 == 0) times NB panels (NB blocks of 16 outputs). Tiles 0-3 accumulate, 4 and 7 hold
+// A, 5 and 6 hold B (attention_amx.h's configuration: 16 rows of 64 bytes each).
+template <int MB, int NB>
+__attribute__((target("amx-tile,amx-bf16"))) inline void int8_tiles(const c10::BFloat16* x, int64_t K,
+                                                                    const uint32_t* panel0, const uint32_t* panel1,
+                                                                    float* c) {
+  asm volatile("" ::: "memory");      // the panel and x stores before the tile loads (attention_amx.h)
+  const long xbytes = K * 2;
+  _tile_zero(0);
+  if constexpr (NB == 2) _tile_zero(1);
+  if constexpr (MB == 2) _tile_zero(2);
+  if constexpr (MB == 2 && NB == 2) _tile_zero(3);
+  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    _tile_loadd(5, panel0 + k0 / 2 * 16, 64);
+    if constexpr (NB == 2) _tile_loadd(6, panel1 + k0 / 2 * 16, 64);
+    _tile_loadd(4, x + k0, xbytes);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 6);
+    if constexpr (MB == 2) {
+      _tile_loadd(7, x + 16 * K + k0, xbytes);
+      _tile_dpbf16ps(2, 7, 5);
+      if constexpr (NB == 2) _tile_dpbf16ps(3, 7, 6);
+    }
+  }
+  _tile_stored(0, c, 128);
+  if constexpr (NB == 2) _tile_stored(1, c + 16, 128);
+  if constexpr (MB == 2) _tile_stored(2, c + 16 * 32, 128);
+  if constexpr (MB == 2 && NB == 2) _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+// y[r][n] for r < rows, n in [n0, n0 + width) (width <= 32): bf16(c[r][n - n0] * s[n] + b[n]).
+__attribute__((target("avx512f,avx512bw"))) inline void int8_epilogue(const float* c, int64_t rows, int64_t n0,
+                                                                     int64_t width, const float* s, const float* b,
+                                                                     c10::BFloat16* y, int64_t ystride) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j0 = 0; j0 < width; j0 += 16) {
+      const int64_t w = std::min<int64_t>(16, width - j0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << w) - 1u);
+      __m512 v = _mm512_mul_ps(_mm512_loadu_ps(c + r * 32 + j0), _mm512_maskz_loadu_ps(mask, s + n0 + j0));
+      if (b) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, b + n0 + j0));
+      const __m512i bits = _mm512_castps_si512(v);          // round to nearest even (finite)
+      const __m512i rounded = _mm512_srli_epi32(
+          _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                  _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)))),
+          16);
+      _mm256_mask_storeu_epi16(y + r * ystride + n0 + j0, mask, _mm512_cvtepi32_epi16(rounded));
+    }
+}
+
+// y [M, N] bf16 = x [M16, K] bf16 (rows past M zero; M16 a multiple of 16, K % 32 == 0) times
+// the packed codes [blocks][K][16], scaled, plus bias: pairs of blocks split over the threads.
+inline void linear_int8_amx(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K, const int8_t* codes,
+                            int64_t blocks, int64_t N, const float* s, const float* b, c10::BFloat16* y) {
+  const int64_t pairs = (blocks + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    AmxScope scope(true);
+    std::vector<uint32_t> panels(K * 16);                 // two panels of K/2 x 16 words
+    alignas(64) float c[32 * 32];
+    for (int64_t pair = p0; pair < p1; ++pair) {
+      const int64_t blk = 2 * pair, nb = std::min<int64_t>(2, blocks - blk);
+      uint32_t *panel0 = panels.data(), *panel1 = panels.data() + K / 2 * 16;
+      widen_panel(codes + blk * K * 16, K, panel0);
+      if (nb == 2) widen_panel(codes + (blk + 1) * K * 16, K, panel1);
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const bool two_rows = m0 + 16 < M16;
+        const c10::BFloat16* xa = x + m0 * K;
+        if (two_rows) {
+          if (nb == 2) int8_tiles<2, 2>(xa, K, panel0, panel1, c);
+          else int8_tiles<2, 1>(xa, K, panel0, panel1, c);
+        } else {
+          if (nb == 2) int8_tiles<1, 2>(xa, K, panel0, panel1, c);
+          else int8_tiles<1, 1>(xa, K, panel0, panel1, c);
+        }
+        int8_epilogue(c, std::min<int64_t>(32, M - m0), blk * 16, std::min<int64_t>(16 * nb, N - blk * 16), s, b,
+                      y + m0 * N, N);
+      }
+    }
+  });
+}
+
+}  // namespace streamgate::cpu
+
+#else
+
+namespace streamgate::cpu {
+constexpr bool kInt8AmxBuilt = false;
+inline void linear_int8_amx(const c10::BFloat16*, int64_t, int64_t, int64_t, const int8_t*, int64_t, int64_t,
+                            const float*, const float*, c10::BFloat16*) {}
+}  // namespace streamgate::cpu
+
+#endif
