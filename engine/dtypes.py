@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import cache
 
 import torch
@@ -28,12 +29,20 @@ def native_bf16_cpu() -> bool:
     return "avx512_bf16" in flags or flags >= {"amx_bf16", "amx_tile"}
 
 
+HIDE_FLAGS_ENV = "STREAMGATE_HIDE_CPU_FLAGS"    # comma-separated flags the engine acts as if absent
+
+
 @cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none)."""
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none), less
+    those STREAMGATE_HIDE_CPU_FLAGS names: a benchmark plays a lesser host with it (with
+    ONEDNN_MAX_CPU_ISA and STREAMGATE_AMX=0 for what oneDNN and the kernels detect
+    themselves; `bench.engine.hosts`), so the dtype, the kernel variant and the linear
+    layers' forms are chosen as there."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((frozenset(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")),
-                        frozenset())
+            flags = next((frozenset(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")),
+                         frozenset())
     except OSError:                                                  # not Linux: no bf16 guess
         return frozenset()
+    return flags - {f.strip() for f in os.environ.get(HIDE_FLAGS_ENV, "").split(",") if f.strip()}
