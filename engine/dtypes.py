@@ -46,3 +46,13 @@ def cpu_flags() -> frozenset[str]:
     except OSError:                                                  # not Linux: no bf16 guess
         return frozenset()
     return flags - {f.strip() for f in os.environ.get(HIDE_FLAGS_ENV, "").split(",") if f.strip()}
+
+
+@cache
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"; "" where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""

@@ -20,7 +20,7 @@ from .kv_cache import PagedKVCache
 from .threads import ThreadTuner
 from .kv_groups import plan_groups
 from .models import load_model
-from .packed_linear import bf16_kernel_only, maybe_pack
+from .packed_linear import bf16_kernel_only, fp32_kernel_only, maybe_pack
 from .prompt_logprobs import rows as prompt_logprob_rows
 from .scheduler import SchedulerOutput
 
@@ -78,9 +78,11 @@ class ModelRunner:
         eager_cpu = self.device.type == "cpu" and not config.compile and tp == 1
         # Steps of every size are tuned (when asked) only where the forward's kernels give the
         # same bits on any thread count at every size (threads.py): the fused forward on the fp32
-        # kernel, or on the bf16 block kernel alone; oneDNN and int8's GEMM run big steps otherwise.
+        # kernel alone (not on Intel CPUs) or on the bf16 block kernel alone; oneDNN, torch's
+        # batched GEMM and int8's GEMM run big steps otherwise.
         kind = getattr(self.forward, "kind", None)
-        large = config.adaptive_threads_all_steps and (kind == "streamgate" or (kind == "bf16" and bf16_kernel_only()))
+        large = config.adaptive_threads_all_steps and ((kind == "streamgate" and fp32_kernel_only())
+                                                       or (kind == "bf16" and bf16_kernel_only()))
         self.threads = ThreadTuner(torch.get_num_threads(), large=large) if config.adaptive_threads and eager_cpu else None
         self.graphs: DecodeGraphs | None = None
         self.compile_time_s = 0.0

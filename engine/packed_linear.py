@@ -32,13 +32,26 @@ import logging
 import torch
 from torch import nn
 
-from .dtypes import cpu_flags
+from .dtypes import cpu_flags, cpu_vendor
 from .kernels import load_kernels, loaded_variant
 from .quantization import Int8Weight, quantize_linears
 
 log = logging.getLogger("streamgate.engine")
 
 BF16_KERNEL_MAX_ROWS = 4       # bf16 with both copies: the block kernel up to here, oneDNN above (measured)
+FP32_KERNEL_MAX_ROWS = 4       # fp32 on Intel CPUs: the kernel up to here, a batched GEMM on its blocks above
+
+
+def fp32_kernel_only() -> bool:
+    """Whether the fp32 kernel (csrc/linear.cpp) runs steps of every size. On Intel CPUs steps of
+    more than FP32_KERNEL_MAX_ROWS rows run torch's batched GEMM over the packed blocks instead
+    (`PackedLinear._blocks_gemm`: no second copy): the kernel's passes of up to 4 rows are bound
+    by their loads there, while the library's blocked GEMM reaches the FMA units. SmolLM2's 120
+    layer linears on the Intel AMX host (2 threads, 2026-12-04): 8 rows 10.4 ms against 32.3,
+    300 rows 225 against 1,359, 512 rows 360 against 2,369. On AMD's Zen 1 the kernel tied
+    oneDNN and beat MKL at 512 rows (docs/bench/HISTORY.md §8.13); the batched form was not
+    measured on an AMD CPU, so AMD keeps the kernel."""
+    return cpu_vendor() != "GenuineIntel"
 BF16_BLOCK_COPY_MAX_BYTES = 2 << 30     # a second (block) copy doubles bf16 linear bytes: only up to this much extra
 
 
@@ -111,8 +124,18 @@ class PackedLinear(nn.Module):
             return self.packed.linear(x)
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        y = torch.ops.streamgate.linear(x.reshape(-1, self.in_features), self.packed, self.bias, self.out_features)
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] > FP32_KERNEL_MAX_ROWS and not fp32_kernel_only():
+            y = self._blocks_gemm(x2)
+        else:
+            y = torch.ops.streamgate.linear(x2, self.packed, self.bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _blocks_gemm(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, K] @ the packed blocks [ceil(N/16), K, 16] as one batched GEMM (torch.matmul
+        broadcasts x2 over the blocks): [blocks, M, 16], then outputs in order, bias added."""
+        y = torch.matmul(x2, self.packed).permute(1, 0, 2).reshape(x2.shape[0], -1)[:, :self.out_features]
+        return y.contiguous() if self.bias is None else y + self.bias
 
 
 def available() -> str | None:
