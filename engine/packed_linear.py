@@ -5,7 +5,8 @@ A decode step's GEMMs have a few rows, so they are bound by reading the weights.
 core idle at a few rows. Two packed forms, best first:
 - "streamgate": the C++ kernel (csrc/linear.cpp), weight in 16-output column blocks; it
   streams ~17-20 GB/s on two cores: 1.5x oneDNN at 1 row, 1.7x at 8, 1.2x at 32, within 3 %
-  at 128-512 (docs/BENCHMARKS.md §8.13);
+  at 128-512 (docs/BENCHMARKS.md §8.13, AMD hosts); on Intel CPUs steps of more than
+  FP32_KERNEL_MAX_ROWS rows run torch's batched GEMM over the same blocks (`fp32_kernel_only`);
 - "onednn": where the kernel did not build, oneDNN's matmul on its own blocked layout (what
   inductor's weight prepacking and vLLM's CPU linear use): 2.1x MKL at 8 rows (§8.12).
 Either differs from MKL in the last bits (another summation order), as between any two GEMM

@@ -34,7 +34,7 @@ def test_the_committed_page_is_what_the_report_renders():
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     regions = report.REGION.findall(report.DOC.read_text())
-    assert {"families-kv", "speculative-bf16", "speculative-fp32"} <= set(regions)
+    assert {"families-kv", "speculative-bf16", "hosts", "peers-amx-bf16"} <= set(regions)
     assert all((report.RESULTS / f"{name}.json").exists() for name in regions)
 
 
@@ -67,9 +67,9 @@ def test_a_changed_number_changes_the_table_fails_the_check_and_leaves_the_prose
 
 def test_a_missing_json_or_an_unclosed_region_is_an_error(tmp_path, capsys):
     doc, results = _copy(tmp_path)
-    (results / "speculative-fp32.json").unlink()
+    (results / "speculative-bf16.json").unlink()
     assert report.main(["--check", "--doc", str(doc), "--results", str(results)]) == 2
-    assert "speculative-fp32" in capsys.readouterr().err
+    assert "speculative-bf16" in capsys.readouterr().err
     doc.write_text("# t\n\n<!-- generated: families-kv -->\nno end\n")
     assert report.main(["--check", "--doc", str(doc), "--results", str(results)]) == 2
     assert "<!-- /generated -->" in capsys.readouterr().err

@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = json.loads(out.read_text())
             results.append({"host": host, "env": HOSTS[host], **r})
             print(json.dumps(results[-1]), flush=True)
-    write_json(args.json_out, prov, results=results)
+    write_json(args.json_out, prov, results=results,
+               args={"ctx": args.ctx, "rows": args.rows, "steps": args.steps, "prefill_reps": args.prefill_reps})
     return 0
 
 

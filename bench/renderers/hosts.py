@@ -9,8 +9,12 @@ def render_hosts(data: dict, name: str) -> str:
     results = data["results"]
     rows = sorted({int(n) for r in results for n in r["decode_ms"]})
     amx = {r["dtype"]: r for r in results if r["host"] == "amx"}
-    lines = [caption(data, name, "; each row in its own process, playing the host with STREAMGATE_HIDE_CPU_FLAGS, "
-                     "STREAMGATE_KERNEL_ISA, STREAMGATE_AMX=0 and ONEDNN_MAX_CPU_ISA on this CPU"), "",
+    a = data.get("args") or {}
+    what = (f"; a {a['ctx']}-token prompt's prefill step (median of {a['prefill_reps']}), decode steps over "
+            f"{a['ctx']}-token prompts (median of {a['steps']})" if a else "")
+    lines = [caption(data, name, what + "; each row in its own process, playing the host with "
+                     "STREAMGATE_HIDE_CPU_FLAGS, STREAMGATE_KERNEL_ISA, STREAMGATE_AMX=0 and ONEDNN_MAX_CPU_ISA "
+                     "on this CPU"), "",
              "| host played | dtype | kernel variant | prefill step | "
              + " | ".join(f"decode step, {n} row{'s' if n > 1 else ''}" for n in rows) + " | × the AMX host's time, prefill / decode |",
              "|---|---|---|---:|" + "---:|" * len(rows) + "---|"]
