@@ -28,6 +28,7 @@
 // 64-512 (~190 GFLOP/s a core, as oneDNN); the head 1.8-2.1x at 1-2 rows, 0.87-1.1x at
 // 4-512. The shift+FMA form is compute-bound above ~4 rows (one 16-lane FMA a cycle).
 #include "linear_blocks.h"
+#include "linear_int8_amx.h"
 
 namespace {
 
@@ -199,6 +200,11 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, const float* bp, i
   fma_blocks<Bf16Code, kNoPrefetch>(xf.data_ptr<float>(), xf.stride(0), M, K, N, wp, out, blocks, 32 << 10);
 }
 
+// Rows above which bf16 steps run on AMX tiles where they may (linear_int8_amx.h, reading the
+// pair-packed blocks in place): up to here the VDPBF16PS passes keep their row-invariant sums
+// (decode, one sequence's speculative verification).
+constexpr int64_t kAmxMinRows = 4;
+
 // x [M, K] fp32, bf16 or fp16 (any strides); packed from pack_bf16; bias [N] fp32 or none
 // -> y [M, N] in x's dtype, rounded once from the fp32 sum.
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
@@ -209,6 +215,14 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, c
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() &&
                                     bias->numel() == N), "linear_bf16: bias must be [out_features] fp32");
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  if (kPack == 2 && x.scalar_type() == torch::kBFloat16 && x.size(0) > kAmxMinRows && x.size(1) % 32 == 0 &&
+      streamgate::cpu::kInt8AmxBuilt && streamgate::cpu::amx_switch().load()) {
+    const int64_t K = x.size(1);
+    const auto* words = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+    return streamgate::cpu::on_row_tiles(x, N, [&](const c10::BFloat16* xp, int64_t M, int64_t M16, c10::BFloat16* y) {
+      streamgate::cpu::linear_bf16_amx(xp, M, M16, K, words, packed.size(0), N, bp, y);
+    });
+  }
   auto y = torch::empty({x.size(0), N}, x.options());
   switch (x.scalar_type()) {
     case torch::kFloat: run<float>(x, packed, bp, N, y); break;

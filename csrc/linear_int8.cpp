@@ -79,19 +79,14 @@ void check_packed(const torch::Tensor& packed, const torch::Tensor& scales, int6
 // sequence's speculative verification) keep the FMA path's sums.
 constexpr int64_t kAmxMinRows = 8;
 
-// linear_int8 on AMX tiles: x copied to whole 16-row tiles (zero rows past M).
+// linear_int8 on AMX tiles (linear_int8_amx.h).
 torch::Tensor linear_amx(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                          const c10::optional<torch::Tensor>& bias, int64_t N) {
-  const int64_t M = x.size(0), K = x.size(1), M16 = (M + 15) / 16 * 16;
-  auto xp = torch::empty({M16, K}, x.options());
-  xp.narrow(0, 0, M).copy_(x);
-  if (M16 > M) xp.narrow(0, M, M16 - M).zero_();
-  auto y = torch::empty({M, N}, x.options());
-  streamgate::cpu::linear_int8_amx(reinterpret_cast<const c10::BFloat16*>(xp.data_ptr<at::BFloat16>()), M, M16, K,
-                                   packed.data_ptr<int8_t>(), packed.size(0), N, scales.data_ptr<float>(),
-                                   bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                                   reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>()));
-  return y;
+  const int64_t K = x.size(1);
+  return streamgate::cpu::on_row_tiles(x, N, [&](const c10::BFloat16* xp, int64_t M, int64_t M16, c10::BFloat16* y) {
+    streamgate::cpu::linear_int8_amx(xp, M, M16, K, packed.data_ptr<int8_t>(), packed.size(0), N,
+                                     scales.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr, y);
+  });
 }
 
 // x [M, K] fp32, bf16 or fp16; packed from pack_int8; scales [N] fp32; bias [N] fp32 or none

@@ -1,7 +1,8 @@
-// int8 weight-only linear layers on AMX tiles, for steps of more than a few bf16 rows (batched
-// decode, a prefill chunk): y = (x q^T) * s + b with the codes widened to bf16 once per call
-// into a panel per pair of 16-output blocks, then TDPBF16PS against the activations read as
-// they are (16 x 32 bf16 tiles straight from x's rows).
+// int8 weight-only and bf16 linear layers on AMX tiles, for steps of more than a few bf16 rows
+// (batched decode, a prefill chunk): y = (x q^T) * s + b with the codes widened to bf16 once per
+// call into a panel per pair of 16-output blocks (bf16 weights: linear_bf16.cpp's pair-packed
+// blocks, read in place), then TDPBF16PS against the activations read as they are (16 x 32 bf16
+// tiles straight from x's rows).
 //
 // Why: linear_int8.cpp's FMA path widens every code for every row and is bound by fp32 FMAs
 // above a few rows (SmolLM2's layers at 32 rows: 26 ms a step on two cores of the Intel AMX
@@ -17,12 +18,31 @@
 // a sum), but it differs in the last bits from the FMA path's.
 #pragma once
 
+#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <vector>
 
 #include "attention_amx.h"
+
+namespace streamgate::cpu {
+
+// y [M, N] bf16 from `run(x16, M, M16, y)`, x16 being x [M, K] bf16 copied to whole 16-row tiles
+// (zero rows past M), as the tile loads read 16 rows at a time.
+template <typename Run>
+inline torch::Tensor on_row_tiles(const torch::Tensor& x, int64_t N, Run run) {
+  const int64_t M = x.size(0), K = x.size(1), M16 = (M + 15) / 16 * 16;
+  auto xp = torch::empty({M16, K}, x.options());
+  xp.narrow(0, 0, M).copy_(x);
+  if (M16 > M) xp.narrow(0, M, M16 - M).zero_();
+  auto y = torch::empty({M, N}, x.options());
+  run(reinterpret_cast<const c10::BFloat16*>(xp.data_ptr<at::BFloat16>()), M, M16,
+      reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>()));
+  return y;
+}
+
+}  // namespace streamgate::cpu
 
 #if defined(__AVX512BF16__) && defined(__x86_64__) && defined(__linux__)
 
@@ -75,7 +95,7 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void int8_tiles(const c10::B
   if constexpr (MB == 2 && NB == 2) _tile_stored(3, c + 16 * 32 + 16, 128);
 }
 
-// y[r][n] for r < rows, n in [n0, n0 + width) (width <= 32): bf16(c[r][n - n0] * s[n] + b[n]).
+// y[r][n] for r < rows, n in [n0, n0 + width) (width <= 32): bf16(c[r][n - n0] * s[n] + b[n]) (no s: 1).
 __attribute__((target("avx512f,avx512bw"))) inline void int8_epilogue(const float* c, int64_t rows, int64_t n0,
                                                                      int64_t width, const float* s, const float* b,
                                                                      c10::BFloat16* y, int64_t ystride) {
@@ -83,7 +103,8 @@ __attribute__((target("avx512f,avx512bw"))) inline void int8_epilogue(const floa
     for (int64_t j0 = 0; j0 < width; j0 += 16) {
       const int64_t w = std::min<int64_t>(16, width - j0);
       const __mmask16 mask = static_cast<__mmask16>((1u << w) - 1u);
-      __m512 v = _mm512_mul_ps(_mm512_loadu_ps(c + r * 32 + j0), _mm512_maskz_loadu_ps(mask, s + n0 + j0));
+      __m512 v = _mm512_loadu_ps(c + r * 32 + j0);
+      if (s) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, s + n0 + j0));
       if (b) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, b + n0 + j0));
       const __m512i bits = _mm512_castps_si512(v);          // round to nearest even (finite)
       const __m512i rounded = _mm512_srli_epi32(
@@ -94,20 +115,21 @@ __attribute__((target("avx512f,avx512bw"))) inline void int8_epilogue(const floa
     }
 }
 
-// y [M, N] bf16 = x [M16, K] bf16 (rows past M zero; M16 a multiple of 16, K % 32 == 0) times
-// the packed codes [blocks][K][16], scaled, plus bias: pairs of blocks split over the threads.
-inline void linear_int8_amx(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K, const int8_t* codes,
-                            int64_t blocks, int64_t N, const float* s, const float* b, c10::BFloat16* y) {
+// y [M, N] bf16 = x [M16, K] bf16 (rows past M zero; M16 a multiple of 16, K % 32 == 0) times the
+// blocks of 16 outputs whose K/2 x 16-word panels `panel(block, buffer)` returns (widened into
+// `buffer`, or read in place), scaled by s (none: 1), plus b: pairs of blocks split over threads.
+template <typename Panel>
+inline void amx_linear(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K, int64_t blocks, int64_t N,
+                       const float* s, const float* b, c10::BFloat16* y, Panel panel) {
   const int64_t pairs = (blocks + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     AmxScope scope(true);
-    std::vector<uint32_t> panels(K * 16);                 // two panels of K/2 x 16 words
+    std::vector<uint32_t> buffers(K * 16);                // two panels of K/2 x 16 words, where widened
     alignas(64) float c[32 * 32];
     for (int64_t pair = p0; pair < p1; ++pair) {
       const int64_t blk = 2 * pair, nb = std::min<int64_t>(2, blocks - blk);
-      uint32_t *panel0 = panels.data(), *panel1 = panels.data() + K / 2 * 16;
-      widen_panel(codes + blk * K * 16, K, panel0);
-      if (nb == 2) widen_panel(codes + (blk + 1) * K * 16, K, panel1);
+      const uint32_t* panel0 = panel(blk, buffers.data());
+      const uint32_t* panel1 = nb == 2 ? panel(blk + 1, buffers.data() + K / 2 * 16) : panel0;
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
         const bool two_rows = m0 + 16 < M16;
         const c10::BFloat16* xa = x + m0 * K;
@@ -125,6 +147,23 @@ inline void linear_int8_amx(const c10::BFloat16* x, int64_t M, int64_t M16, int6
   });
 }
 
+// int8 codes packed [blocks][K][16] (linear_int8.cpp), widened per call.
+inline void linear_int8_amx(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K, const int8_t* codes,
+                            int64_t blocks, int64_t N, const float* s, const float* b, c10::BFloat16* y) {
+  amx_linear(x, M, M16, K, blocks, N, s, b, y, [&](int64_t blk, uint32_t* buffer) -> const uint32_t* {
+    widen_panel(codes + blk * K * 16, K, buffer);
+    return buffer;
+  });
+}
+
+// bf16 weights packed [blocks][K/2][16][2] (linear_bf16.cpp's AVX512-BF16 layout): already AMX's
+// B layout, read in place.
+inline void linear_bf16_amx(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K, const uint32_t* words,
+                            int64_t blocks, int64_t N, const float* b, c10::BFloat16* y) {
+  amx_linear(x, M, M16, K, blocks, N, nullptr, b, y,
+             [&](int64_t blk, uint32_t*) -> const uint32_t* { return words + blk * (K / 2) * 16; });
+}
+
 }  // namespace streamgate::cpu
 
 #else
@@ -133,6 +172,8 @@ namespace streamgate::cpu {
 constexpr bool kInt8AmxBuilt = false;
 inline void linear_int8_amx(const c10::BFloat16*, int64_t, int64_t, int64_t, const int8_t*, int64_t, int64_t,
                             const float*, const float*, c10::BFloat16*) {}
+inline void linear_bf16_amx(const c10::BFloat16*, int64_t, int64_t, int64_t, const uint32_t*, int64_t, int64_t,
+                            const float*, c10::BFloat16*) {}
 }  // namespace streamgate::cpu
 
 #endif

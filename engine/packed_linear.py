@@ -18,7 +18,8 @@ C++ kernels built, runs csrc/linear_bf16.cpp's block kernel. Where that is its V
 (the avx512_bf16 variant) on a CPU without AMX (`bf16_kernel_only()`) it runs every step and
 oneDNN's copy is not made: one copy of the weights. Otherwise (AMX: oneDNN's tiles; no
 AVX512-BF16: the shift+FMA form, compute-bound above ~4 rows) the kernel runs steps of up to
-BF16_KERNEL_MAX_ROWS rows and oneDNN's prepacked copy the rest; both copies are held, so only
+BF16_KERNEL_MAX_ROWS rows and oneDNN's prepacked copy the rest (with AMX, steps of up to
+BF16_TILES_MAX_ROWS rows run the block copy on AMX tiles first); both copies are held, so only
 while the model's linear weights are at most BF16_BLOCK_COPY_MAX_BYTES (2 GiB of bf16: a
 ~1B-parameter model). The measurements behind both splits: docs/ENGINE.md ("The forward
 pass") and docs/BENCHMARKS.md §10 (`gemm-crossover`).
@@ -41,6 +42,7 @@ log = logging.getLogger("streamgate.engine")
 
 BF16_KERNEL_MAX_ROWS = 4       # bf16 with both copies: the block kernel up to here, oneDNN above (measured)
 FP32_KERNEL_MAX_ROWS = 4       # fp32 on Intel CPUs: the kernel up to here, a batched GEMM on its blocks above
+BF16_TILES_MAX_ROWS = 64       # bf16 on AMX: the block copy on AMX tiles from 5 rows to here, oneDNN above
 
 
 def fp32_kernel_only() -> bool:
@@ -92,11 +94,20 @@ class Bf16Weight:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         x2 = x.reshape(-1, self.in_features)                                             # [M, K]
-        if self.onednn is None or x2.shape[0] <= BF16_KERNEL_MAX_ROWS:
+        rows = x2.shape[0]
+        if self.onednn is None or rows <= BF16_KERNEL_MAX_ROWS or (rows <= BF16_TILES_MAX_ROWS and self._on_tiles(x2)):
             y = torch.ops.streamgate.linear_bf16(x2, self.blocks, self.bias32, self.out_features)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.onednn, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
+
+
+    def _on_tiles(self, x2: torch.Tensor) -> bool:
+        """Whether linear_bf16 runs these rows on AMX tiles, reading the pair-packed blocks in
+        place (csrc/linear_int8_amx.h: bf16 rows, K % 32 == 0, AMX on). SmolLM2's 120 layer
+        linears, Intel AMX host, 2 threads, weights in cache: 5.5 against oneDNN's 6.7 ms at 8
+        rows, 6.4 against 7.7 at 32, 9.8 against 10.2 at 64, 59.5 against 51.5 at 512."""
+        return x2.dtype == torch.bfloat16 and self.in_features % 32 == 0 and torch.ops.streamgate.amx_tiles()
 
 
 class PackedLinear(nn.Module):

@@ -71,11 +71,48 @@ def test_linear_bf16_matches_the_fp64_reference(n, k, dtype, with_bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(n, k, dtype):
     """1..20 rows (every pass width and its tail, odd K): each output row is bitwise the row
-    computed alone, so a decode and the same position among verified drafts agree."""
+    computed alone, so a decode and the same position among verified drafts agree. Where bf16
+    steps of more than 4 rows run on AMX tiles (csrc/linear_int8_amx.h) that holds up to 4
+    rows, and from 5 to 20 a row's bits do not depend on how many rows share the tiles' call."""
     w, b = _weight(n, k, seed=7 * n + k)
     packed, bias32 = ops.pack_bf16(w), b.float()
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(k)).to(dtype)
-    assert_rows_invariant(lambda rows: ops.linear_bf16(rows, packed, bias32, n), x)
+
+    def linear(rows):
+        return ops.linear_bf16(rows, packed, bias32, n)
+
+    limit = 4 if dtype == torch.bfloat16 and k % 32 == 0 and _tiles() else 20
+    assert_rows_invariant(linear, x[:limit])
+    full = linear(x)
+    for m in range(limit + 1, 21):
+        assert torch.equal(linear(x[:m]), full[:m]), m
+
+
+def _tiles() -> bool:
+    return loaded_variant() == "avx512_bf16" and ops.amx_tiles()
+
+
+@pytest.mark.skipif(not _tiles(), reason="no AMX tiles here (CPU, kernel variant or STREAMGATE_AMX=0)")
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_weight_on_amx_tiles_between_the_kernel_and_onednn(with_bias):
+    """Bf16Weight on an AMX host: 5 to BF16_TILES_MAX_ROWS rows run the block copy on AMX tiles
+    (the pair-packed blocks are AMX's B layout), more rows oneDNN; every size within the bound
+    of the fp64 reference, and the tiles' rows the same bits whatever rows share the call."""
+    w, b = _weight(101, 96, seed=12)
+    weight = Bf16Weight(w, b if with_bias else None)
+    top = packed_linear.BF16_TILES_MAX_ROWS
+    x = torch.randn(top + 1, 96, generator=torch.Generator().manual_seed(5)).bfloat16()
+    bias32 = b.float() if with_bias else None
+    with torch.inference_mode():
+        full = weight.linear(x[:top])
+        for rows in (5, 8, 17, 33, top, top + 1):
+            y = weight.linear(x[:rows])
+            ref, tol = _reference_and_tolerance(x[:rows], w, bias32, torch.bfloat16)
+            if rows > top and with_bias:
+                tol = tol + 2.0 ** -8 * (ref.abs() + tol)                # oneDNN adds the bf16 bias
+            assert ((y.double() - ref).abs() <= tol).all(), rows
+            if rows <= top:
+                assert torch.equal(y, full[:rows]), rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
