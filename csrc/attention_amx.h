@@ -48,7 +48,7 @@ inline std::atomic<bool>& amx_switch() {
   return on;
 }
 
-// Tile registers 0-3 accumulate (C), 4 holds A and 5 holds B (linear_int8_amx.h also uses 6
+// Tile registers 0-3 accumulate (C), 4 holds A and 5 holds B (linear_amx.h also uses 6
 // for a second B and 7 for a second A); every tile is 16 rows of 64 bytes (16 fp32, or 32
 // bf16 = 16 pairs).
 struct alignas(64) TileConfig {

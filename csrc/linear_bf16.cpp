@@ -28,7 +28,7 @@
 // 64-512 (~190 GFLOP/s a core, as oneDNN); the head 1.8-2.1x at 1-2 rows, 0.87-1.1x at
 // 4-512. The shift+FMA form is compute-bound above ~4 rows (one 16-lane FMA a cycle).
 #include "linear_blocks.h"
-#include "linear_int8_amx.h"
+#include "linear_amx.h"
 
 namespace {
 
@@ -200,7 +200,7 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, const float* bp, i
   fma_blocks<Bf16Code, kNoPrefetch>(xf.data_ptr<float>(), xf.stride(0), M, K, N, wp, out, blocks, 32 << 10);
 }
 
-// Rows above which bf16 steps run on AMX tiles where they may (linear_int8_amx.h, reading the
+// Rows above which bf16 steps run on AMX tiles where they may (linear_amx.h, reading the
 // pair-packed blocks in place): up to here the VDPBF16PS passes keep their row-invariant sums
 // (decode, one sequence's speculative verification).
 constexpr int64_t kAmxMinRows = 4;

@@ -17,7 +17,7 @@
 // of many rows (a prefill chunk) dequantize one layer into a reused scratch buffer and run
 // the dtype's GEMM, so no dequantized copy is kept.
 #include "linear_blocks.h"
-#include "linear_int8_amx.h"
+#include "linear_amx.h"
 
 namespace {
 
@@ -71,7 +71,7 @@ void check_packed(const torch::Tensor& packed, const torch::Tensor& scales, int6
               op, ": scales must be [out_features] fp32");
 }
 
-// Rows above which a bf16 step runs on AMX tiles where it may (linear_int8_amx.h). Whole SmolLM2
+// Rows above which a bf16 step runs on AMX tiles where it may (linear_amx.h). Whole SmolLM2
 // decode steps, Intel AMX host, 2 threads: 19.6-19.7 ms on the FMA path against 20.4-20.7 on
 // tiles at 8 rows, 32.4-34.2 against 25.4-25.8 at 16, 60.5 against 38.0-38.2 at 32 (the 120
 // layer linears alone, weights in cache: 7.3 against 6.3 ms at 8 rows, 26.4 against 7.5 at 32;
@@ -79,7 +79,7 @@ void check_packed(const torch::Tensor& packed, const torch::Tensor& scales, int6
 // sequence's speculative verification) keep the FMA path's sums.
 constexpr int64_t kAmxMinRows = 8;
 
-// linear_int8 on AMX tiles (linear_int8_amx.h).
+// linear_int8 on AMX tiles (linear_amx.h).
 torch::Tensor linear_amx(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                          const c10::optional<torch::Tensor>& bias, int64_t N) {
   const int64_t K = x.size(1);

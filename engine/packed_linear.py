@@ -104,7 +104,7 @@ class Bf16Weight:
 
     def _on_tiles(self, x2: torch.Tensor) -> bool:
         """Whether linear_bf16 runs these rows on AMX tiles, reading the pair-packed blocks in
-        place (csrc/linear_int8_amx.h: bf16 rows, K % 32 == 0, AMX on). SmolLM2's 120 layer
+        place (csrc/linear_amx.h: bf16 rows, K % 32 == 0, AMX on). SmolLM2's 120 layer
         linears, Intel AMX host, 2 threads, weights in cache: 5.5 against oneDNN's 6.7 ms at 8
         rows, 6.4 against 7.7 at 32, 9.8 against 10.2 at 64, 59.5 against 51.5 at 512."""
         return x2.dtype == torch.bfloat16 and self.in_features % 32 == 0 and torch.ops.streamgate.amx_tiles()

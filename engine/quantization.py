@@ -17,7 +17,7 @@ tests/test_quantization.py checks exactly that. Two paths compute the same y = x
   512-row GEMM costs far more than dequantizing its weight, and no dequantized copy is held.
 - bf16 steps of more than eight rows where the CPU has AMX (`torch.ops.streamgate.amx_tiles()`)
   and K % 32 == 0, prefill chunks included: the same op runs them on AMX tiles
-  (csrc/linear_int8_amx.h), widening the codes to bf16 once per call into a small panel per 32
+  (csrc/linear_amx.h), widening the codes to bf16 once per call into a small panel per 32
   outputs; products exact, fp32 sums in another order, scale and bias at the end as the
   kernel does. Intel AMX host (2026-12-04, 2 threads): a 32-row decode step 38 ms against 60
   on the kernel (bf16: 42-44), a 512-token prefill step 113-114 ms against 126-131 dequantized.
@@ -115,7 +115,7 @@ class Int8Weight:
         return y.view(*x.shape[:-1], self.out_features)
 
     def _on_tiles(self, x2: torch.Tensor) -> bool:
-        """Whether the kernel runs these rows on AMX tiles (csrc/linear_int8_amx.h: bf16 rows,
+        """Whether the kernel runs these rows on AMX tiles (csrc/linear_amx.h: bf16 rows,
         K % 32 == 0, a CPU and process with AMX, `amx_tiles` on). There it ties dequantize +
         GEMM at 512 rows (SmolLM2's layers: 60.8 against 61.6 ms) without the scratch copy, and
         is 3-4x faster from 32 to 128 rows, so it takes every step."""

@@ -72,7 +72,7 @@ def test_linear_bf16_matches_the_fp64_reference(n, k, dtype, with_bias):
 def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(n, k, dtype):
     """1..20 rows (every pass width and its tail, odd K): each output row is bitwise the row
     computed alone, so a decode and the same position among verified drafts agree. Where bf16
-    steps of more than 4 rows run on AMX tiles (csrc/linear_int8_amx.h) that holds up to 4
+    steps of more than 4 rows run on AMX tiles (csrc/linear_amx.h) that holds up to 4
     rows, and from 5 to 20 a row's bits do not depend on how many rows share the tiles' call."""
     w, b = _weight(n, k, seed=7 * n + k)
     packed, bias32 = ops.pack_bf16(w), b.float()

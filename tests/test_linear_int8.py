@@ -55,7 +55,7 @@ def test_linear_int8_matches_the_dequantized_fp32_reference(n, k, dtype, with_bi
 def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(n, k, dtype):
     """1..20 rows (every pass width and its tail): each output row is bitwise the row computed
     alone, so a decode and the same position among verified drafts agree. Where bf16 steps of
-    more than 8 rows run on AMX tiles (csrc/linear_int8_amx.h) that holds up to 8 rows, and
+    more than 8 rows run on AMX tiles (csrc/linear_amx.h) that holds up to 8 rows, and
     from 9 to 20 a row's bits do not depend on how many rows share the tiles' call."""
     w, b = _weight(n, k, seed=7 * n + k)
     codes, scales = quantize_int8(w)

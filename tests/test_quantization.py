@@ -74,7 +74,7 @@ def _amx_here() -> bool:
 @pytest.mark.skipif(not _amx_here(), reason="no AMX tiles here (CPU, kernel variant or STREAMGATE_AMX=0)")
 @pytest.mark.parametrize("k, n, bias", [(64, 37, True), (96, 40, False), (576, 960, True)])
 def test_int8_amx_tiles_within_the_bound_and_row_and_thread_invariant(k, n, bias):
-    """bf16 steps of more than six rows run on AMX tiles (csrc/linear_int8_amx.h) where the CPU
+    """bf16 steps of more than eight rows run on AMX tiles (csrc/linear_amx.h) where the CPU
     has them: within the quantization bound plus bf16's rounding, as the FMA path (the switch
     off) is; a row's output does not depend on the other rows of the call (16-row tiles, padding
     rows), nor on the number of threads (blocks of outputs split, never a sum)."""
