@@ -22,20 +22,24 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <vector>
+#include <memory>
 
 #include "attention_amx.h"
 
 namespace streamgate::cpu {
 
-// y [M, N] bf16 from `run(x16, M, M16, y)`, x16 being x [M, K] bf16 copied to whole 16-row tiles
-// (zero rows past M), as the tile loads read 16 rows at a time.
+// y [M, N] bf16 from `run(x16, M, M16, y)`, x16 being x [M, K] bf16 in whole 16-row tiles (a
+// copy with zero rows past M unless x is contiguous and M a multiple of 16), as the tile loads
+// read 16 rows at a time.
 template <typename Run>
 inline torch::Tensor on_row_tiles(const torch::Tensor& x, int64_t N, Run run) {
   const int64_t M = x.size(0), K = x.size(1), M16 = (M + 15) / 16 * 16;
-  auto xp = torch::empty({M16, K}, x.options());
-  xp.narrow(0, 0, M).copy_(x);
-  if (M16 > M) xp.narrow(0, M, M16 - M).zero_();
+  torch::Tensor xp = x;
+  if (M16 > M || !x.is_contiguous()) {
+    xp = torch::empty({M16, K}, x.options());
+    xp.narrow(0, 0, M).copy_(x);
+    xp.narrow(0, M, M16 - M).zero_();
+  }
   auto y = torch::empty({M, N}, x.options());
   run(reinterpret_cast<const c10::BFloat16*>(xp.data_ptr<at::BFloat16>()), M, M16,
       reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>()));
@@ -48,12 +52,11 @@ inline torch::Tensor on_row_tiles(const torch::Tensor& x, int64_t N, Run run) {
 
 namespace streamgate::cpu {
 
-constexpr bool kInt8AmxBuilt = true;
+constexpr bool kLinearAmxBuilt = true;
 
 // panel[p][j] = the bf16 pair (q[2p][j], q[2p+1][j]) of one packed block (codes [K][16]), as a
 // 32-bit word (low half: k = 2p), p < K / 2: AMX's B layout for 16 outputs.
-__attribute__((target("avx512f,avx512bw"))) inline void widen_panel(const int8_t* codes, int64_t K,
-                                                                   uint32_t* panel) {
+inline void widen_panel(const int8_t* codes, int64_t K, uint32_t* panel) {
   const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t p = 0; p < K / 2; ++p) {
     const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 2 * p * 16));
@@ -68,9 +71,9 @@ __attribute__((target("avx512f,avx512bw"))) inline void widen_panel(const int8_t
 // K % 32 == 0) times NB panels (NB blocks of 16 outputs). Tiles 0-3 accumulate, 4 and 7 hold
 // A, 5 and 6 hold B (attention_amx.h's configuration: 16 rows of 64 bytes each).
 template <int MB, int NB>
-__attribute__((target("amx-tile,amx-bf16"))) inline void int8_tiles(const c10::BFloat16* x, int64_t K,
-                                                                    const uint32_t* panel0, const uint32_t* panel1,
-                                                                    float* c) {
+__attribute__((target("amx-tile,amx-bf16"))) inline void tile_rows_blocks(const c10::BFloat16* x, int64_t K,
+                                                                          const uint32_t* panel0,
+                                                                          const uint32_t* panel1, float* c) {
   asm volatile("" ::: "memory");      // the panel and x stores before the tile loads (attention_amx.h)
   const long xbytes = K * 2;
   _tile_zero(0);
@@ -96,9 +99,8 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void int8_tiles(const c10::B
 }
 
 // y[r][n] for r < rows, n in [n0, n0 + width) (width <= 32): bf16(c[r][n - n0] * s[n] + b[n]) (no s: 1).
-__attribute__((target("avx512f,avx512bw"))) inline void int8_epilogue(const float* c, int64_t rows, int64_t n0,
-                                                                     int64_t width, const float* s, const float* b,
-                                                                     c10::BFloat16* y, int64_t ystride) {
+inline void store_tile_rows(const float* c, int64_t rows, int64_t n0, int64_t width, const float* s, const float* b,
+                            c10::BFloat16* y, int64_t ystride) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j0 = 0; j0 < width; j0 += 16) {
       const int64_t w = std::min<int64_t>(16, width - j0);
@@ -106,41 +108,38 @@ __attribute__((target("avx512f,avx512bw"))) inline void int8_epilogue(const floa
       __m512 v = _mm512_loadu_ps(c + r * 32 + j0);
       if (s) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, s + n0 + j0));
       if (b) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, b + n0 + j0));
-      const __m512i bits = _mm512_castps_si512(v);          // round to nearest even (finite)
-      const __m512i rounded = _mm512_srli_epi32(
-          _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                                  _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)))),
-          16);
-      _mm256_mask_storeu_epi16(y + r * ystride + n0 + j0, mask, _mm512_cvtepi32_epi16(rounded));
+      _mm256_mask_storeu_epi16(y + r * ystride + n0 + j0, mask,
+                               reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));   // nearest even
     }
 }
 
 // y [M, N] bf16 = x [M16, K] bf16 (rows past M zero; M16 a multiple of 16, K % 32 == 0) times the
 // blocks of 16 outputs whose K/2 x 16-word panels `panel(block, buffer)` returns (widened into
 // `buffer`, or read in place), scaled by s (none: 1), plus b: pairs of blocks split over threads.
-template <typename Panel>
+template <bool Widened, typename Panel>
 inline void amx_linear(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K, int64_t blocks, int64_t N,
                        const float* s, const float* b, c10::BFloat16* y, Panel panel) {
   const int64_t pairs = (blocks + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     AmxScope scope(true);
-    std::vector<uint32_t> buffers(K * 16);                // two panels of K/2 x 16 words, where widened
+    // Two panels of K/2 x 16 words where the codes are widened (uninitialized: each is written whole).
+    const std::unique_ptr<uint32_t[]> buffers(Widened ? new uint32_t[K * 16] : nullptr);
     alignas(64) float c[32 * 32];
     for (int64_t pair = p0; pair < p1; ++pair) {
       const int64_t blk = 2 * pair, nb = std::min<int64_t>(2, blocks - blk);
-      const uint32_t* panel0 = panel(blk, buffers.data());
-      const uint32_t* panel1 = nb == 2 ? panel(blk + 1, buffers.data() + K / 2 * 16) : panel0;
+      const uint32_t* panel0 = panel(blk, buffers.get());
+      const uint32_t* panel1 = nb == 2 ? panel(blk + 1, buffers.get() + K / 2 * 16) : panel0;
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
         const bool two_rows = m0 + 16 < M16;
         const c10::BFloat16* xa = x + m0 * K;
         if (two_rows) {
-          if (nb == 2) int8_tiles<2, 2>(xa, K, panel0, panel1, c);
-          else int8_tiles<2, 1>(xa, K, panel0, panel1, c);
+          if (nb == 2) tile_rows_blocks<2, 2>(xa, K, panel0, panel1, c);
+          else tile_rows_blocks<2, 1>(xa, K, panel0, panel1, c);
         } else {
-          if (nb == 2) int8_tiles<1, 2>(xa, K, panel0, panel1, c);
-          else int8_tiles<1, 1>(xa, K, panel0, panel1, c);
+          if (nb == 2) tile_rows_blocks<1, 2>(xa, K, panel0, panel1, c);
+          else tile_rows_blocks<1, 1>(xa, K, panel0, panel1, c);
         }
-        int8_epilogue(c, std::min<int64_t>(32, M - m0), blk * 16, std::min<int64_t>(16 * nb, N - blk * 16), s, b,
+        store_tile_rows(c, std::min<int64_t>(32, M - m0), blk * 16, std::min<int64_t>(16 * nb, N - blk * 16), s, b,
                       y + m0 * N, N);
       }
     }
@@ -150,7 +149,7 @@ inline void amx_linear(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K
 // int8 codes packed [blocks][K][16] (linear_int8.cpp), widened per call.
 inline void linear_int8_amx(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K, const int8_t* codes,
                             int64_t blocks, int64_t N, const float* s, const float* b, c10::BFloat16* y) {
-  amx_linear(x, M, M16, K, blocks, N, s, b, y, [&](int64_t blk, uint32_t* buffer) -> const uint32_t* {
+  amx_linear<true>(x, M, M16, K, blocks, N, s, b, y, [&](int64_t blk, uint32_t* buffer) -> const uint32_t* {
     widen_panel(codes + blk * K * 16, K, buffer);
     return buffer;
   });
@@ -160,7 +159,7 @@ inline void linear_int8_amx(const c10::BFloat16* x, int64_t M, int64_t M16, int6
 // B layout, read in place.
 inline void linear_bf16_amx(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K, const uint32_t* words,
                             int64_t blocks, int64_t N, const float* b, c10::BFloat16* y) {
-  amx_linear(x, M, M16, K, blocks, N, nullptr, b, y,
+  amx_linear<false>(x, M, M16, K, blocks, N, nullptr, b, y,
              [&](int64_t blk, uint32_t*) -> const uint32_t* { return words + blk * (K / 2) * 16; });
 }
 
@@ -169,7 +168,7 @@ inline void linear_bf16_amx(const c10::BFloat16* x, int64_t M, int64_t M16, int6
 #else
 
 namespace streamgate::cpu {
-constexpr bool kInt8AmxBuilt = false;
+constexpr bool kLinearAmxBuilt = false;
 inline void linear_int8_amx(const c10::BFloat16*, int64_t, int64_t, int64_t, const int8_t*, int64_t, int64_t,
                             const float*, const float*, c10::BFloat16*) {}
 inline void linear_bf16_amx(const c10::BFloat16*, int64_t, int64_t, int64_t, const uint32_t*, int64_t, int64_t,
@@ -177,3 +176,14 @@ inline void linear_bf16_amx(const c10::BFloat16*, int64_t, int64_t, int64_t, con
 }  // namespace streamgate::cpu
 
 #endif
+
+namespace streamgate::cpu {
+
+// Whether a step of x's rows runs on these tiles: bf16 rows, more than `min_rows` of them,
+// K % 32 == 0, and AMX on for this process (amx_tiles / STREAMGATE_AMX).
+inline bool amx_linear_rows(const torch::Tensor& x, int64_t min_rows) {
+  return kLinearAmxBuilt && x.scalar_type() == torch::kBFloat16 && x.size(0) > min_rows && x.size(1) % 32 == 0 &&
+         amx_switch().load(std::memory_order_relaxed);
+}
+
+}  // namespace streamgate::cpu

@@ -215,8 +215,7 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, c
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() &&
                                     bias->numel() == N), "linear_bf16: bias must be [out_features] fp32");
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  if (kPack == 2 && x.scalar_type() == torch::kBFloat16 && x.size(0) > kAmxMinRows && x.size(1) % 32 == 0 &&
-      streamgate::cpu::kInt8AmxBuilt && streamgate::cpu::amx_switch().load()) {
+  if (kPack == 2 && streamgate::cpu::amx_linear_rows(x, kAmxMinRows)) {
     const int64_t K = x.size(1);
     const auto* words = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
     return streamgate::cpu::on_row_tiles(x, N, [&](const c10::BFloat16* xp, int64_t M, int64_t M16, c10::BFloat16* y) {

@@ -75,7 +75,7 @@ inline int stream_prefetch_hint() {
 // Rows m..m+R-1 of x (fp32, row stride xs) against one block: U accumulators per row over
 // the packed rows. Not inlined: inside parallel_for's lambda GCC kept the accumulators on the
 // stack (a store and a reload per FMA, 3x slower). Hint: a software prefetch 4 KB ahead in the
-// stream with that locality (kNoPrefetch: none); see prefetch_hint().
+// stream with that locality (kNoPrefetch: none); see stream_prefetch_hint().
 template <class Code, int R, int U, int Hint, typename T>
 __attribute__((noinline)) void block_rows(const float* x, int64_t xs, const typename Code::code_t* block, int64_t K,
                                           const Out<T>& out, int64_t row, int64_t n0, int64_t valid) {

@@ -99,9 +99,7 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
   TORCH_CHECK(packed.size(1) == x.size(1), "linear_int8: packed codes do not match x's K");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() &&
                                     bias->numel() == N), "linear_int8: bias must be [out_features] fp32");
-  if (x.scalar_type() == torch::kBFloat16 && x.size(0) > kAmxMinRows && x.size(1) % 32 == 0 &&
-      streamgate::cpu::kInt8AmxBuilt && streamgate::cpu::amx_switch().load())
-    return linear_amx(x, packed, scales, bias, N);
+  if (streamgate::cpu::amx_linear_rows(x, kAmxMinRows)) return linear_amx(x, packed, scales, bias, N);
   const auto xf = fp32_rows(x);
   const int64_t M = xf.size(0), K = xf.size(1), blocks = packed.size(0);
   auto y = torch::empty({M, N}, x.options());

@@ -271,7 +271,8 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const 
   paged_attention_ext(q, k_pool, v_pool, block_tables, q_start, ctx_lens, block_size, scale, 0, 0.0, std::nullopt, out);
 }
 
-// Whether query tiles of bf16 pools run on AMX (attention_amx_item.h); `enable` turns it on
+// Whether this process runs AMX tiles: bf16 pools' query tiles (attention_amx_item.h) and bf16
+// rows of the int8 and bf16 linears past their minimum (linear_amx.h); `enable` turns them on
 // (where this process may run AMX tiles) or off, for every later call in the process.
 bool amx_tiles(std::optional<bool> enable) {
   if (enable.has_value()) amx_switch().store(*enable && amx_supported());

@@ -32,27 +32,28 @@ def native_bf16_cpu() -> bool:
 HIDE_FLAGS_ENV = "STREAMGATE_HIDE_CPU_FLAGS"    # comma-separated flags the engine acts as if absent
 
 
-@cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none), less
-    those STREAMGATE_HIDE_CPU_FLAGS names: a benchmark plays a lesser host with it (with
-    ONEDNN_MAX_CPU_ISA and STREAMGATE_AMX=0 for what oneDNN and the kernels detect
-    themselves; `bench.engine.hosts`), so the dtype, the kernel variant and the linear
-    layers' forms are chosen as there."""
+def cpuinfo_field(name: str) -> str | None:
+    """The first value /proc/cpuinfo gives for `name` ("flags", "vendor_id", "model name"); None
+    where there is none (not Linux, or no such line)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((frozenset(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")),
-                         frozenset())
-    except OSError:                                                  # not Linux: no bf16 guess
-        return frozenset()
-    return flags - {f.strip() for f in os.environ.get(HIDE_FLAGS_ENV, "").split(",") if f.strip()}
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == name), None)
+    except OSError:
+        return None
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none: no bf16
+    guess), less those STREAMGATE_HIDE_CPU_FLAGS names: a benchmark plays a lesser host with it
+    (with ONEDNN_MAX_CPU_ISA and STREAMGATE_AMX=0 for what oneDNN and the kernels detect
+    themselves; `bench.engine.hosts`), so the dtype, the kernel variant and the linear layers'
+    forms are chosen as there."""
+    hidden = {f.strip() for f in os.environ.get(HIDE_FLAGS_ENV, "").split(",") if f.strip()}
+    return frozenset((cpuinfo_field("flags") or "").split()) - hidden
 
 
 @cache
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"; "" where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
+    return cpuinfo_field("vendor_id") or ""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from .dtypes import cpu_flags
+from .dtypes import cpu_flags, cpuinfo_field
 from .models import cache_dir
 
 log = logging.getLogger("streamgate.engine")
@@ -182,17 +182,23 @@ def load_kernels() -> bool:
     return True
 
 
+def amx_linear_rows(x2) -> bool:
+    """Whether the linear kernels run these rows [M, K] on AMX tiles (csrc/linear_amx.h) once
+    past their row minimum: bf16 rows, K % 32 == 0, and AMX on for this process
+    (`torch.ops.streamgate.amx_tiles()`: the CPU and Linux allow it, STREAMGATE_AMX is not 0, no
+    call turned it off). The C++ ops check the same; callers use it to pick the op over oneDNN."""
+    import torch
+
+    return x2.dtype == torch.bfloat16 and x2.shape[-1] % 32 == 0 and torch.ops.streamgate.amx_tiles()
+
+
 def loaded_variant() -> str | None:
     """The name of the variant this process runs, or None without kernels."""
     return choose_variant().name if load_kernels() else None
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
-    except OSError:
-        return platform.processor() or "?"
+    return cpuinfo_field("model name") or platform.processor() or "?"
 
 
 def _headers_flag() -> str:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .dtypes import cpu_flags, cpu_vendor
-from .kernels import load_kernels, loaded_variant
+from .kernels import amx_linear_rows, load_kernels, loaded_variant
 from .quantization import Int8Weight, quantize_linears
 
 log = logging.getLogger("streamgate.engine")
@@ -43,6 +43,7 @@ log = logging.getLogger("streamgate.engine")
 BF16_KERNEL_MAX_ROWS = 4       # bf16 with both copies: the block kernel up to here, oneDNN above (measured)
 FP32_KERNEL_MAX_ROWS = 4       # fp32 on Intel CPUs: the kernel up to here, a batched GEMM on its blocks above
 BF16_TILES_MAX_ROWS = 64       # bf16 on AMX: the block copy on AMX tiles from 5 rows to here, oneDNN above
+BF16_BLOCK_COPY_MAX_BYTES = 2 << 30     # a second (block) copy doubles bf16 linear bytes: only up to this much extra
 
 
 def fp32_kernel_only() -> bool:
@@ -55,7 +56,6 @@ def fp32_kernel_only() -> bool:
     oneDNN and beat MKL at 512 rows (docs/bench/HISTORY.md §8.13); the batched form was not
     measured on an AMD CPU, so AMD keeps the kernel."""
     return cpu_vendor() != "GenuineIntel"
-BF16_BLOCK_COPY_MAX_BYTES = 2 << 30     # a second (block) copy doubles bf16 linear bytes: only up to this much extra
 
 
 def bf16_kernel_only() -> bool:
@@ -95,19 +95,15 @@ class Bf16Weight:
         """x [..., K] -> [..., N] in x's dtype."""
         x2 = x.reshape(-1, self.in_features)                                             # [M, K]
         rows = x2.shape[0]
-        if self.onednn is None or rows <= BF16_KERNEL_MAX_ROWS or (rows <= BF16_TILES_MAX_ROWS and self._on_tiles(x2)):
+        # AMX tiles (csrc/linear_amx.h) run the block copy in place: SmolLM2's 120 layer linears,
+        # Intel AMX host, weights in cache, 5.5 against oneDNN's 6.7 ms at 8 rows, 6.4 against 7.7
+        # at 32, 9.8 against 10.2 at 64, 59.5 against 51.5 at 512 (so oneDNN above 64).
+        if (self.onednn is None or rows <= BF16_KERNEL_MAX_ROWS
+                or (rows <= BF16_TILES_MAX_ROWS and amx_linear_rows(x2))):
             y = torch.ops.streamgate.linear_bf16(x2, self.blocks, self.bias32, self.out_features)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.onednn, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
-
-
-    def _on_tiles(self, x2: torch.Tensor) -> bool:
-        """Whether linear_bf16 runs these rows on AMX tiles, reading the pair-packed blocks in
-        place (csrc/linear_amx.h: bf16 rows, K % 32 == 0, AMX on). SmolLM2's 120 layer
-        linears, Intel AMX host, 2 threads, weights in cache: 5.5 against oneDNN's 6.7 ms at 8
-        rows, 6.4 against 7.7 at 32, 9.8 against 10.2 at 64, 59.5 against 51.5 at 512."""
-        return x2.dtype == torch.bfloat16 and self.in_features % 32 == 0 and torch.ops.streamgate.amx_tiles()
 
 
 class PackedLinear(nn.Module):

@@ -43,7 +43,7 @@ import threading
 import torch
 from torch import nn
 
-from .kernels import load_kernels
+from .kernels import amx_linear_rows, load_kernels
 
 log = logging.getLogger("streamgate.engine")
 
@@ -108,18 +108,14 @@ class Int8Weight:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         x2 = x.reshape(-1, self.in_features)                                             # [M, K]
-        if self.kernel and (x2.shape[0] <= KERNEL_MAX_ROWS or self._on_tiles(x2)):
+        # Past KERNEL_MAX_ROWS the kernel still takes the step where it runs it on AMX tiles: there
+        # it ties dequantize + GEMM at 512 rows (SmolLM2's layers: 60.8 against 61.6 ms) without
+        # the scratch copy, and is 3-4x faster from 32 to 128 rows.
+        if self.kernel and (x2.shape[0] <= KERNEL_MAX_ROWS or amx_linear_rows(x2)):
             y = torch.ops.streamgate.linear_int8(x2, self.codes, self.scales, self.bias32, self.out_features)
         else:
             y = self._dequantized_gemm(x2)
         return y.view(*x.shape[:-1], self.out_features)
-
-    def _on_tiles(self, x2: torch.Tensor) -> bool:
-        """Whether the kernel runs these rows on AMX tiles (csrc/linear_amx.h: bf16 rows,
-        K % 32 == 0, a CPU and process with AMX, `amx_tiles` on). There it ties dequantize +
-        GEMM at 512 rows (SmolLM2's layers: 60.8 against 61.6 ms) without the scratch copy, and
-        is 3-4x faster from 32 to 128 rows, so it takes every step."""
-        return x2.dtype == torch.bfloat16 and self.in_features % 32 == 0 and torch.ops.streamgate.amx_tiles()
 
     def _dequantized_gemm(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 @ (q s)^T + b through the scratch buffer, SCRATCH_ELEMENTS weights at a time."""

@@ -20,10 +20,10 @@ def render_hosts(data: dict, name: str) -> str:
              "|---|---|---|---:|" + "---:|" * len(rows) + "---|"]
     for r in results:
         ref = amx.get(r["dtype"])
-        times = [r["decode_ms"][str(n)] if str(n) in r["decode_ms"] else r["decode_ms"].get(n) for n in rows]
+        times = [r["decode_ms"][str(n)] for n in rows]                      # JSON keys: strings
         if ref is not None and r is not ref:
             ratio = f"{r['prefill_ms'] / ref['prefill_ms']:.2f}× / " + " ".join(
-                f"{t / (ref['decode_ms'].get(str(n)) or ref['decode_ms'].get(n)):.2f}×" for n, t in zip(rows, times))
+                f"{t / ref['decode_ms'][str(n)]:.2f}×" for n, t in zip(rows, times))
         else:
             ratio = "—"
         lines.append(f"| {r['host']} | {r['dtype']} | {r['variant']} | {r['prefill_ms']:.0f} ms | "
