@@ -32,7 +32,7 @@ ATTN_IMPLEMENTATION = "streamgate_paged"
 _PLAIN = LayerSpec()
 
 __all__ = ["ATTN_IMPLEMENTATION", "AttentionMetadata", "DecodeGroup", "GroupBatch", "KernelBatch", "PrefillChunk",
-           "paged_attention", "CompiledKVCache"]
+           "kernel_layers", "paged_attention", "CompiledKVCache"]
 
 
 @dataclass
@@ -100,6 +100,20 @@ def paged_attention(module, query, key, value, attention_mask, *, scaling, dropo
         return out.unsqueeze(0), None
     torch_attention(cache, batch, layer, q, key, value, out, scaling, spec, s_aux)
     return out.unsqueeze(0), None
+
+
+def kernel_layers(meta: AttentionMetadata) -> tuple[KernelBatch, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+    """(the step's kernel batch, each layer's (K, V) pools) where every layer attends with the
+    plain kernel call (no window, soft-cap or sinks), in one KV-cache group, and the cache
+    writes through the kernels' write_kv: the fused forward then writes and attends with one
+    operator call each a layer, without paged_attention's checks, views and lookups (~1 ms of
+    a one-row SmolLM2 step); else None."""
+    cache, kb = meta.cache, meta.kernel
+    if (kb is None or meta.layer_group is not None or cache.layer_row is not None or not cache.writes_on_kernel
+            or (meta.on_kernel is not None and not all(meta.on_kernel))
+            or (meta.layers is not None and not all(spec.plain for spec in meta.layers))):
+        return None
+    return kb, cache.row_pools()
 
 
 @torch.library.custom_op("streamgate::kv_write", mutates_args=("pool",))

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from .attention import paged_attention
+from .attention import kernel_layers, paged_attention
 from .packed_linear import BF16_BLOCK_COPY_MAX_BYTES, PackedLinear, available, bf16_kernel_only
 
 log = logging.getLogger("streamgate.engine")
@@ -92,6 +92,12 @@ def _fuse(kind: str, *linears: nn.Linear) -> PackedLinear:
     return PackedLinear(fused, kind)
 
 
+def _weight(linear: PackedLinear):
+    """What a packed linear's forward comes down to, as an object with `.linear(x)`: its int8
+    or bf16 weight, else the module itself (called so, without nn.Module's call machinery)."""
+    return linear.packed if linear.kind in ("int8", "bf16") else linear
+
+
 class _Layer:
     """One decoder layer's weights, packed. The transformers modules give theirs up (no second
     copy in memory): the fused ones take their place as `qkv_proj` / `gate_up_proj`, o_proj and
@@ -107,6 +113,9 @@ class _Layer:
         self.gate_up = mlp.gate_up_proj = _fuse(kind, mlp.gate_proj, mlp.up_proj)
         self.down = mlp.down_proj = PackedLinear(mlp.down_proj, kind)
         attn.q_proj = attn.k_proj = attn.v_proj = mlp.gate_proj = mlp.up_proj = None
+        # What each call runs, without nn.Module's call machinery (~120 calls a step).
+        self.qkv_w, self.o_w, self.gate_up_w, self.down_w = (
+            _weight(m) for m in (self.qkv, self.o, self.gate_up, self.down))
         self.norm_in, self.eps_in = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
         self.norm_post = layer.post_attention_layernorm.weight.detach()
         self.eps_post = layer.post_attention_layernorm.variance_epsilon
@@ -122,6 +131,7 @@ class FusedLlama:
         self.embed, self.rotary_emb = body.embed_tokens, body.rotary_emb
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.qkv_heads = [self.heads, self.kv_heads, self.kv_heads]
         self.layers = [_Layer(layer, kind, w) for layer, w in zip(body.layers, windows)]
         self.norm, self.eps = body.norm.weight.detach(), body.norm.variance_epsilon
         self.lm_head = model.lm_head = PackedLinear(model.lm_head, kind)   # a tied one: its own copy
@@ -133,24 +143,31 @@ class FusedLlama:
         residual = self.embed(input_ids[0])             # [N, C], a new tensor: updated in place below
         cos, sin = (t[0].float().contiguous() for t in self.rotary_emb(residual[None], position_ids))  # [N, D]
         n, hd = residual.shape[0], self.head_dim
-        q_end, k_end = self.heads * hd, (self.heads + self.kv_heads) * hd
+        q_end = self.heads * hd
         hidden = x = ops.rms_norm(residual, self.layers[0].norm_in, self.layers[0].eps_in)
+        direct = kernel_layers(paged)
         for i, layer in enumerate(self.layers):
             if i:
                 x = ops.add_rms_norm(hidden, residual, layer.norm_in, layer.eps_in)
-            qkv = layer.qkv(x)                                                    # [N, (H + 2 H_kv) D]
-            q = qkv[:, :q_end].view(n, self.heads, hd)
-            k = qkv[:, q_end:k_end].view(n, self.kv_heads, hd)
-            v = qkv[:, k_end:].view(n, self.kv_heads, hd)
+            q, k, v = layer.qkv_w.linear(x).view(n, -1, hd).split(self.qkv_heads, dim=1)     # views of one GEMM
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)                           # new [N, H(_kv), D]
             ops.rotary(q, k, cos, sin)
-            cache.write(i, k, v, paged.batch(i).slot_mapping)
-            out, _ = paged_attention(layer.attn, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                     v.transpose(0, 1)[None], None, scaling=layer.attn.scaling,
-                                     sliding_window=layer.window, paged=paged)
-            hidden = layer.o(out[0].reshape(n, q_end))
-            x = ops.add_rms_norm(hidden, residual, layer.norm_post, layer.eps_post)
-            hidden = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+            if direct is not None:                # one write and one kernel call (attention.kernel_layers)
+                kb, pools = direct
+                k_pool, v_pool = pools[i]
+                ops.write_kv(k_pool, v_pool, paged.slot_mapping, k, v)
+                out = torch.empty(n, self.heads, hd, dtype=q.dtype)
+                ops.paged_attention(q, k_pool, v_pool, kb.block_tables, kb.q_start, kb.ctx_lens, cache.block_size,
+                                    layer.attn.scaling, out)
+                out = out.view(n, q_end)
+            else:
+                cache.write(i, k, v, paged.batch(i).slot_mapping)
+                out, _ = paged_attention(layer.attn, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], None, scaling=layer.attn.scaling,
+                                         sliding_window=layer.window, paged=paged)
+                out = out[0].reshape(n, q_end)
+            x = ops.add_rms_norm(layer.o_w.linear(out), residual, layer.norm_post, layer.eps_post)
+            hidden = layer.down_w.linear(ops.silu_and_mul(layer.gate_up_w.linear(x)))
         final = ops.add_rms_norm(hidden, residual, self.norm, self.eps)
         return SimpleNamespace(logits=self.lm_head(final[logits_to_keep])[None])

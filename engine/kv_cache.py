@@ -59,6 +59,7 @@ class PagedKVCache:
         self._v_rows = self.v.view(num_layers, -1, num_kv_heads * head_dim)
         self._scratch = (self.k.new_empty(0), self.v.new_empty(0))
         self._write_op = None            # streamgate::write_kv once use_kernel() found it
+        self._row_pools: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def use_kernel(self) -> None:
         """Write through the C++ kernels' `write_kv` (csrc/write_kv.cpp: keys and values in
@@ -75,6 +76,18 @@ class PagedKVCache:
     def row(self, layer: int) -> int:
         """The pool row that holds `layer`'s keys and values."""
         return layer if self.layer_row is None else self.layer_row[layer]
+
+    @property
+    def writes_on_kernel(self) -> bool:
+        """write() runs the C++ kernels' write_kv."""
+        return self._write_op is not None
+
+    def row_pools(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each pool row's (K, V) views [S, H_kv, D], made once: the fused forward would
+        otherwise select them again for every layer of every step."""
+        if self._row_pools is None:
+            self._row_pools = [(self.k[r], self.v[r]) for r in range(self.num_layers)]
+        return self._row_pools
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """key/value: [N, H_kv, D] for the N packed tokens; slots: [N] int64 (the layer's group's)."""

@@ -107,7 +107,7 @@ class Int8Weight:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
-        x2 = x.reshape(-1, self.in_features)                                             # [M, K]
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)                      # [M, K]
         # Past KERNEL_MAX_ROWS the kernel still takes the step where it runs it on AMX tiles: there
         # it ties dequantize + GEMM at 512 rows (SmolLM2's layers: 60.8 against 61.6 ms) without
         # the scratch copy, and is 3-4x faster from 32 to 128 rows.
@@ -115,7 +115,7 @@ class Int8Weight:
             y = torch.ops.streamgate.linear_int8(x2, self.codes, self.scales, self.bias32, self.out_features)
         else:
             y = self._dequantized_gemm(x2)
-        return y.view(*x.shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def _dequantized_gemm(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 @ (q s)^T + b through the scratch buffer, SCRATCH_ELEMENTS weights at a time."""

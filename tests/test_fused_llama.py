@@ -186,3 +186,36 @@ def test_fused_bf16_logits_match_transformers_bf16(tiny_model):
     got, ref16, ref32 = logits["bfloat16", True], logits["bfloat16", False], logits["float32", False]
     assert got.shape == ref16.shape == ref32.shape
     assert_tensor_within_noise(got, ref32, ref16, what="fused bf16 logits")
+
+
+def test_fused_forward_calls_the_kernel_directly_only_where_every_layer_is_plain(tiny_model, tmp_path, tokenizer_dir,
+                                                                                 monkeypatch):
+    """A plain Llama writes and attends with one kernel call each a layer (attention.kernel_layers),
+    never through paged_attention; a model with windowed layers (Qwen3 with every layer sliding)
+    keeps paged_attention for every layer. Both make the tokens of their unfused forward."""
+    import engine.fused_llama as fused_llama
+    from engine import LLMEngine, SamplingParams
+    from tests.families import build_family_model
+
+    calls = []
+    wrapped = fused_llama.paged_attention
+    monkeypatch.setattr(fused_llama, "paged_attention", lambda *a, **kw: calls.append(1) or wrapped(*a, **kw))
+    sliding = build_family_model("qwen3-sliding", tmp_path / "qwen3-sliding", tokenizer_dir)
+    for model, direct in ((tiny_model("llama"), True), (sliding, False)):
+        tokens = {}
+        for fused in (True, False):
+            calls.clear()
+            eng = LLMEngine(EngineConfig(model=model, num_kv_blocks=64, fused_layers=fused, max_num_batched_tokens=16,
+                                         max_num_seqs=4))
+            assert isinstance(eng.runner.forward, FusedLlama) == fused
+            params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+            eng.add_request("a", list(range(100, 140)), params)      # chunked: 16-token steps, then decode
+            eng.add_request("b", list(range(300, 305)), params)
+            tokens[fused] = {}
+            while eng.has_unfinished():
+                for out in eng.step():
+                    tokens[fused].setdefault(out.request_id, []).extend(out.new_token_ids)
+            if fused:
+                layers = len(eng.runner.forward.layers)
+                assert (len(calls) == 0) if direct else (len(calls) >= layers), (model, len(calls))
+        assert tokens[True] == tokens[False], model
