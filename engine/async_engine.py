@@ -34,8 +34,11 @@ _STOPPED = "engine stopped"
 
 def _build_engine(config: EngineConfig):
     from .llm_engine import LLMEngine      # imports torch: keep it off the event loop too
+    from .threads import release_openmp_pool
 
-    return LLMEngine(config)
+    engine = LLMEngine(config)
+    release_openmp_pool()                  # the engine thread's OpenMP team is then the only one
+    return engine
 
 
 class AsyncEngine(EngineClient):

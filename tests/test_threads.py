@@ -128,3 +128,35 @@ def test_engine_with_adaptive_threads_measures_both_and_matches(tiny_model, all_
         if not adaptive:
             assert tuner is None
     assert outs[True] == outs[False] and len(outs[True]) == 24
+
+
+def test_release_openmp_pool_ends_the_calling_threads_workers():
+    """After a parallel region, the calling thread's OpenMP workers are threads of the process;
+    release_openmp_pool() ends them (so the engine thread's team is the only one libgomp
+    manages) and later torch ops still run, on a new pool, with the same results."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os, time, torch
+        from engine.threads import release_openmp_pool
+        torch.set_num_threads(2)
+        a = torch.arange(4_000_000, dtype=torch.float32)
+        want = (a * 2).sum().item()
+        tasks = lambda: len(os.listdir("/proc/self/task"))
+        before = tasks()
+        assert release_openmp_pool()
+        deadline = time.monotonic() + 10
+        while tasks() >= before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        after = tasks()
+        assert after < before, (before, after)
+        assert (a * 2).sum().item() == want
+        print("ok", before, after)
+    """)
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: no OpenMP workers to end")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]
