@@ -1,18 +1,7 @@
 """streamgate's in-process inference engine: paged KV cache, continuous batching,
 chunked prefill. See DESIGN.md for the contract."""
 
-import os
-
-# Before torch loads libgomp: with one OpenMP team (threads.release_openmp_pool) the engine's
-# workers spin for the next parallel region; libgomp's default, ~300k spins after each region,
-# kept a worker spinning between steps too, taking the core the event loop and a client on the
-# same host need (served, 2 cores, Intel AMX host, 2026-12-05: TTFT p99 at 8 streams 3.27 s
-# against 0.69 s with 20k spins, ~0.2 ms; in-step gaps between regions are microseconds). An
-# explicit GOMP_SPINCOUNT or OMP_WAIT_POLICY wins.
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
-
-from .config import EngineConfig, SamplingParams  # noqa: E402
+from .config import EngineConfig, SamplingParams
 from .errors import EngineOverloaded
 from .grammar import Grammar
 from .port import EngineClient, EngineLimits
