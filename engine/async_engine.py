@@ -37,7 +37,8 @@ def _build_engine(config: EngineConfig):
     from .threads import release_openmp_pool
 
     engine = LLMEngine(config)
-    release_openmp_pool()                  # the engine thread's OpenMP team is then the only one
+    if config.openmp_one_team:
+        release_openmp_pool()              # the engine thread's OpenMP team is then the only one
     return engine
 
 

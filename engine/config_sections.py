@@ -120,6 +120,9 @@ class ForwardConfig(Section):
                                   "measures faster")
     adaptive_threads_all_steps: bool = knob(False, "with adaptive_threads, steps of every size too, where the "
                                             "kernels split no sum (engine/threads.py)")
+    openmp_one_team: bool = knob(False, "served: free the loading thread's OpenMP pool so the engine thread's team "
+                                 "spins between regions (one stream's ITL 27 -> 17 ms on a 2-core host; beside a "
+                                 "client on the same cores, 8 streams lost throughput: engine/threads.py)")
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,14 @@ def release_openmp_pool() -> bool:
     on the 2-core Intel AMX host (2026-12-05): a one-row step took 25.7 ms on a thread started
     after another thread's pool existed, 16.1 ms without; one linear 99 against 19 us. The
     loader's pool so freed, the engine thread's team is the only one. A later parallel region
-    on the calling thread makes a new pool, so this is safe to call anywhere outside one."""
+    on the calling thread makes a new pool, so this is safe to call anywhere outside one.
+
+    Opt-in (`EngineConfig.openmp_one_team`): served beside GuideLLM on the same 2 cores, one
+    stream gained (ITL p50 27 -> 17-18 ms, 34.9 -> 38.1-41.6 tok/s) but 8 streams lost (157.8
+    -> 124.8-134.3 tok/s, TTFT p50 0.19 -> 0.38-0.70 s) and TTFT p99 at 32 rose (2.4 -> 3.5-5.7
+    s): the spinning team then takes the cycles the event loop and the client need. With
+    GOMP_SPINCOUNT=20000 in the environment (spin ~0.2 ms, not libgomp's ~300k) it did
+    better than with the default (docs/BENCHMARKS.md §6)."""
     import ctypes
 
     try:
