@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, Grammar, LLMEngine, SamplingParams
+from engine.kernels import paged_attention_ops
 from tests.models import load_reference
 
 K = 5
@@ -117,13 +118,14 @@ def test_validation_names_the_field(params, field):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(paged_attention_ops() is None,
+                    reason="the paged attention kernel did not build: compiled steps take the torch backend, unpadded")
 def test_compiled_runner_with_padding_rows(tiny_model, prompt, reference):
     """torch.compile with the kernel pads every step with two scratch rows after the kept
     logits: the prompt rows stay between the sampled rows and the padding."""
     eng = LLMEngine(EngineConfig(model=tiny_model("llama"), max_num_batched_tokens=64, max_num_seqs=4,
                                  max_model_len=512, num_kv_blocks=64, compile=True))
-    if not eng.runner.pad_rows:
-        pytest.skip("the paged attention kernel did not build: no padded compiled path")
+    assert eng.runner.pad_rows
     outs = run(eng, {0: [("a", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
                                                       prompt_logprobs=K))]})
     check(prompt_logprobs(outs["a"]), prompt, reference)

@@ -3,12 +3,17 @@ and on the real engine that the choice never changes an output."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.threads import ThreadTuner
 from tests.models import TEST_POOL
+
+ONE_CPU = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: one thread is all there is, nothing to choose "
+                             "or compare, and no OpenMP workers")
 
 
 def test_tuner_measures_both_then_runs_the_faster_and_keeps_probing():
@@ -53,14 +58,13 @@ def test_large_steps_are_tuned_by_bucket_where_asked():
     assert ThreadTuner(full=2).choose(500) == 2 and ThreadTuner(full=2).key(500) is None
 
 
+@ONE_CPU
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prefill_steps_are_bit_identical_on_one_or_all_threads_where_tuned(default_model_dir, dtype, all_threads):
     """Off by default; asked for (adaptive_threads_all_steps), the tuner takes steps of every
     size only on the fused forward on the fp32 kernel alone (not on Intel CPUs, where big fp32
     steps run a batched GEMM) or on the bf16 block kernel alone, and there a 330-row prefill
     step gives the same logits on one thread and on all."""
-    if torch.get_num_threads() < 2:
-        pytest.skip("one core: nothing to choose")
     from engine.packed_linear import bf16_kernel_only, fp32_kernel_only
 
     assert not LLMEngine(EngineConfig(model=default_model_dir, dtype=dtype, **TEST_POOL)).runner.threads.large
@@ -83,15 +87,13 @@ def test_prefill_steps_are_bit_identical_on_one_or_all_threads_where_tuned(defau
     assert torch.equal(logits[full], logits[1])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@ONE_CPU
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 on this CPU (no AVX512-BF16 or AMX)"))])
 def test_small_steps_are_bit_identical_on_one_or_all_threads(default_model_dir, dtype, all_threads):
     """A decode step of 1-3 rows gives the same logits, bit for bit, on one thread and on all:
     the kernels split work by output rows and sequences, never a sum, so the tuner's choice
     (which depends on timing) cannot change what is generated."""
-    if torch.get_num_threads() < 2:
-        pytest.skip("one core: nothing to choose")
-    if dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        pytest.skip("no oneDNN bf16 on this CPU")
     full = torch.get_num_threads()
     for rows in (3, 1):
         eng = LLMEngine(EngineConfig(model=default_model_dir, dtype=dtype, adaptive_threads=False, **TEST_POOL))
@@ -130,11 +132,11 @@ def test_engine_with_adaptive_threads_measures_both_and_matches(tiny_model, all_
     assert outs[True] == outs[False] and len(outs[True]) == 24
 
 
+@ONE_CPU
 def test_release_openmp_pool_ends_the_calling_threads_workers():
     """After a parallel region, the calling thread's OpenMP workers are threads of the process;
     release_openmp_pool() ends them (so the engine thread's team is the only one libgomp
     manages) and later torch ops still run, on a new pool, with the same results."""
-    import os
     import subprocess
     import sys
     import textwrap
@@ -156,7 +158,5 @@ def test_release_openmp_pool_ends_the_calling_threads_workers():
         assert (a * 2).sum().item() == want
         print("ok", before, after)
     """)
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("one CPU: no OpenMP workers to end")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]
