@@ -145,7 +145,8 @@ class FusedLlama:
         n, hd = residual.shape[0], self.head_dim
         q_end = self.heads * hd
         hidden = x = ops.rms_norm(residual, self.layers[0].norm_in, self.layers[0].eps_in)
-        direct = kernel_layers(paged)
+        direct = kernel_layers(paged)             # one write and one kernel call a layer where it holds
+        kb, pools = direct if direct is not None else (None, None)
         for i, layer in enumerate(self.layers):
             if i:
                 x = ops.add_rms_norm(hidden, residual, layer.norm_in, layer.eps_in)
@@ -153,8 +154,7 @@ class FusedLlama:
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)                           # new [N, H(_kv), D]
             ops.rotary(q, k, cos, sin)
-            if direct is not None:                # one write and one kernel call (attention.kernel_layers)
-                kb, pools = direct
+            if direct is not None:
                 k_pool, v_pool = pools[i]
                 ops.write_kv(k_pool, v_pool, paged.slot_mapping, k, v)
                 out = torch.empty(n, self.heads, hd, dtype=q.dtype)
