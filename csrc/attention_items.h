@@ -13,6 +13,7 @@
 
 #include "attention_decode.h"
 #include "attention_tiles.h"
+#include "parallel.h"
 
 namespace streamgate::cpu {
 
@@ -66,11 +67,12 @@ inline std::vector<std::vector<Item>> deal_items(const torch::Tensor& q, const t
         items.push_back({b, h, r, std::min(q_len, r + query_tile)});
   }
   // at::parallel_for hands each thread one contiguous range, so items are first dealt into
-  // one bin per thread, longest first, each to the least loaded bin (contexts are ragged).
+  // one bin per thread, longest first, each to the least loaded bin (contexts are ragged); on
+  // the elastic pool (parallel.h) two bins per thread, so a late helper's share is smaller.
   // With enough sequences to go round, a sequence's items (its KV heads) are dealt together and
   // run back to back: they read the same blocks (the heads of a slot are adjacent in memory),
   // which then come from cache rather than memory.
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = ElasticPool::get().threads() > 1 ? 2 * loop_threads() : loop_threads();
   const bool by_seq = num_seqs >= 2 * threads;
   std::vector<std::pair<int64_t, int64_t>> groups;                      // [first, last) items
   std::vector<int64_t> cost;

@@ -10,6 +10,7 @@
 // and the weighted row; each rotary product and their sum; SiLU(gate) and its product with up.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "parallel.h"
 
 #include <bit>
 #include <cmath>
@@ -95,7 +96,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t *xp = x.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, N, grain(C), [&](int64_t r0, int64_t r1) {
+    streamgate::cpu::parallel_for(0, N, grain(C), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * x.stride(0), wp, op + r * C, C, eps);
     });
   });
@@ -115,7 +116,7 @@ torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor residual, const
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     const scalar_t *xp = x.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
     scalar_t *rp = residual.data_ptr<scalar_t>(), *op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, N, grain(C), [&](int64_t r0, int64_t r1) {
+    streamgate::cpu::parallel_for(0, N, grain(C), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) add_norm_row(xp + r * x.stride(0), rp + r * C, wp, op + r * C, C, eps);
     });
   });
@@ -130,7 +131,7 @@ void rotate(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin)
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   T* xp = x.data_ptr<T>();
   const int64_t rs = x.stride(0), hs = x.stride(1);
-  at::parallel_for(0, N, grain(H * D), [&](int64_t r0, int64_t r1) {
+  streamgate::cpu::parallel_for(0, N, grain(H * D), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float *c = cp + r * D, *s = sp + r * D;
       for (int64_t h = 0; h < H; ++h) {
@@ -254,7 +255,7 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* gp = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, N, grain(I), [&](int64_t r0, int64_t r1) {
+    streamgate::cpu::parallel_for(0, N, grain(I), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) silu_mul_row(gp + r * gate_up.stride(0), op + r * I, I);
     });
   });

@@ -11,6 +11,7 @@
 // bound by the FMA units). Summation over K is in order, one accumulator per output lane.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "parallel.h"
 
 #include <algorithm>
 
@@ -82,7 +83,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   const int64_t xs = xc.stride(0);
   // At least ~32 KB of weights per task, so small layers do not pay for waking a thread.
   const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, K));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  streamgate::cpu::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* block = wp + b * K * kBlock;
       const int64_t n0 = b * kBlock, valid = std::min(kBlock, N - n0);

@@ -20,6 +20,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "parallel.h"
 
 #include <algorithm>
 #include <memory>
@@ -120,7 +121,7 @@ template <bool Widened, typename Panel>
 inline void amx_linear(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K, int64_t blocks, int64_t N,
                        const float* s, const float* b, c10::BFloat16* y, Panel panel) {
   const int64_t pairs = (blocks + 1) / 2;
-  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+  streamgate::cpu::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     AmxScope scope(true);
     // Two panels of K/2 x 16 words where the codes are widened (uninitialized: each is written whole).
     const std::unique_ptr<uint32_t[]> buffers(Widened ? new uint32_t[K * 16] : nullptr);

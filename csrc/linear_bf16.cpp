@@ -27,6 +27,7 @@
 // SmolLM2-135M's shapes: 1.75-2.5x at 1 row, 1.2-1.7x at 8, 1.0-1.2x at 32, 0.96-1.05x at
 // 64-512 (~190 GFLOP/s a core, as oneDNN); the head 1.8-2.1x at 1-2 rows, 0.87-1.1x at
 // 4-512. The shift+FMA form is compute-bound above ~4 rows (one 16-lane FMA a cycle).
+#include "parallel.h"
 #include "linear_blocks.h"
 #include "linear_amx.h"
 
@@ -137,7 +138,7 @@ void dp_blocks(const uint16_t* xp, int64_t xs, int64_t M, int64_t K2, int64_t N,
   const int64_t block_bytes = std::max<int64_t>(1, K2 * 2 * kBlock * 2);     // K = 0: no division by 0
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / block_bytes);
   const int64_t group = std::max<int64_t>(1, (256 << 10) / block_bytes);
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  streamgate::cpu::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t g0 = b0; g0 < b1; g0 += group) {
       const int64_t g1 = std::min(b1, g0 + group);
       row_groups<kDpRows>(M, [&](auto r, int64_t m) {

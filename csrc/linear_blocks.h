@@ -4,7 +4,8 @@
 // kPack]); a row is widened to fp32 lanes in registers by the code type's `widen` and FMA'd
 // with the activation, broadcast, accumulating in fp32; an epilogue applies the per-channel
 // scale (int8) or none, adds the bias and rounds once to the output's dtype. Blocks are split
-// over the threads by at::parallel_for; each thread's blocks are one contiguous stream.
+// over the threads by parallel.h's loop (OpenMP's, or the elastic pool's chunks: the caller's
+// from the front, helpers' from the back); each thread's blocks are one contiguous stream.
 //
 // A code type is a struct with `code_t`, `kPack` and `static lanes_t widen(const code_t* row,
 // int sub, int part)` (lanes `part` of k-sub-index `sub` of one packed row).
@@ -12,6 +13,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "parallel.h"
 
 #include <algorithm>
 #include <cstring>
@@ -130,7 +132,7 @@ inline void row_groups(int64_t M, F&& f) {
 template <class F>
 inline void split_blocks(int64_t blocks, int64_t block_bytes, int64_t grain_bytes, F&& f) {
   const int64_t grain = std::max<int64_t>(1, grain_bytes / std::max<int64_t>(1, block_bytes));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  streamgate::cpu::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) f(b);
   });
 }

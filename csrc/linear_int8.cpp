@@ -16,6 +16,7 @@
 // dequantize_int8 writes q * s in the model's dtype as a plain transposed weight [K, N]: steps
 // of many rows (a prefill chunk) dequantize one layer into a reused scratch buffer and run
 // the dtype's GEMM, so no dequantized copy is kept.
+#include "parallel.h"
 #include "linear_blocks.h"
 #include "linear_amx.h"
 
@@ -156,7 +157,7 @@ inline void store_lanes(lanes_t v, T* dst) {
 // contiguous outputs (no transpose); y = x @ out is the dtype's plain GEMM.
 template <typename T>
 void dequantize_blocks(const int8_t* wp, const float* sp, T* op, int64_t N, int64_t K, int64_t blocks) {
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  streamgate::cpu::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int8_t* block = wp + b * K * kBlock;
       const int64_t n0 = b * kBlock, valid = std::min(kBlock, N - n0);

@@ -19,6 +19,7 @@
 // in any dtype (decode_sequence, attention_decode.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "parallel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -74,7 +75,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
   // Query vectors per item in the buffers below (AMX items use their own, made on the first).
   const int64_t max_q = (amx ? kQueryTile : tile_rows) * group;
 
-  at::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t first_bin, int64_t last_bin) {
+  streamgate::cpu::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t first_bin, int64_t last_bin) {
     // qf [max_q, D] scaled queries; kT [D, kpad] one span of K transposed; vb [kpad, D] its V;
     // s [max_q, kpad] scores, then probabilities; acc [max_q, D] unnormalized outputs; m, l, alpha
     // the online softmax's running max, running sum and this span's rescale, per query vector.

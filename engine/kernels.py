@@ -30,7 +30,7 @@ log = logging.getLogger("streamgate.engine")
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "linear.cpp", CSRC / "linear_int8.cpp", CSRC / "linear_bf16.cpp",
            CSRC / "layers.cpp",
-           CSRC / "write_kv.cpp"]
+           CSRC / "write_kv.cpp", CSRC / "parallel.cpp"]
 HEADERS = sorted(CSRC.glob("*.h"))
 NAME = "streamgate_kernels"
 ISA_ENV = "STREAMGATE_KERNEL_ISA"       # force a variant by name (tests, benchmarks)

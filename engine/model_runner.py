@@ -11,6 +11,7 @@ import torch
 from .attention import AttentionMetadata, CompiledKVCache, GroupBatch
 from .attention_kernel import has_features, kernel_batch, register_fakes
 from .attention_torch import build_torch_groups
+from . import elastic
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .dtypes import resolve_dtype
@@ -37,6 +38,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         tp = config.tensor_parallel_size
         self.model, self.tokenizer, self.family = load_model(config.model, self.dtype, self.device, tp)
+        eager_cpu = self.device.type == "cpu" and not config.compile and tp == 1
+        self.elastic = config.elastic_threads and eager_cpu and elastic.start(config, self.dtype)   # elastic.py
         hf = self.model.config
         self.vocab_size = hf.vocab_size
         self.max_position_embeddings = getattr(hf, "max_position_embeddings", None)
@@ -75,15 +78,14 @@ class ModelRunner:
         self.forward = maybe_fuse(self.model, config, self.device, self.dtype, self.family) or self.model
         if self.forward is self.model:
             maybe_pack(self.model, config, self.device, self.dtype)
-        eager_cpu = self.device.type == "cpu" and not config.compile and tp == 1
-        # Steps of every size are tuned (when asked) only where the forward's kernels give the
-        # same bits on any thread count at every size (threads.py): the fused forward on the fp32
-        # kernel alone (not on Intel CPUs) or on the bf16 block kernel alone; oneDNN, torch's
-        # batched GEMM and int8's GEMM run big steps otherwise.
+        # Steps of every size are tuned (when asked) only where the kernels give the same bits on
+        # any thread count (threads.py): the fused forward on the fp32 kernel alone (not on Intel
+        # CPUs) or the bf16 block kernel alone; oneDNN, batched GEMMs or int8's run big steps else.
         kind = getattr(self.forward, "kind", None)
         large = config.adaptive_threads_all_steps and ((kind == "streamgate" and fp32_kernel_only())
                                                        or (kind == "bf16" and bf16_kernel_only()))
-        self.threads = ThreadTuner(torch.get_num_threads(), large=large) if config.adaptive_threads and eager_cpu else None
+        tune = config.adaptive_threads and eager_cpu and not self.elastic       # the pool shares loops itself
+        self.threads = ThreadTuner(torch.get_num_threads(), large=large) if tune else None
         self.graphs: DecodeGraphs | None = None
         self.compile_time_s = 0.0
         if use_graphs:                                                # steps with prefill stay eager
@@ -222,6 +224,8 @@ class ModelRunner:
                 meta: AttentionMetadata) -> torch.Tensor:
         """The forward pass on a prepared batch (every tensor-parallel rank runs it)."""
         rows = input_ids.numel()
+        if self.elastic:
+            elastic.one_torch_thread()
         threads = self.threads.choose(rows) if self.threads else None
         switch = threads is not None and threads != torch.get_num_threads()
         if switch:                                      # a small step on one thread (threads.py)

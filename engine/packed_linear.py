@@ -34,6 +34,7 @@ import logging
 import torch
 from torch import nn
 
+from . import elastic
 from .dtypes import cpu_flags, cpu_vendor
 from .kernels import amx_linear_rows, load_kernels, loaded_variant
 from .quantization import Int8Weight, quantize_linears
@@ -61,10 +62,12 @@ def fp32_kernel_only() -> bool:
 def bf16_kernel_only() -> bool:
     """Whether the bf16 block kernel runs steps of every size and oneDNN's copy is not kept:
     its VDPBF16PS form (the avx512_bf16 variant) on a CPU without AMX, where it measured at
-    least oneDNN's prepacked bf16 matmul from 1 to 512 rows. With AMX (oneDNN's tiles: many
-    times the MACs a cycle) or without AVX512-BF16 oneDNN keeps the steps above
-    BF16_KERNEL_MAX_ROWS."""
-    return load_kernels() and loaded_variant() == "avx512_bf16" and "amx_bf16" not in cpu_flags()
+    least oneDNN's prepacked bf16 matmul from 1 to 512 rows, or with AMX on the elastic pool
+    (elastic.py: torch's operators, oneDNN's included, on one thread). Otherwise (AMX: oneDNN's
+    tiles; no AVX512-BF16: the shift+FMA form, compute-bound above ~4 rows) oneDNN keeps the
+    steps above BF16_KERNEL_MAX_ROWS."""
+    return (load_kernels() and loaded_variant() == "avx512_bf16"
+            and ("amx_bf16" not in cpu_flags() or elastic.pool_threads() > 1))
 
 
 class Bf16Weight:

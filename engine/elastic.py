@@ -1,0 +1,79 @@
+"""The elastic thread pool of the C++ kernels (csrc/parallel.h), for CPU steps beside other
+work on the same cores (the event loop, a client on the same host).
+
+OpenMP ends each parallel region at a barrier every thread of the team must reach, so a step's
+~150 regions each wait for a worker the OS has given to someone else. Served beside GuideLLM on
+2 cores, two OpenMP threads made what one thread makes in process (SmolLM2 bf16, Intel AMX host,
+2026-12-05: 34.2 / 159.4 / 284.9 tok/s at 1 / 8 / 32 streams; 34.5 / 162.3 / 254.1 with
+OMP_NUM_THREADS=1; in process 55.8 / 249 / 396 on two threads). On the elastic pool the
+stepping thread claims chunks of each loop with helper threads and never waits for a helper
+that has not started one; the step's torch operators run on one thread (torch's OpenMP team
+is not used), so the kernels must run every step: the bf16 linears on the block kernel at every
+size (no oneDNN copy; AMX tiles above 4 rows where the CPU has them), which is the
+avx512_bf16 build's, in bf16 (and int8 on AMX, whose prefill also runs on the tiles).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("streamgate.engine")
+
+# A helper spins this long after its last chunk, then sleeps until the next loop wakes it.
+SPIN_US = int(os.environ.get("STREAMGATE_ELASTIC_SPIN_US", "200"))
+
+
+def pool_threads() -> int:
+    """Threads that run the kernels' loops on the elastic pool (0: off, OpenMP runs them)."""
+    from .kernels import load_kernels
+
+    if not load_kernels():
+        return 0
+    import torch
+
+    return int(torch.ops.streamgate.elastic_threads(-1))
+
+
+def fits(dtype, quantization: str | None) -> str | None:
+    """Why the elastic pool cannot run this engine's steps (None: it can)."""
+    import torch
+
+    from .dtypes import cpu_flags
+    from .kernels import load_kernels, loaded_variant
+
+    if not load_kernels():
+        return "the C++ kernels did not build"
+    if loaded_variant() != "avx512_bf16":
+        return f"the {loaded_variant()} kernels leave big steps to oneDNN (the avx512_bf16 build runs them all)"
+    if dtype != torch.bfloat16:
+        return f"{dtype} leaves big steps to oneDNN or MKL (bf16 runs them on the kernels)"
+    if quantization == "int8" and "amx_bf16" not in cpu_flags():
+        return "int8 prefill dequantizes for oneDNN without AMX"
+    return None
+
+
+def start(config, dtype) -> bool:
+    """Start the pool with as many threads as torch has (the stepping thread and helpers) if
+    this engine's steps run on the kernels; False (and why, logged) if not."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if threads <= 1:
+        return False
+    if (why := fits(dtype, config.quantization)) is not None:
+        log.warning("elastic threads off: %s", why)
+        return False
+    if pool_threads() != threads:
+        torch.ops.streamgate.elastic_threads(threads, SPIN_US)
+    log.info("elastic threads: the kernels' loops on %d threads, torch's operators on one", threads)
+    return True
+
+
+def one_torch_thread() -> None:
+    """On the stepping thread, before each step: torch's operators on this thread alone (the
+    OpenMP setting is the calling thread's own)."""
+    import torch
+
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)

@@ -1,0 +1,112 @@
+"""The kernels' elastic pool (csrc/parallel.h, engine/elastic.py): the same bits as OpenMP's
+loops whoever runs the chunks, a loop that finishes when no helper ever runs, and an engine
+on it that keeps the bf16 contract, or says why it cannot use it."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.kernels import load_kernels
+from tests.bf16 import assert_tokens_within_noise
+from tests.models import run_to_completion
+
+pytestmark = [
+    pytest.mark.skipif(not load_kernels(), reason="the C++ kernels did not build: no elastic pool"),
+    pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: no helper thread to share loops with"),
+]
+
+
+@pytest.fixture
+def pool_off_after():
+    yield
+    torch.ops.streamgate.elastic_hold(False)
+    torch.ops.streamgate.elastic_threads(0)
+
+
+def mixed_batch(eng: LLMEngine):
+    """A step with decode rows of three sequences and a 90-token prefill chunk of a fourth."""
+    rng = random.Random(3)
+    for i, n in enumerate((40, 70, 20)):
+        eng.add_request(f"d{i}", [rng.randrange(100, 30_000) for _ in range(n)], SamplingParams(max_tokens=8))
+    eng.step()
+    eng.add_request("p", [rng.randrange(100, 30_000) for _ in range(90)], SamplingParams(max_tokens=8))
+    batch = eng.scheduler.schedule()
+    assert batch.num_batched_tokens == 93
+    return batch
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loops_on_the_pool_give_openmps_bits_even_when_no_helper_runs(tiny_model, dtype, pool_off_after):
+    """One mixed step (prefill chunk + decode rows) through every kernel (linears, attention,
+    norms, rotary, SiLU) on OpenMP's loops, on the pool with 2 and 3 threads, and on the pool
+    with its helpers held (they claim nothing, as if the OS never ran them): the logits are
+    equal bit for bit, since chunks split outputs, never a sum, and the held run finishes, the
+    caller running every chunk (it never waits for a helper that has not started one)."""
+    eng = LLMEngine(EngineConfig(model=tiny_model("llama-slow"), dtype=dtype, attention_backend="kernel",
+                                 num_kv_blocks=64, block_size=8, adaptive_threads=False))
+    batch = mixed_batch(eng)
+    prepared = eng.runner._prepare(batch)
+    full = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ref = eng.runner.execute(*prepared).clone()
+        for threads in (2, 3):
+            assert torch.ops.streamgate.elastic_threads(threads) == threads
+            assert torch.equal(eng.runner.execute(*prepared), ref), threads
+        torch.ops.streamgate.elastic_hold(True)
+        done, out = threading.Event(), {}
+
+        def held():
+            out["logits"] = eng.runner.execute(*prepared).clone()
+            done.set()
+
+        threading.Thread(target=held, daemon=True).start()
+        assert done.wait(120), "a loop waited for a helper that never ran"
+        assert torch.equal(out["logits"], ref)
+    finally:
+        torch.set_num_threads(full)
+    assert torch.ops.streamgate.elastic_threads(0) == 0
+    assert torch.equal(eng.runner.execute(*prepared), ref)            # back on OpenMP's loops
+
+
+def test_elastic_engine_keeps_the_bf16_contract(tiny_model, all_threads, pool_off_after):
+    """EngineConfig(elastic_threads=True) in bf16 where the avx512_bf16 kernels are built: the
+    pool runs with as many threads as torch had, the thread tuner is off, steps run torch's
+    operators on one thread, and chunked prefill beside decodes meets the bf16 contract
+    (tests/bf16.py); elsewhere the engine says why and keeps OpenMP."""
+    from engine import elastic
+
+    eng = LLMEngine(EngineConfig(model=tiny_model("llama-slow"), dtype="bfloat16", attention_backend="kernel",
+                                 num_kv_blocks=64, block_size=8, max_num_batched_tokens=64, elastic_threads=True))
+    why = elastic.fits(torch.bfloat16, None)
+    assert eng.runner.elastic == (why is None)
+    if why is not None:
+        assert elastic.pool_threads() == 0
+        pytest.skip(f"elastic threads do not fit this host: {why}")
+    assert elastic.pool_threads() == os.cpu_count() and eng.runner.threads is None
+    rng = random.Random(7)
+    arrivals = {s: [(f"r{s}", [rng.randrange(100, 30_000) for _ in range(n)],
+                     SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))]
+                for s, n in ((0, 100), (1, 30), (3, 150))}
+    outputs = run_to_completion(eng, arrivals)
+    assert torch.get_num_threads() == 1                               # the stepping thread's torch operators
+    for reqs in arrivals.values():
+        for rid, prompt, params in reqs:
+            assert len(outputs[rid]) == params.max_tokens
+            assert_tokens_within_noise(tiny_model("llama-slow"), prompt, outputs[rid])
+
+
+def test_elastic_threads_are_refused_where_big_steps_leave_the_kernels(tiny_model, all_threads, pool_off_after):
+    """fp32 steps above a few rows run MKL or oneDNN, which one torch thread would slow: the
+    engine keeps OpenMP and the pool stays off."""
+    from engine import elastic
+
+    eng = LLMEngine(EngineConfig(model=tiny_model("llama"), dtype="float32", num_kv_blocks=32, elastic_threads=True))
+    assert not eng.runner.elastic and elastic.pool_threads() == 0
+    assert "float32" in elastic.fits(torch.float32, None)
