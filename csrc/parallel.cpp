@@ -12,6 +12,7 @@
 
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #if defined(__x86_64__)
@@ -40,6 +41,10 @@ inline void pause() {
   _mm_pause();
 #endif
 }
+
+// A helper spins on pauses alone this long after its last chunk, then yields the core to any
+// other thread that wants it between looks, until spin_ns.
+constexpr int64_t kPureSpinNs = 20000;
 
 thread_local bool t_in_loop = false;     // this thread is running a chunk (its loops run inline)
 
@@ -98,9 +103,15 @@ struct ElasticPool::Impl {
         last = std::chrono::steady_clock::now();
         continue;
       }
-      for (int i = 0; i < 16; ++i) pause();
-      if (std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - last).count() < spin_ns)
+      const int64_t idle = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - last).count();
+      if (idle < kPureSpinNs) {
+        for (int i = 0; i < 16; ++i) pause();
         continue;
+      }
+      if (idle < spin_ns) {            // still spinning, but any other thread waiting for this core runs first
+        sched_yield();
+        continue;
+      }
       // Sleep until the next loop. The caller publishes a loop then reads `sleepers`; a helper
       // counts itself in then reads the loop (both sequentially consistent), so one of them
       // sees the other: no loop starts unseen by a sleeping helper.

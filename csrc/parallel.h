@@ -13,7 +13,9 @@
 // (epoch | chunk count | next chunk). The caller runs chunks until none is left unclaimed and
 // then waits only for chunks a helper has claimed and is running; a helper that is asleep or
 // descheduled claims nothing, and the caller does its share. Helpers spin for a while after
-// their last chunk (`spin_us`), then sleep on a futex that the next loop wakes. A chunk is a
+// their last chunk (`spin_us`; after the first 20 us yielding the core to any other thread that
+// wants it, such as the event loop or a client on the same host), then sleep on a futex that
+// the next loop wakes. A chunk is a
 // contiguous range, as at::parallel_for's, and the kernels split only outputs among chunks,
 // never a sum, so results do not depend on who ran what.
 //
