@@ -36,6 +36,8 @@ def _build_engine(config: EngineConfig):
     from .llm_engine import LLMEngine      # imports torch: keep it off the event loop too
     from .threads import release_openmp_pool
 
+    if config.elastic_threads is None:     # served: the event loop and clients share the cores (elastic.py)
+        config = dataclasses.replace(config, elastic_threads=True)
     engine = LLMEngine(config)
     if config.openmp_one_team:
         release_openmp_pool()              # the engine thread's OpenMP team is then the only one

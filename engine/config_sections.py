@@ -123,8 +123,10 @@ class ForwardConfig(Section):
     openmp_one_team: bool = knob(False, "served: free the loading thread's OpenMP pool so the engine thread's team "
                                  "spins between regions (one stream's ITL 27 -> 17 ms on a 2-core host; beside a "
                                  "client on the same cores, 8 streams lost throughput: engine/threads.py)")
-    elastic_threads: bool = knob(False, "CPU bf16: the kernels' loops on an elastic pool whose helpers the stepping "
-                                 "thread never waits for (torch's operators on one thread; engine/elastic.py)")
+    elastic_threads: bool | None = knob(None, "CPU bf16: the kernels' loops on an elastic pool whose helpers the "
+                                        "stepping thread never waits for (torch's operators on one thread; "
+                                        "engine/elastic.py)", none="auto: on when served (AsyncEngine) where the "
+                                        "kernels run every step, off in process")
 
 
 @dataclass(frozen=True)

@@ -110,3 +110,18 @@ def test_elastic_threads_are_refused_where_big_steps_leave_the_kernels(tiny_mode
     eng = LLMEngine(EngineConfig(model=tiny_model("llama"), dtype="float32", num_kv_blocks=32, elastic_threads=True))
     assert not eng.runner.elastic and elastic.pool_threads() == 0
     assert "float32" in elastic.fits(torch.float32, None)
+
+
+def test_served_engines_take_the_pool_by_default_in_process_ones_do_not(tiny_model, all_threads, pool_off_after):
+    """elastic_threads None (the default): the engine AsyncEngine builds runs on the pool where
+    it fits; an LLMEngine made in process keeps OpenMP; False keeps OpenMP when served too."""
+    from engine import elastic
+    from engine.async_engine import _build_engine
+
+    cfg = dict(model=tiny_model("llama-slow"), dtype="bfloat16", num_kv_blocks=32, block_size=8)
+    assert not LLMEngine(EngineConfig(**cfg)).runner.elastic and elastic.pool_threads() == 0
+    assert not _build_engine(EngineConfig(elastic_threads=False, **cfg)).runner.elastic
+    assert elastic.pool_threads() == 0
+    served = _build_engine(EngineConfig(**cfg))
+    assert served.runner.elastic == (elastic.fits(torch.bfloat16, None) is None)
+    assert elastic.pool_threads() == (os.cpu_count() if served.runner.elastic else 0)
