@@ -22,11 +22,12 @@
 namespace streamgate::cpu {
 namespace {
 
-// The claim word: epoch (24 bits) | next chunk from the front (20) | end of the chunks not yet
-// claimed from the back (20). The caller claims from the front and helpers from the back, so
-// each runs contiguous chunks in order (a stream the prefetchers follow), and a claim is a
-// compare-exchange of the whole word: a helper holding a stale word claims nothing.
-constexpr int kIdxBits = 20;
+// The claim word: epoch (32 bits) | next chunk from the front (16) | end of the chunks not yet
+// claimed from the back (16); a loop has at most 4 chunks a thread. The caller claims from the
+// front and helpers from the back, so each runs contiguous chunks in order (a stream the
+// prefetchers follow), and a claim is a compare-exchange of the whole word: a helper holding a
+// stale word claims nothing (an epoch repeats only after 2^32 loops).
+constexpr int kIdxBits = 16;
 constexpr uint64_t kIdxMask = (1ull << kIdxBits) - 1;
 constexpr int64_t kMaxChunks = static_cast<int64_t>(kIdxMask);
 constexpr uint64_t kEpochMask = (1ull << (64 - 2 * kIdxBits)) - 1;
@@ -176,7 +177,14 @@ bool ElasticPool::run(int64_t lo, int64_t hi, int64_t chunk, void (*call)(const 
   t_in_loop = true;
   p->work(true);
   t_in_loop = false;
-  while (p->done.load(std::memory_order_acquire) < n) pause();   // chunks a helper is running
+  // Chunks a helper is running: pauses, then yielding, in case the helper waits for this core.
+  const auto waiting = std::chrono::steady_clock::now();
+  while (p->done.load(std::memory_order_acquire) < n) {
+    if (std::chrono::steady_clock::now() - waiting < std::chrono::nanoseconds(kPureSpinNs))
+      for (int i = 0; i < 16; ++i) pause();
+    else
+      sched_yield();
+  }
   std::exception_ptr error;
   if (p->failed.load()) {
     error = p->error;
