@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine, SamplingParams, elastic
 from engine.kernels import load_kernels
 from tests.bf16 import assert_tokens_within_noise
 from tests.models import run_to_completion
@@ -20,6 +20,8 @@ pytestmark = [
     pytest.mark.skipif(not load_kernels(), reason="the C++ kernels did not build: no elastic pool"),
     pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: no helper thread to share loops with"),
 ]
+# Why an engine in bf16 cannot take the pool on this host (None: it can).
+BF16_UNFIT = elastic.fits(torch.bfloat16, None) if load_kernels() else "the C++ kernels did not build"
 
 
 @pytest.fixture
@@ -75,21 +77,15 @@ def test_loops_on_the_pool_give_openmps_bits_even_when_no_helper_runs(tiny_model
     assert torch.equal(eng.runner.execute(*prepared), ref)            # back on OpenMP's loops
 
 
+@pytest.mark.skipif(BF16_UNFIT is not None, reason=f"bf16 engines cannot take the pool here: {BF16_UNFIT}")
 def test_elastic_engine_keeps_the_bf16_contract(tiny_model, all_threads, pool_off_after):
     """EngineConfig(elastic_threads=True) in bf16 where the avx512_bf16 kernels are built: the
     pool runs with as many threads as torch had, the thread tuner is off, steps run torch's
     operators on one thread, and chunked prefill beside decodes meets the bf16 contract
-    (tests/bf16.py); elsewhere the engine says why and keeps OpenMP."""
-    from engine import elastic
-
+    (tests/bf16.py)."""
     eng = LLMEngine(EngineConfig(model=tiny_model("llama-slow"), dtype="bfloat16", attention_backend="kernel",
                                  num_kv_blocks=64, block_size=8, max_num_batched_tokens=64, elastic_threads=True))
-    why = elastic.fits(torch.bfloat16, None)
-    assert eng.runner.elastic == (why is None)
-    if why is not None:
-        assert elastic.pool_threads() == 0
-        pytest.skip(f"elastic threads do not fit this host: {why}")
-    assert elastic.pool_threads() == os.cpu_count() and eng.runner.threads is None
+    assert eng.runner.elastic and elastic.pool_threads() == os.cpu_count() and eng.runner.threads is None
     rng = random.Random(7)
     arrivals = {s: [(f"r{s}", [rng.randrange(100, 30_000) for _ in range(n)],
                      SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))]
@@ -105,8 +101,6 @@ def test_elastic_engine_keeps_the_bf16_contract(tiny_model, all_threads, pool_of
 def test_elastic_threads_are_refused_where_big_steps_leave_the_kernels(tiny_model, all_threads, pool_off_after):
     """fp32 steps above a few rows run MKL or oneDNN, which one torch thread would slow: the
     engine keeps OpenMP and the pool stays off."""
-    from engine import elastic
-
     eng = LLMEngine(EngineConfig(model=tiny_model("llama"), dtype="float32", num_kv_blocks=32, elastic_threads=True))
     assert not eng.runner.elastic and elastic.pool_threads() == 0
     assert "float32" in elastic.fits(torch.float32, None)
@@ -115,7 +109,6 @@ def test_elastic_threads_are_refused_where_big_steps_leave_the_kernels(tiny_mode
 def test_served_engines_take_the_pool_by_default_in_process_ones_do_not(tiny_model, all_threads, pool_off_after):
     """elastic_threads None (the default): the engine AsyncEngine builds runs on the pool where
     it fits; an LLMEngine made in process keeps OpenMP; False keeps OpenMP when served too."""
-    from engine import elastic
     from engine.async_engine import _build_engine
 
     cfg = dict(model=tiny_model("llama-slow"), dtype="bfloat16", num_kv_blocks=32, block_size=8)
@@ -123,5 +116,5 @@ def test_served_engines_take_the_pool_by_default_in_process_ones_do_not(tiny_mod
     assert not _build_engine(EngineConfig(elastic_threads=False, **cfg)).runner.elastic
     assert elastic.pool_threads() == 0
     served = _build_engine(EngineConfig(**cfg))
-    assert served.runner.elastic == (elastic.fits(torch.bfloat16, None) is None)
+    assert served.runner.elastic == (BF16_UNFIT is None)
     assert elastic.pool_threads() == (os.cpu_count() if served.runner.elastic else 0)
