@@ -72,7 +72,8 @@ inline std::vector<std::vector<Item>> deal_items(const torch::Tensor& q, const t
   // With enough sequences to go round, a sequence's items (its KV heads) are dealt together and
   // run back to back: they read the same blocks (the heads of a slot are adjacent in memory),
   // which then come from cache rather than memory.
-  const int64_t threads = ElasticPool::get().threads() > 1 ? 2 * loop_threads() : loop_threads();
+  const int64_t pool = ElasticPool::get().threads();
+  const int64_t threads = pool > 0 ? 2 * pool : at::get_num_threads();
   const bool by_seq = num_seqs >= 2 * threads;
   std::vector<std::pair<int64_t, int64_t>> groups;                      // [first, last) items
   std::vector<int64_t> cost;

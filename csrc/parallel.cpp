@@ -43,9 +43,21 @@ inline void pause() {
 #endif
 }
 
-// A helper spins on pauses alone this long after its last chunk, then yields the core to any
-// other thread that wants it between looks, until spin_ns.
+// A wait (a helper's for the next loop, the caller's for a helper's chunk) spins on pauses alone
+// for this long, then yields the core to any other thread that wants it between looks.
 constexpr int64_t kPureSpinNs = 20000;
+
+inline void back_off(int64_t waited_ns) {
+  if (waited_ns < kPureSpinNs) {
+    for (int i = 0; i < 16; ++i) pause();
+  } else {
+    sched_yield();
+  }
+}
+
+inline int64_t ns_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t).count();
+}
 
 thread_local bool t_in_loop = false;     // this thread is running a chunk (its loops run inline)
 
@@ -65,7 +77,7 @@ struct ElasticPool::Impl {
   std::atomic<uint32_t> wake{0};         // futex word: bumped to wake sleepers
   std::atomic<bool> busy{false}, stop{false};
   std::atomic<bool> hold{false};         // helpers claim nothing (tests: helpers the OS never runs)
-  int64_t spin_ns = 50000;
+  int64_t spin_ns = 0;                   // set by configure()
   uint64_t epoch = 0;
   std::vector<std::thread> helpers;
 
@@ -104,13 +116,8 @@ struct ElasticPool::Impl {
         last = std::chrono::steady_clock::now();
         continue;
       }
-      const int64_t idle = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - last).count();
-      if (idle < kPureSpinNs) {
-        for (int i = 0; i < 16; ++i) pause();
-        continue;
-      }
-      if (idle < spin_ns) {            // still spinning, but any other thread waiting for this core runs first
-        sched_yield();
+      if (const int64_t idle = ns_since(last); idle < spin_ns) {
+        back_off(idle);
         continue;
       }
       // Sleep until the next loop. The caller publishes a loop then reads `sleepers`; a helper
@@ -179,12 +186,7 @@ bool ElasticPool::run(int64_t lo, int64_t hi, int64_t chunk, void (*call)(const 
   t_in_loop = false;
   // Chunks a helper is running: pauses, then yielding, in case the helper waits for this core.
   const auto waiting = std::chrono::steady_clock::now();
-  while (p->done.load(std::memory_order_acquire) < n) {
-    if (std::chrono::steady_clock::now() - waiting < std::chrono::nanoseconds(kPureSpinNs))
-      for (int i = 0; i < 16; ++i) pause();
-    else
-      sched_yield();
-  }
+  while (p->done.load(std::memory_order_acquire) < n) back_off(ns_since(waiting));
   std::exception_ptr error;
   if (p->failed.load()) {
     error = p->error;

@@ -25,16 +25,16 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <type_traits>
 
 namespace streamgate::cpu {
 
 class ElasticPool {
  public:
   static ElasticPool& get();
-  // Threads that run loops: helpers + the caller, or 0 when off.
+  // Threads that run loops: helpers + the caller (at least 2), or 0 when off.
   int threads() const { return threads_.load(std::memory_order_relaxed); }
   // Start helpers so that `threads` threads run loops (<= 1: stop them, loops go to at::parallel_for).
   void configure(int threads, int64_t spin_us);
@@ -50,12 +50,6 @@ class ElasticPool {
   std::atomic<int> threads_{0};
   std::atomic<Impl*> impl_{nullptr};
 };
-
-// Threads among which a kernel deals its work: the elastic pool's when on, else OpenMP's.
-inline int64_t loop_threads() {
-  const int n = ElasticPool::get().threads();
-  return n > 0 ? n : at::get_num_threads();
-}
 
 // at::parallel_for's contract (f(begin, end) over contiguous ranges of at least `grain`), run
 // on the elastic pool when it is on: at most four chunks a thread, so that the caller can take
