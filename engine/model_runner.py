@@ -16,7 +16,7 @@ from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .dtypes import resolve_dtype
 from .fused_llama import maybe_fuse
-from .kernels import load_kernels, paged_attention_op
+from .kernels import load_kernels, logits_fp32, paged_attention_op
 from .kv_cache import PagedKVCache
 from .threads import ThreadTuner
 from .kv_groups import plan_groups
@@ -242,7 +242,7 @@ class ModelRunner:
         self.last_forward_time = time.perf_counter() - start
         if threads:
             self.threads.record(rows, threads, self.last_forward_time)
-        return logits[0].float()                                      # [K, V]
+        return logits_fp32(logits[0])                                 # [K, V]
 
     def _prepare(self, batch: SchedulerOutput):
         bs, dev, groups = self.config.block_size, self.device, range(self.kv_groups.num_groups)
