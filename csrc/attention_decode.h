@@ -148,9 +148,10 @@ inline void for_decode_spans(const T* kp, const T* vp, int64_t kv_slot, int64_t 
                              int64_t* base, const T** kin, const T** vin, F&& head) {
   for (int64_t b0 = begin; b0 < ctx; b0 += span) {
     const int64_t n = std::min(span, ctx - b0);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t pos = b0 + t;
-      base[t] = (table[pos / block_size] * block_size + pos % block_size) * kv_slot;
+    for (int64_t t = 0; t < n;) {                        // block by block: one division a block
+      const int64_t pos = b0 + t, in_block = std::min(block_size - pos % block_size, n - t);
+      const int64_t first = (table[pos / block_size] * block_size + pos % block_size) * kv_slot;
+      for (int64_t e = 0; e < in_block; ++e, ++t) base[t] = first + e * kv_slot;
     }
     const int64_t block_bytes = block_size * kv_slot * sizeof(T);
     for (int64_t h = 0; h < kv_heads; ++h) {
