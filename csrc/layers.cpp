@@ -192,8 +192,7 @@ inline V roundv(V x) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const auto b = std::bit_cast<typename Bits<V>::w>(x);
-    return std::bit_cast<V>((b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u);
+    return streamgate::cpu::round_bf16_v(x);
   } else {
     float buf[lanes_of<V>];
     store_v(buf, x);
@@ -220,12 +219,8 @@ inline void stv(T* p, V x) {
 // o[i, i + lanes) = silu(g) * u over whole vectors V from i while they fit; returns where it stopped.
 template <typename V, typename VI, typename T>
 inline int64_t silu_mul_lanes(const T* g, const T* u, T* o, int64_t i, int64_t I) {
-  const V one = V{} + 1.0f;
-  for (; i + lanes_of<V> <= I; i += lanes_of<V>) {
-    const V x = ldv<V>(g + i);
-    const V e = exp_nonpositive<V, VI>(x < 0 ? x : -x);
-    stv(o + i, roundv<T>(x * (x >= 0 ? one : e) / (one + e)) * ldv<V>(u + i));
-  }
+  for (; i + lanes_of<V> <= I; i += lanes_of<V>)
+    stv(o + i, streamgate::cpu::silu_mul_core<V, VI>(ldv<V>(g + i), ldv<V>(u + i), [](V s) { return roundv<T>(s); }));
   return i;
 }
 
@@ -247,16 +242,24 @@ inline void silu_mul_row(const T* g, T* o, int64_t I) {
   }
 }
 
-// gate_up [N, 2I] (gate then up) -> silu(gate) * up [N, I].
-torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+// gate_up [N, 2I] (gate then up; block > 0: blocks of `block` gate columns then as many up
+// columns, as the fused forward packs gate/up for linear_amx.h's fused epilogue) -> silu(gate) * up [N, I].
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up, int64_t block) {
   check_rows(gate_up, "silu_and_mul: gate_up");
   const int64_t N = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(block >= 0 && (block == 0 || I % block == 0), "silu_and_mul: block must divide the ", I,
+              " outputs (0: gate then up)");
   auto out = torch::empty({N, I}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* gp = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     streamgate::cpu::parallel_for(0, N, grain(I), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) silu_mul_row(gp + r * gate_up.stride(0), op + r * I, I);
+      for (int64_t r = r0; r < r1; ++r) {
+        if (block == 0) silu_mul_row(gp + r * gate_up.stride(0), op + r * I, I);
+        else
+          for (int64_t j = 0; j < I / block; ++j)
+            silu_mul_row(gp + r * gate_up.stride(0) + 2 * block * j, op + r * I + block * j, block);
+      }
     });
   });
   return out;
@@ -268,7 +271,7 @@ TORCH_LIBRARY_FRAGMENT(streamgate, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
-  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("silu_and_mul(Tensor gate_up, int block=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(streamgate, CPU, m) {

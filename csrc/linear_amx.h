@@ -26,6 +26,7 @@
 #include <memory>
 
 #include "attention_amx.h"
+#include "simd.h"
 
 namespace streamgate::cpu {
 
@@ -114,10 +115,30 @@ inline void store_tile_rows(const float* c, int64_t rows, int64_t n0, int64_t wi
     }
 }
 
+// y[r][0, 16) = silu(g) * u for r < rows, rounded as layers.cpp's silu_and_mul rounds it, g and u
+// c's two 16-column halves (a gate block and its up block, + bias) rounded to bf16 as
+// store_tile_rows would store them: the gate/up GEMM and SiLU·up in one pass over the tile.
+inline void store_tile_rows_silu(const float* c, int64_t rows, const float* b, c10::BFloat16* y, int64_t ystride) {
+  auto rounded = [](__m512 v) {                          // bf16 (nearest even), widened back
+    const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  };
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 g = _mm512_loadu_ps(c + r * 32), u = _mm512_loadu_ps(c + r * 32 + 16);
+    if (b) g = _mm512_add_ps(g, _mm512_loadu_ps(b)), u = _mm512_add_ps(u, _mm512_loadu_ps(b + 16));
+    const vec16 o = silu_mul_core<vec16, vec16i>(reinterpret_cast<vec16>(rounded(g)), reinterpret_cast<vec16>(rounded(u)),
+                                                  [](vec16 s) { return round_bf16_v(s); });
+    const __m512i bits = _mm512_srli_epi32(reinterpret_cast<__m512i>(round_bf16_v(o)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ystride), _mm512_cvtepi32_epi16(bits));
+  }
+}
+
 // y [M, N] bf16 = x [M16, K] bf16 (rows past M zero; M16 a multiple of 16, K % 32 == 0) times the
 // blocks of 16 outputs whose K/2 x 16-word panels `panel(block, buffer)` returns (widened into
 // `buffer`, or read in place), scaled by s (none: 1), plus b: pairs of blocks split over threads.
-template <bool Widened, typename Panel>
+// Silu: each pair of blocks is a gate block and its up block (N % 32 == 0), and y [M, N / 2]
+// holds silu(gate) * up (store_tile_rows_silu).
+template <bool Widened, typename Panel, bool Silu = false>
 inline void amx_linear(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K, int64_t blocks, int64_t N,
                        const float* s, const float* b, c10::BFloat16* y, Panel panel) {
   const int64_t pairs = (blocks + 1) / 2;
@@ -140,8 +161,12 @@ inline void amx_linear(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K
           if (nb == 2) tile_rows_blocks<1, 2>(xa, K, panel0, panel1, c);
           else tile_rows_blocks<1, 1>(xa, K, panel0, panel1, c);
         }
-        store_tile_rows(c, std::min<int64_t>(32, M - m0), blk * 16, std::min<int64_t>(16 * nb, N - blk * 16), s, b,
-                      y + m0 * N, N);
+        if constexpr (Silu)
+          store_tile_rows_silu(c, std::min<int64_t>(32, M - m0), b ? b + blk * 16 : nullptr, y + m0 * (N / 2) + pair * 16,
+                               N / 2);
+        else
+          store_tile_rows(c, std::min<int64_t>(32, M - m0), blk * 16, std::min<int64_t>(16 * nb, N - blk * 16), s, b,
+                          y + m0 * N, N);
       }
     }
   });
@@ -164,6 +189,14 @@ inline void linear_bf16_amx(const c10::BFloat16* x, int64_t M, int64_t M16, int6
              [&](int64_t blk, uint32_t*) -> const uint32_t* { return words + blk * (K / 2) * 16; });
 }
 
+// The same with the fused SiLU·up epilogue: the blocks alternate gate and up (N % 32 == 0), y is
+// [M, N / 2].
+inline void linear_bf16_amx_silu(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K, const uint32_t* words,
+                                 int64_t blocks, int64_t N, const float* b, c10::BFloat16* y) {
+  auto panel = [&](int64_t blk, uint32_t*) -> const uint32_t* { return words + blk * (K / 2) * 16; };
+  amx_linear<false, decltype(panel), true>(x, M, M16, K, blocks, N, nullptr, b, y, panel);
+}
+
 }  // namespace streamgate::cpu
 
 #else
@@ -174,6 +207,8 @@ inline void linear_int8_amx(const c10::BFloat16*, int64_t, int64_t, int64_t, con
                             const float*, const float*, c10::BFloat16*) {}
 inline void linear_bf16_amx(const c10::BFloat16*, int64_t, int64_t, int64_t, const uint32_t*, int64_t, int64_t,
                             const float*, c10::BFloat16*) {}
+inline void linear_bf16_amx_silu(const c10::BFloat16*, int64_t, int64_t, int64_t, const uint32_t*, int64_t, int64_t,
+                                 const float*, c10::BFloat16*) {}
 }  // namespace streamgate::cpu
 
 #endif

@@ -233,9 +233,31 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, c
   return y;
 }
 
+// linear_bf16 and silu_and_mul(block=16) in one pass, on AMX tiles only: x [M, K] bf16 (more than
+// kAmxMinRows rows), packed from pack_bf16 of a gate/up weight whose 16-output blocks alternate
+// gate and up (out_features % 32 == 0) -> y [M, out_features / 2] = silu(gate) * up, the same bits.
+torch::Tensor linear_bf16_silu(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                               int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "linear_bf16_silu: x must be [M, K] on the CPU");
+  const int64_t N = out_features;
+  check_packed(packed, N, x.size(1), "linear_bf16_silu");
+  TORCH_CHECK(N % 32 == 0, "linear_bf16_silu: out_features must be a multiple of 32 (gate/up blocks of 16)");
+  TORCH_CHECK(kPack == 2 && streamgate::cpu::amx_linear_rows(x, kAmxMinRows),
+              "linear_bf16_silu: runs on AMX tiles only (bf16 rows, more than ", kAmxMinRows, ", K % 32 == 0, AMX on)");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() &&
+                                    bias->numel() == N), "linear_bf16_silu: bias must be [out_features] fp32");
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const int64_t K = x.size(1);
+  const auto* words = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+  return streamgate::cpu::on_row_tiles(x, N / 2, [&](const c10::BFloat16* xp, int64_t M, int64_t M16, c10::BFloat16* y) {
+    streamgate::cpu::linear_bf16_amx_silu(xp, M, M16, K, words, packed.size(0), N, bp, y);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(streamgate, m) {
+  m.def("linear_bf16_silu(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("pack_bf16(Tensor weight) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
 }
@@ -243,4 +265,5 @@ TORCH_LIBRARY_FRAGMENT(streamgate, m) {
 TORCH_LIBRARY_IMPL(streamgate, CPU, m) {
   m.impl("pack_bf16", &pack_bf16);
   m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_bf16_silu", &linear_bf16_silu);
 }

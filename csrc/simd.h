@@ -75,6 +75,28 @@ inline V exp_nonpositive(V x) {
 }
 
 inline vec8 exp8_nonpositive(vec8 x) { return exp_nonpositive<vec8, vec8i>(x); }
+
+// round(silu(x)) * u, silu(x) = x * sigmoid(x) with e = exp(-|x|): sigmoid is 1 / (1 + e) for
+// x >= 0 and e / (1 + e) below; `round` is the storage dtype's rounding of silu (the eager op's
+// output). The one vector form of SiLU(gate)·up: layers.cpp's silu_and_mul and the fused
+// gate/up epilogue (linear_amx.h) both call it, so both give the same bits.
+template <typename V, typename VI, typename Round>
+inline V silu_mul_core(V x, V u, Round round) {
+  const V one = V{} + 1.0f;
+  const V e = exp_nonpositive<V, VI>(x < 0 ? x : -x);
+  return round(x * (x >= 0 ? one : e) / (one + e)) * u;
+}
+
+// x rounded to bf16's precision (nearest even), kept as fp32, a whole vector by integer ops.
+template <typename V>
+inline V round_bf16_v(V x) {
+  typedef uint32_t bits_t __attribute__((vector_size(sizeof(V))));
+  bits_t b;
+  std::memcpy(&b, &x, sizeof b);
+  b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&x, &b, sizeof x);
+  return x;
+}
 inline vec16 exp16_nonpositive(vec16 x) { return exp_nonpositive<vec16, vec16i>(x); }
 
 #ifdef __AVX2__

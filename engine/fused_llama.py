@@ -24,6 +24,7 @@ HF `generate` is tested as for the transformers path (tests/test_parity.py).
 from __future__ import annotations
 
 import logging
+from functools import cache
 from types import SimpleNamespace
 
 import torch
@@ -81,15 +82,42 @@ def linear_kind(dtype: torch.dtype) -> str | None:
     return None
 
 
-def _fuse(kind: str, *linears: nn.Linear) -> PackedLinear:
-    """One packed linear computing the concatenation of `linears`' outputs."""
+def _fuse(kind: str, *linears: nn.Linear, block: int = 0) -> PackedLinear:
+    """One packed linear computing the concatenation of `linears`' outputs (block > 0, two
+    linears: their outputs alternating in blocks of `block`, as silu_and_mul(block) reads them)."""
     w = linears[0].weight
+
+    def joined(ts):
+        if not block:
+            return torch.cat(ts)
+        return torch.stack([t.reshape(-1, block, *t.shape[1:]) for t in ts], 1).reshape(-1, *ts[0].shape[1:])
+
     fused = nn.Linear(w.shape[1], sum(m.out_features for m in linears), bias=linears[0].bias is not None, dtype=w.dtype)
     with torch.no_grad():
-        fused.weight.copy_(torch.cat([m.weight for m in linears]))
+        fused.weight.copy_(joined([m.weight for m in linears]))
         if fused.bias is not None:
-            fused.bias.copy_(torch.cat([m.bias for m in linears]))
+            fused.bias.copy_(joined([m.bias for m in linears]))
     return PackedLinear(fused, kind)
+
+
+def silu_block(kind: str, mlp: nn.Module) -> int:
+    """16 where gate/up can run as one AMX pass with SiLU·up in its epilogue (bf16 block
+    weights, whole 16-output blocks, a kernel build and CPU that run it: csrc/linear_amx.h), so
+    they are packed alternating in blocks of 16; else 0 (gate then up)."""
+    return 16 if (kind == "bf16" and mlp.gate_proj.weight.dtype == torch.bfloat16 and mlp.gate_proj.out_features % 16 == 0
+                  and fused_silu_runs()) else 0
+
+
+@cache
+def fused_silu_runs() -> bool:
+    """Whether this process's kernels run linear_bf16_silu (the avx512_bf16 build, AMX on when
+    first asked): tried once on a 5 x 32 step."""
+    try:
+        w = torch.ops.streamgate.pack_bf16(torch.zeros(32, 32, dtype=torch.bfloat16))
+        torch.ops.streamgate.linear_bf16_silu(torch.zeros(5, 32, dtype=torch.bfloat16), w, None, 32)
+        return True
+    except RuntimeError:
+        return False
 
 
 def _weight(linear: PackedLinear):
@@ -110,7 +138,8 @@ class _Layer:
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)   # Qwen3
         self.qkv = attn.qkv_proj = _fuse(kind, attn.q_proj, attn.k_proj, attn.v_proj)
         self.o = attn.o_proj = PackedLinear(attn.o_proj, kind)
-        self.gate_up = mlp.gate_up_proj = _fuse(kind, mlp.gate_proj, mlp.up_proj)
+        self.silu_block = silu_block(kind, mlp)
+        self.gate_up = mlp.gate_up_proj = _fuse(kind, mlp.gate_proj, mlp.up_proj, block=self.silu_block)
         self.down = mlp.down_proj = PackedLinear(mlp.down_proj, kind)
         attn.q_proj = attn.k_proj = attn.v_proj = mlp.gate_proj = mlp.up_proj = None
         # What each call runs, without nn.Module's call machinery (~120 calls a step).
@@ -168,6 +197,9 @@ class FusedLlama:
                                          sliding_window=layer.window, paged=paged)
                 out = out[0].reshape(n, q_end)
             x = ops.add_rms_norm(layer.o_w.linear(out), residual, layer.norm_post, layer.eps_post)
-            hidden = layer.down_w.linear(ops.silu_and_mul(layer.gate_up_w.linear(x)))
+            if layer.silu_block:                       # one pass on AMX where it can (packed_linear.Bf16Weight)
+                hidden = layer.down_w.linear(layer.gate_up_w.silu_linear(x))
+            else:
+                hidden = layer.down_w.linear(ops.silu_and_mul(layer.gate_up_w.linear(x)))
         final = ops.add_rms_norm(hidden, residual, self.norm, self.eps)
         return SimpleNamespace(logits=self.lm_head(final[logits_to_keep])[None])

@@ -109,6 +109,18 @@ class Bf16Weight:
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
 
+    def silu_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up [M, N / 2] of a gate/up weight packed alternating in blocks of 16
+        (fused_llama.silu_block): on AMX tiles in one pass, the GEMM's epilogue applying SiLU·up
+        (csrc/linear_amx.h), where linear() would run those tiles; else linear() then
+        silu_and_mul(block=16). The same bits either way."""
+        rows = x.shape[0]
+        if (rows > BF16_KERNEL_MAX_ROWS and (self.onednn is None or rows <= BF16_TILES_MAX_ROWS)
+                and amx_linear_rows(x)):
+            return torch.ops.streamgate.linear_bf16_silu(x, self.blocks, self.bias32, self.out_features)
+        return torch.ops.streamgate.silu_and_mul(self.linear(x), 16)
+
+
 class PackedLinear(nn.Module):
     """`nn.Linear` whose weight is kept only in packed layouts (`kind`: streamgate, onednn,
     bf16 or int8)."""

@@ -65,6 +65,9 @@ def test_silu_and_mul_matches_torch(width):
     gate_up = torch.randn(3, 2 * width) * 8
     want = F.silu(gate_up[:, :width]) * gate_up[:, width:]
     torch.testing.assert_close(ops.silu_and_mul(gate_up), want, rtol=1e-5, atol=1e-6)
+    if width % 8 == 0:            # gate and up alternating in blocks (the fused forward's layout, by 16)
+        blocked = torch.stack([gate_up[:, :width].reshape(3, -1, 8), gate_up[:, width:].reshape(3, -1, 8)], 2).reshape(3, -1)
+        torch.testing.assert_close(ops.silu_and_mul(blocked, 8), want, rtol=1e-5, atol=1e-6)
 
 
 def test_runner_fuses_llama_by_default_and_not_when_off(tiny_model):
