@@ -162,24 +162,14 @@ void rotary(torch::Tensor q, torch::Tensor k, const torch::Tensor& cos, const to
 
 // A vector V (vec8 or vec16) of T as fp32 (ldv), rounded to T's precision (roundv), stored as T
 // (stv): bf16 by whole-vector bit operations, so the loops below stay in registers.
-template <typename V> struct Bits;
-template <> struct Bits<vec8> {
-  typedef uint16_t h __attribute__((vector_size(16)));
-  typedef uint32_t w __attribute__((vector_size(32)));
-};
-template <> struct Bits<vec16> {
-  typedef uint16_t h __attribute__((vector_size(32)));
-  typedef uint32_t w __attribute__((vector_size(64)));
-};
+using streamgate::cpu::Bits;
 
 template <typename V, typename T>
 inline V ldv(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return load_v<V>(p);
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    typename Bits<V>::h h;
-    std::memcpy(&h, p, sizeof h);
-    return std::bit_cast<V>(__builtin_convertvector(h, typename Bits<V>::w) << 16);
+    return streamgate::cpu::load_bf16_v<V>(p);
   } else {
     float buf[lanes_of<V>];
     for (int l = 0; l < lanes_of<V>; ++l) buf[l] = static_cast<float>(p[l]);

@@ -33,21 +33,8 @@ constexpr int64_t kSpan = 4096;     // columns per work item (16 KB of fp32: L1-
 inline float value(const float* p, int64_t i) { return p[i]; }
 inline float value(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
 
-inline vec16 load16(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline vec16 load16(const c10::BFloat16* p) {              // bf16 is fp32's upper half
-  typedef uint16_t halves_t __attribute__((vector_size(32)));
-  halves_t h;
-  std::memcpy(&h, p, sizeof h);
-  const vec16i bits = __builtin_convertvector(h, vec16i) << 16;
-  vec16 v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
+inline vec16 load16(const float* p) { return streamgate::cpu::load_v<vec16>(p); }
+inline vec16 load16(const c10::BFloat16* p) { return streamgate::cpu::load_bf16_v<vec16>(p); }
 
 struct Best {
   float v;

@@ -87,11 +87,32 @@ inline V silu_mul_core(V x, V u, Round round) {
   return round(x * (x >= 0 ? one : e) / (one + e)) * u;
 }
 
+// The 16- and 32-bit integer vectors of V's width (bf16 bits and their fp32 widening).
+template <typename V> struct Bits;
+template <> struct Bits<vec8> {
+  typedef uint16_t h __attribute__((vector_size(16)));
+  typedef uint32_t w __attribute__((vector_size(32)));
+};
+template <> struct Bits<vec16> {
+  typedef uint16_t h __attribute__((vector_size(32)));
+  typedef uint32_t w __attribute__((vector_size(64)));
+};
+
+// lanes_of<V> bf16 values from p as fp32 (bf16 is fp32's upper half: a widening shift).
+template <typename V>
+inline V load_bf16_v(const void* p) {
+  typename Bits<V>::h h;
+  std::memcpy(&h, p, sizeof h);
+  const typename Bits<V>::w bits = __builtin_convertvector(h, typename Bits<V>::w) << 16;
+  V v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
 // x rounded to bf16's precision (nearest even), kept as fp32, a whole vector by integer ops.
 template <typename V>
 inline V round_bf16_v(V x) {
-  typedef uint32_t bits_t __attribute__((vector_size(sizeof(V))));
-  bits_t b;
+  typename Bits<V>::w b;
   std::memcpy(&b, &x, sizeof b);
   b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
   std::memcpy(&x, &b, sizeof x);

@@ -101,22 +101,26 @@ class Bf16Weight:
         # AMX tiles (csrc/linear_amx.h) run the block copy in place: SmolLM2's 120 layer linears,
         # Intel AMX host, weights in cache, 5.5 against oneDNN's 6.7 ms at 8 rows, 6.4 against 7.7
         # at 32, 9.8 against 10.2 at 64, 59.5 against 51.5 at 512 (so oneDNN above 64).
-        if (self.onednn is None or rows <= BF16_KERNEL_MAX_ROWS
-                or (rows <= BF16_TILES_MAX_ROWS and amx_linear_rows(x2))):
+        if self.onednn is None or rows <= BF16_KERNEL_MAX_ROWS or self._on_tiles(x2):
             y = torch.ops.streamgate.linear_bf16(x2, self.blocks, self.bias32, self.out_features)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.onednn, self.bias, "none", [], "")
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
+    def _on_tiles(self, x2: torch.Tensor) -> bool:
+        """Whether linear() runs these rows [M, K] on the block copy's AMX tiles: past 4 rows
+        (csrc/linear_bf16.cpp's kAmxMinRows, BF16_KERNEL_MAX_ROWS here), up to
+        BF16_TILES_MAX_ROWS where oneDNN's copy is held."""
+        rows = x2.shape[0]
+        return (rows > BF16_KERNEL_MAX_ROWS and (self.onednn is None or rows <= BF16_TILES_MAX_ROWS)
+                and amx_linear_rows(x2))
 
     def silu_linear(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up [M, N / 2] of a gate/up weight packed alternating in blocks of 16
         (fused_llama.silu_block): on AMX tiles in one pass, the GEMM's epilogue applying SiLU·up
         (csrc/linear_amx.h), where linear() would run those tiles; else linear() then
         silu_and_mul(block=16). The same bits either way."""
-        rows = x.shape[0]
-        if (rows > BF16_KERNEL_MAX_ROWS and (self.onednn is None or rows <= BF16_TILES_MAX_ROWS)
-                and amx_linear_rows(x)):
+        if self._on_tiles(x):
             return torch.ops.streamgate.linear_bf16_silu(x, self.blocks, self.bias32, self.out_features)
         return torch.ops.streamgate.silu_and_mul(self.linear(x), 16)
 
