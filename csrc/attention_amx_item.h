@@ -25,12 +25,14 @@
 #include "attention_amx.h"
 #include "attention_bf16.h"
 #include "attention_tiles.h"
+#include "kv_int8.h"
 #include "simd.h"
 
 namespace streamgate::cpu {
 
 // Where an item reads and writes: q, k, v and out already offset to the sequence's first row
-// and the item's KV head (q/out: its first query head).
+// and the item's KV head (q/out: its first query head). An int8 pool (kv_int8.h) is read
+// through k8/v8 instead of k/v (which are then null), its rows rounded to bf16 as they are copied.
 struct AmxItem {
   const c10::BFloat16* q;
   int64_t q_row, q_head;
@@ -42,20 +44,21 @@ struct AmxItem {
   int64_t first_head;
   c10::BFloat16* out;
   int64_t o_row, o_head;
+  const int8_t *k8 = nullptr, *v8 = nullptr;
 };
 
 // One thread's buffers, sized for items of up to max_q query vectors and spans of `span` keys.
 struct AmxScratch {
   int64_t rows16, keys64;
   std::vector<uint32_t> qT, vP;                 // [D/2][rows16] queries in pairs; [keys64/2][D] values
-  std::vector<c10::BFloat16> kb, pb;            // [keys64][D] keys; [rows16][keys64] probabilities
+  std::vector<c10::BFloat16> kb, pb, vq;        // [keys64][D] keys; [rows16][keys64] probabilities; 2 int8 values
   std::vector<float> sT, acc, m, l, alpha;      // [keys64][rows16]; [rows16][D]; [rows16] each
   std::vector<int32_t> vis, lo;                 // per query vector: the span's visible keys [lo, vis)
   std::vector<const c10::BFloat16*> qsrc;
   AmxScratch(int64_t max_q, int64_t D, int64_t span)
       : rows16((max_q + 15) / 16 * 16), keys64((span + 63) / 64 * 64),
         qT(max_q ? D / 2 * rows16 : 0), vP(max_q ? keys64 / 2 * D : 0), kb(max_q ? keys64 * D : 0),
-        pb(max_q ? rows16 * keys64 : 0), sT(max_q ? keys64 * rows16 : 0), acc(max_q ? rows16 * D : 0),
+        pb(max_q ? rows16 * keys64 : 0), vq(max_q ? 2 * D : 0), sT(max_q ? keys64 * rows16 : 0), acc(max_q ? rows16 * D : 0),
         m(rows16), l(rows16), alpha(rows16), vis(rows16), lo(rows16), qsrc(rows16) {}
 };
 
@@ -136,8 +139,14 @@ inline void tile_item_amx(const AmxItem& w, const Features& f, AmxScratch& sc) {
       const int64_t first = w.table[pos / w.block_size] * w.block_size + pos % w.block_size;
       for (int64_t e = 0; e < in_block; ++e, ++t) {
         const int64_t off = (first + e) * w.kv_slot;
-        std::memcpy(sc.kb.data() + t * D, w.k + off, D * sizeof(c10::BFloat16));
-        vsrc[t % 2] = w.v + off;
+        if (w.k8) {
+          dequant_row(w.k8 + off, sc.kb.data() + t * D, D);
+          dequant_row(w.v8 + off, sc.vq.data() + t % 2 * D, D);
+          vsrc[t % 2] = sc.vq.data() + t % 2 * D;
+        } else {
+          std::memcpy(sc.kb.data() + t * D, w.k + off, D * sizeof(c10::BFloat16));
+          vsrc[t % 2] = w.v + off;
+        }
         if (t % 2) pack_values_bf16(vsrc[0], vsrc[1], sc.vP.data() + t / 2 * D, D);
       }
     }

@@ -2,7 +2,8 @@
 // AVX-512 registers: a decode row has one query vector per head of a GQA group (1-3 of them),
 // too few to pay for transposing keys, so scores are dot products against keys read in place
 // and values are accumulated from values read in place, in any storage dtype (bf16 and fp16
-// are widened to fp32 in registers, so nothing is copied into a buffer first).
+// are widened to fp32 in registers, so nothing is copied into a buffer first; an int8 pool's
+// rows, kv_int8.h, too: a key's scale multiplies its scores, a value's its probabilities).
 //
 // Against attention_tiles.h's eight-lane versions: half the instructions per key (a head_dim
 // of 64 is four registers), no conversion pass for bf16, and one pass over the span's values
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <c10/util/BFloat16.h>
@@ -23,6 +25,7 @@
 #endif
 
 #include "attention_tiles.h"
+#include "kv_int8.h"
 
 namespace streamgate::cpu {
 
@@ -43,6 +46,10 @@ inline __m512 load16(const double* p) {                 // for completeness: fp6
 
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512 load16(const int8_t* p) {                 // an int8 pool's values, unscaled
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // [sum(a[0]), ..., sum(a[3])]: four horizontal sums in one 128-bit vector.
@@ -176,15 +183,24 @@ inline void for_decode_spans(const T* kp, const T* vp, int64_t kv_slot, int64_t 
   }
 }
 
+// s[t] *= the scale of row t (kv_int8.h) for t < n, for `group` query vectors kpad apart.
+inline void scale_by_rows(float* s, int64_t kpad, int64_t group, const int8_t* const* rows, int64_t n, int64_t D) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float c = row_scale(rows[t], D);
+    for (int64_t j = 0; j < group; ++j) s[j * kpad + t] *= c;
+  }
+}
+
 // One decode row (the sequence's last position, attending to all ctx keys, or its window's)
 // for all KV heads of its sequence at once, span by span (for_decode_spans). group <= 3
 // query heads per KV head; f: the layer's features (window, soft-cap, sinks).
-// q/o: the row's [heads, D] (head strides q_hs, o_hs); pools [slots, kv_heads, D].
-template <typename T>
-void decode_sequence(const T* q, int64_t q_hs, const T* kp, const T* vp, int64_t kv_slot, int64_t kv_hs,
+// q/o: the row's [heads, D] (head strides q_hs, o_hs); pools [slots, kv_heads, D] of P, which
+// is T or int8 (rows of D values and a scale, kv_int8.h).
+template <typename T, typename P = T>
+void decode_sequence(const T* q, int64_t q_hs, const P* kp, const P* vp, int64_t kv_slot, int64_t kv_hs,
                      const int64_t* table, int64_t block_size, int64_t ctx, int64_t span, int64_t kpad,
                      int64_t kv_heads, int64_t group, int64_t D, float scale, T* o, int64_t o_hs,
-                     DecodeScratch<T>& w, const Features& f) {
+                     DecodeScratch<P>& w, const Features& f) {
   const int64_t heads = kv_heads * group;
   for (int64_t i = 0; i < heads; ++i) {
     for (int64_t d = 0; d < D; ++d) w.qf[i * D + d] = static_cast<float>(q[i * q_hs + d]) * scale;
@@ -195,11 +211,13 @@ void decode_sequence(const T* q, int64_t q_hs, const T* kp, const T* vp, int64_t
                    w.base.data(), w.kin.data(), w.vin.data(), [&](int64_t h, int64_t n) {
     const int64_t i0 = h * group;
     with_rows(group, [&]<int R>() { scores_decode<R>(w.qf.data() + i0 * D, w.kin.data(), w.s.data() + i0 * kpad, kpad, n, D); });
+    if constexpr (std::is_same_v<P, int8_t>) scale_by_rows(w.s.data() + i0 * kpad, kpad, group, w.kin.data(), n, D);
     for (int64_t i = i0; i < i0 + group; ++i) {
       f.cap(w.s.data() + i * kpad, 0, n);
       const float sum = softmax_span(w.s.data() + i * kpad, n, n, w.m[i], w.alpha[i]);
       w.l[i] = w.l[i] * w.alpha[i] + sum;
     }
+    if constexpr (std::is_same_v<P, int8_t>) scale_by_rows(w.s.data() + i0 * kpad, kpad, group, w.vin.data(), n, D);
     with_rows(group, [&]<int R>() {
       values_decode<R>(w.s.data() + i0 * kpad, w.alpha.data() + i0, w.vin.data(), w.acc.data() + i0 * D, kpad, n, D);
     });
@@ -217,9 +235,9 @@ struct DecodeScratch {
   DecodeScratch(int64_t, int64_t, int64_t) {}
 };
 
-template <typename T>
-void decode_sequence(const T*, int64_t, const T*, const T*, int64_t, int64_t, const int64_t*, int64_t, int64_t, int64_t,
-                     int64_t, int64_t, int64_t, int64_t, float, T*, int64_t, DecodeScratch<T>&, const Features&) {}
+template <typename T, typename P = T>
+void decode_sequence(const T*, int64_t, const P*, const P*, int64_t, int64_t, const int64_t*, int64_t, int64_t, int64_t,
+                     int64_t, int64_t, int64_t, int64_t, float, T*, int64_t, DecodeScratch<P>&, const Features&) {}
 #endif
 
 }  // namespace streamgate::cpu

@@ -13,6 +13,7 @@
 
 #include "attention_decode.h"
 #include "attention_tiles.h"
+#include "kv_int8.h"
 #include "parallel.h"
 
 namespace streamgate::cpu {
@@ -33,8 +34,13 @@ inline void check_inputs(const torch::Tensor& q, const torch::Tensor& k_pool, co
   TORCH_CHECK(q.stride(2) == 1 && k_pool.stride(2) == 1 && v_pool.stride(2) == 1 && out.stride(2) == 1,
               "paged_attention: head_dim must be contiguous");
   TORCH_CHECK(k_pool.strides() == v_pool.strides() && k_pool.sizes() == v_pool.sizes(), "paged_attention: K and V pools differ");
-  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == out.scalar_type(), "paged_attention: one dtype");
-  TORCH_CHECK(q.size(1) % k_pool.size(1) == 0 && q.size(2) == k_pool.size(2), "paged_attention: head shapes");
+  // An int8 pool (kv_int8.h) holds head_dim values and a 4-byte scale a row, for fp32/bf16/fp16 queries.
+  const bool int8 = k_pool.scalar_type() == torch::kChar;
+  TORCH_CHECK((int8 ? q.scalar_type() != torch::kDouble : q.scalar_type() == k_pool.scalar_type()) &&
+              k_pool.scalar_type() == v_pool.scalar_type() && q.scalar_type() == out.scalar_type(),
+              "paged_attention: one dtype (or an int8 pool for fp32/bf16/fp16 queries)");
+  TORCH_CHECK(q.size(1) % k_pool.size(1) == 0 && q.size(2) + (int8 ? kScaleBytes : 0) == k_pool.size(2),
+              "paged_attention: head shapes");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && block_tables.is_contiguous() && block_tables.dim() == 2,
               "paged_attention: block_tables int64 [B, W]");
   TORCH_CHECK(q_start.scalar_type() == torch::kLong && ctx_lens.scalar_type() == torch::kLong &&

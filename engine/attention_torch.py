@@ -86,10 +86,12 @@ def torch_attention(cache: PagedKVCache, meta, layer: int, q: torch.Tensor, key:
 
     for chunk in meta.prefills:
         qp = q[chunk.rows].transpose(0, 1).unsqueeze(0)           # [1, H, q, D]
-        if chunk.context_slots is None:                            # whole context is this chunk
+        if chunk.context_slots is None and not cache.quantized:   # whole context is this chunk
             kp, vp = key[:, :, chunk.rows], value[:, :, chunk.rows]  # [1, H_kv, q, D]
         else:
-            kc, vc = _gather(cache, layer, chunk.context_slots)  # [T, H_kv, D]
+            # An int8 pool's rows are read back even for the chunk itself: what the kernel attends to.
+            slots = meta.slot_mapping[chunk.rows] if chunk.context_slots is None else chunk.context_slots
+            kc, vc = _gather(cache, layer, slots)                  # [T, H_kv, D]
             kp, vp = kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0)  # [1, H_kv, T, D]
         mask = chunk.mask_for(spec.window, q.device)
         if eager:

@@ -67,6 +67,8 @@ class EngineConfig:
              "must be 'cpu' or 'cuda' with tensor_parallel_size > 1 (rank r uses cuda:r)")
         need(self.quantization is None or (self.device == "cpu" and not self.compile and self.tensor_parallel_size == 1),
              "quantization", "int8 runs on CPU, eager (compile off), with tensor_parallel_size 1")
+        need(self.kv_cache_dtype is None or (self.device == "cpu" and not self.compile), "kv_cache_dtype",
+             "int8 runs on CPU, eager (compile off)")
         if not self.chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
                  "must be >= max_model_len when chunked_prefill is off (a whole prompt runs in one step)")

@@ -14,6 +14,7 @@ PREEMPTION_MODES = ("auto", "recompute", "swap")
 DTYPES = ("float32", "bfloat16", "float16", "auto")   # "auto": see dtypes.resolve_dtype
 ATTENTION_BACKENDS = ("auto", "kernel", "torch")
 QUANTIZATIONS = ("int8",)                             # weight-only, engine/quantization.py
+KV_CACHE_DTYPES = ("int8",)                           # engine/kv_cache.py, csrc/kv_int8.h
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,10 @@ class CacheConfig(Section):
                             check=Check(lambda v: isinstance(v, (int, float)) and 0.0 <= v < 1.0, "must be in [0, 1)"))
     enable_prefix_caching: bool = knob(True, "share the KV blocks of a common prompt prefix between requests")
     num_swap_blocks: int = knob(0, "KV blocks in the host swap pool (preemption by swap)", check=NONNEGATIVE_INT)
+    kv_cache_dtype: str | None = knob(None, "int8: keys and values as int8 with a scale per token and head "
+                                      "(half the bytes decode attention reads, twice the tokens per GiB; "
+                                      "CPU, eager; tokens may differ from the model dtype's)",
+                                      choices=KV_CACHE_DTYPES, none="auto: the model's dtype")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,12 @@ row `layer_row[l]` of the blocks in its group's table. Hugging Face models call 
 object passed as `cache=`; it writes the step's new keys/values into their slots and hands
 them back unchanged. The attention function (attention.py) then reads each sequence's
 context from the pool through its slots.
+
+`kv_dtype=torch.int8` (EngineConfig.kv_cache_dtype "int8"): each (slot, head) row is
+head_dim int8 values and their fp32 scale, `[..., H_kv, D + 4]` int8 (csrc/kv_int8.h), about
+half the bytes of bf16 for the attention to read and twice the tokens per GiB. Writes
+quantize (the kernels' write_kv, or `quantize_rows` here, byte for byte the same); gather()
+returns rows dequantized to the model's dtype.
 """
 
 from __future__ import annotations
@@ -15,6 +21,24 @@ import math
 import mmap
 
 import torch
+
+KV_SCALE_BYTES = 4          # an int8 row's fp32 scale, after its head_dim values (csrc/kv_int8.h)
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] floating -> int8 [..., D + 4]: symmetric per row, scale = max|x| / 127, values
+    round(x / scale) (half to even) in [-127, 127], then the scale's four bytes; a zero row is
+    zeros with scale 0. The same bytes as csrc/kv_int8.h's quantize_row for finite x."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, torch.round(xf / torch.where(scale > 0, scale, 1.0)), 0.0).clamp_(-127, 127)
+    return torch.cat([q.to(torch.int8), scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 [..., D + 4] -> [..., D] of `dtype`: values times their scale, in fp32 first."""
+    scale = rows[..., -KV_SCALE_BYTES:].contiguous().view(torch.float32)      # [..., 1]
+    return (rows[..., :-KV_SCALE_BYTES].float() * scale).to(dtype)
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, pin: bool = False) -> torch.Tensor:
@@ -36,27 +60,32 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, num_host_blocks: int = 0,
-                 layer_row: tuple[int, ...] | None = None):
+                 layer_row: tuple[int, ...] | None = None, kv_dtype: torch.dtype | None = None):
         # num_layers: the pool's rows per block. A hybrid model's KV-cache groups
         # (kv_groups.py) share the rows: layer l lives in row layer_row[l] of its group's blocks.
         self.num_layers = num_layers
         self.layer_row = layer_row
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = zeroed(shape, dtype, device)   # [L, S, H_kv, D]
-        self.v = zeroed(shape, dtype, device)   # [L, S, H_kv, D]
+        self.dtype = dtype                       # the model's: what gather() returns
+        self.quantized = kv_dtype == torch.int8
+        if kv_dtype not in (None, dtype, torch.int8):
+            raise ValueError(f"kv_dtype must be None, the model's dtype or torch.int8 (got {kv_dtype})")
+        store, row = (torch.int8, head_dim + KV_SCALE_BYTES) if self.quantized else (dtype, head_dim)
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, row)
+        self.k = zeroed(shape, store, device)   # [L, S, H_kv, D] (int8: D + 4)
+        self.v = zeroed(shape, store, device)   # [L, S, H_kv, D] (int8: D + 4)
         # The swap pool lives in host memory (pinned on CUDA for faster transfers).
-        host_shape = (num_layers, num_host_blocks * block_size, num_kv_heads, head_dim)
+        host_shape = (num_layers, num_host_blocks * block_size, num_kv_heads, row)
         pin = torch.device(device).type == "cuda"
-        self.k_host = zeroed(host_shape, dtype, "cpu", pin)
-        self.v_host = zeroed(host_shape, dtype, "cpu", pin)
-        self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * self.k.element_size()
+        self.k_host = zeroed(host_shape, store, "cpu", pin)
+        self.v_host = zeroed(host_shape, store, "cpu", pin)
+        self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * row * self.k.element_size()
         # Row views [L, S, H_kv * D]: gathering whole rows with index_select into a reused
         # scratch buffer is several times faster on CPU than advanced indexing into a fresh
         # tensor (measured 5.2 ms -> 0.8 ms for 32 x 700 slots of SmolLM2's K).
-        self._k_rows = self.k.view(num_layers, -1, num_kv_heads * head_dim)
-        self._v_rows = self.v.view(num_layers, -1, num_kv_heads * head_dim)
+        self._k_rows = self.k.view(num_layers, -1, num_kv_heads * row)
+        self._v_rows = self.v.view(num_layers, -1, num_kv_heads * row)
         self._scratch = (self.k.new_empty(0), self.v.new_empty(0))
         self._write_op = None            # streamgate::write_kv once use_kernel() found it
         self._row_pools: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -70,7 +99,9 @@ class PagedKVCache:
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
+                        dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> int:
+        if kv_dtype == torch.int8:
+            return 2 * num_layers * block_size * num_kv_heads * (head_dim + KV_SCALE_BYTES)
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def row(self, layer: int) -> int:
@@ -95,6 +126,8 @@ class PagedKVCache:
         if self._write_op is not None:
             self._write_op(self.k[row], self.v[row], slots, key, value)
             return
+        if self.quantized:
+            key, value = quantize_rows(key), quantize_rows(value)
         self.k[row].index_copy_(0, slots, key)
         self.v[row].index_copy_(0, slots, value)
 
@@ -128,7 +161,7 @@ class PagedKVCache:
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of the pool at `slots` (any shape [...]): returns [..., H_kv, D] each.
         The results live in a scratch buffer that the next gather overwrites: use them
-        before gathering again."""
+        before gathering again (an int8 pool's: new tensors, dequantized)."""
         flat = slots.reshape(-1)
         n = flat.numel()
         if self._scratch[0].shape[0] < n:
@@ -138,4 +171,6 @@ class PagedKVCache:
         row = self.row(layer)
         k = torch.index_select(self._k_rows[row], 0, flat, out=self._scratch[0][:n])
         v = torch.index_select(self._v_rows[row], 0, flat, out=self._scratch[1][:n])
+        if self.quantized:
+            return dequantize_rows(k.view(shape), self.dtype), dequantize_rows(v.view(shape), self.dtype)
         return k.view(shape), v.view(shape)

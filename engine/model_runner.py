@@ -35,8 +35,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        tp = config.tensor_parallel_size
+        self.dtype, tp = resolve_dtype(config.dtype, self.device), config.tensor_parallel_size
+        self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else None
         self.model, self.tokenizer, self.family = load_model(config.model, self.dtype, self.device, tp)
         eager_cpu = self.device.type == "cpu" and not config.compile and tp == 1
         self.elastic = config.elastic_threads and eager_cpu and elastic.start(config, self.dtype)   # elastic.py
@@ -52,17 +52,15 @@ class ModelRunner:
         plain = all(layer.plain for layer in self.family.layers)
         use_graphs = config.compile and config.cuda_graphs and self.device.type == "cuda" and plain
         # Compiled, one block more than the block manager hands out: the scratch block (block
-        # num_blocks) that padded rows read and write.
-        pool = CompiledKVCache if config.compile else PagedKVCache
-        hybrid = self.kv_groups.num_groups > 1
+        # num_blocks) that padded rows read and write. int8 KV: csrc/kv_int8.h's rows.
+        pool, hybrid = CompiledKVCache if config.compile else PagedKVCache, self.kv_groups.num_groups > 1
         self.kv_cache = pool(self.kv_groups.rows, self.num_blocks + int(config.compile), config.block_size,
                              num_kv_heads, head_dim, self.dtype, self.device, config.num_swap_blocks,
-                             layer_row=self.kv_groups.layer_row if hybrid else None)
+                             layer_row=self.kv_groups.layer_row if hybrid else None, kv_dtype=self.kv_dtype)
         self.layer_group = self.kv_groups.layer_group if hybrid else None
         # The path, decided once: per layer, the kernel or the torch backend (a layer whose
         # features the built kernel lacks takes the torch one); the fused or generic forward.
-        kernel = self._use_kernel(config)
-        if kernel:
+        if kernel := self._use_kernel(config):
             register_fakes()
         self.on_kernel = tuple(kernel and (layer.plain or has_features()) for layer in self.family.layers)
         self.use_kernel = any(self.on_kernel)
@@ -70,7 +68,8 @@ class ModelRunner:
             self.kv_cache.use_kernel()
         self.use_torch = not all(self.on_kernel)
         self.pad_rows = _PAD_ROWS if config.compile and self.use_kernel else 0
-        log.info("%s: dtype %s, attention backend %s, KV-cache groups %s", self.family.model_type, self.dtype,
+        log.info("%s: dtype %s (KV cache %s), attention backend %s, KV-cache groups %s", self.family.model_type,
+                 self.dtype, self.kv_cache.k.dtype,
                  "kernel" if not self.use_torch else "torch" if not self.use_kernel else
                  f"kernel on {sum(self.on_kernel)} of {len(self.on_kernel)} layers, torch on the rest",
                  " + ".join(f"{len(ls)} layers {'full' if w is None else f'window {w}'}"
@@ -173,7 +172,8 @@ class ModelRunner:
         return False
 
     def _auto_num_blocks(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-        per_block = PagedKVCache.bytes_per_block(num_layers, self.config.block_size, num_kv_heads, head_dim, self.dtype)
+        per_block = PagedKVCache.bytes_per_block(num_layers, self.config.block_size, num_kv_heads, head_dim, self.dtype,
+                                                 self.kv_dtype)
         if self.config.kv_cache_memory_gb is not None:
             budget = self.config.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":

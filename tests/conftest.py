@@ -148,6 +148,7 @@ SLOW_MODULES = E2E_MODULES | {
     "test_pressure", "test_async_engine",                       # hundreds of steps on tiny models
     "test_quota_redis_idempotent",                              # redis-server
     "test_families", "test_grammar",            # parity per family under preemption; grammar property
+    "test_kv_int8_engine",                      # the int8 KV cache's parity matrix, 2 TP ranks
 }
 # Single tests of otherwise fast (or slow) modules, by function name (every parametrization).
 E2E_TESTS = {"test_tp": ("test_killed_rank_fails_the_stream_and_health_and_sigterm_ends_the_tree",)}
@@ -171,6 +172,7 @@ SLOW_TESTS = {                                                   # each 3-16 s o
     "test_bench_serve_loadgen": ("test_tenant_rates_set_the_mix_of_tenants",),
     "test_bench_report_profile": ("test_forwards_rows_are_the_runs_medians",),
     "test_bench_report_families": ("test_a_real_speed_run_renders_its_json_rows",),   # 5-14 s: a real benchmark run
+    "test_bench_report_kv_int8": ("test_the_benchmark_runs_and_its_json_renders",),   # 3-5 s: a real benchmark run
 }
 # One greedy-parity run on the default CPU path stays in the fast set as its smoke check.
 FAST_TESTS = {"test_parity": ("test_greedy_parity_chunked_mixed_batches[llama-cpu-fp32-kernel]",)}

@@ -1,0 +1,246 @@
+// The paged attention kernel's body (paged_attention.cpp's operators call it): one pass over a
+// batch's work items (attention_items.h), dealt to the threads. Queries and outputs are
+// scalar_t; the pools are scalar_t too, or int8 rows of head_dim values and a scale
+// (kv_int8.h), which decode rows read in place (decode_sequence scales scores and
+// probabilities), and query tiles dequantize span by span into the buffers they already fill
+// (fp32 tiles), or into bf16 rows first (the VDPBF16PS and AMX tiles).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include "attention_amx_item.h"
+#include "attention_bf16.h"
+#include "attention_decode.h"
+#include "attention_decode_bf16.h"
+#include "attention_items.h"
+#include "attention_tiles.h"
+#include "kv_int8.h"
+#include "parallel.h"
+#include "simd.h"
+
+namespace streamgate::cpu {
+
+constexpr int64_t kSpan = 64;        // keys per online-softmax step (whole blocks, at least one)
+
+template <typename scalar_t, typename pool_t = scalar_t>
+void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                   const torch::Tensor& block_tables, const torch::Tensor& q_start, const torch::Tensor& ctx_lens,
+                   int64_t block_size, double scale, const Features& f, torch::Tensor& out,
+                   const std::vector<std::vector<Item>>& bins, bool use_amx) {
+  constexpr bool int8 = std::is_same_v<pool_t, int8_t>;
+  const int64_t num_heads = q.size(1), D = q.size(2);
+  const int64_t num_kv_heads = k_pool.size(1), group = num_heads / num_kv_heads;
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const pool_t* kp = k_pool.data_ptr<pool_t>();
+  const pool_t* vp = v_pool.data_ptr<pool_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const int64_t q_row = q.stride(0), q_head = q.stride(1);
+  const int64_t kv_slot = k_pool.stride(0), kv_head_stride = k_pool.stride(1);
+  const int64_t o_row = out.stride(0), o_head = out.stride(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t table_width = block_tables.size(1);
+  const int64_t* starts = q_start.data_ptr<int64_t>();
+  const int64_t* lens = ctx_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+  // Keys are taken `span` at a time (whole blocks) so that the softmax bookkeeping per query
+  // row is paid once per span, not once per (small) block.
+  const int64_t span = std::max<int64_t>(1, kSpan / block_size) * block_size;
+  const int64_t kpad = (span + kLanes - 1) / kLanes * kLanes;             // keys per span, padded
+  const int64_t tile_rows = use_amx ? kQueryTileAmx : kQueryTile;      // query rows per item (deal_items)
+  // bf16 pools with bf16 dot products: query tiles take the VDPBF16PS tiles (attention_bf16.h).
+  constexpr bool bf16_tiles = kTileBf16 && std::is_same_v<scalar_t, c10::BFloat16>;
+  const bool tile16 = bf16_tiles && D % 16 == 0;
+  const int64_t kpad16 = (kpad + 15) / 16 * 16;
+  const bool decode16 = kDecodeBf16 && std::is_same_v<scalar_t, c10::BFloat16> && !int8 && D % 32 == 0;
+  const bool amx = bf16_tiles && use_amx;                                 // ... or on AMX (attention_amx_item.h)
+  // Query vectors per item in the buffers below (AMX items use their own, made on the first).
+  const int64_t max_q = (amx ? kQueryTile : tile_rows) * group;
+
+  streamgate::cpu::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t first_bin, int64_t last_bin) {
+    // qf [max_q, D] scaled queries; kT [D, kpad] one span of K transposed; vb [kpad, D] its V;
+    // s [max_q, kpad] scores, then probabilities; acc [max_q, D] unnormalized outputs; m, l, alpha
+    // the online softmax's running max, running sum and this span's rescale, per query vector.
+    std::vector<float> qf(max_q * D), acc(max_q * D), m(max_q), l(max_q), alpha(max_q), s(max_q * kpad);
+    std::vector<float> kT(D * kpad, 0.0f), vb(kpad * D);                  // kT holds kb [kpad, D] by key
+    std::vector<int64_t> qpos(max_q);
+    // krow/vrow: where key/value t of the span is read (in the pool, or converted in kT/vb).
+    std::vector<const float*> krow(kpad), vrow(kpad);
+    for (int64_t t = 0; t < kpad; ++t) krow[t] = kT.data() + t * D, vrow[t] = vb.data() + t * D;
+    DecodeScratch<pool_t> scratch(kDecode512 && !decode16 ? num_heads : 0, D, kpad);
+    DecodeScratchBf16 scratch16(decode16 ? num_heads : 0, D, kpad);
+    // The bf16 tiles' buffers: qb the tile's queries, kP/vP the span's keys/values packed in
+    // pairs, pb the probabilities in bf16, vsrc where value t of the span is read.
+    std::vector<c10::BFloat16> qb(tile16 ? max_q * D : 0), pb(tile16 ? max_q * kpad16 : 0);
+    std::vector<uint32_t> kP(tile16 ? D / 2 * kpad16 : 0, 0u), vP(tile16 ? kpad16 / 2 * D : 0);
+    std::vector<const scalar_t*> vsrc(kpad);
+    // An int8 pool's span for the bf16 tiles: its keys and values dequantized to bf16 rows.
+    std::vector<scalar_t> kq(int8 && tile16 ? kpad * D : 0), vq(int8 && tile16 ? kpad * D : 0);
+    // A thread's tile configuration and zeroed buffers: made on its first AMX item, if one comes.
+    std::optional<AmxScope> amx_scope;
+    std::optional<AmxScratch> amx_scratch;
+    for (int64_t bin = first_bin; bin < last_bin; ++bin)
+    for (const Item& w : bins[bin]) {
+      if (w.kv_head < 0) {
+        const int64_t row = starts[w.seq];
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && !int8) {
+          if (decode16) {
+            decode_sequence_bf16(qp + row * q_row, q_head, kp, vp, kv_slot, kv_head_stride, tables + w.seq * table_width,
+                                 block_size, lens[w.seq], span, kpad, num_kv_heads, group, D, fscale, op + row * o_row,
+                                 o_head, scratch16, f);
+            continue;
+          }
+        }
+        decode_sequence(qp + row * q_row, q_head, kp, vp, kv_slot, kv_head_stride, tables + w.seq * table_width,
+                        block_size, lens[w.seq], span, kpad, num_kv_heads, group, D, fscale, op + row * o_row, o_head,
+                        scratch, f);
+        continue;
+      }
+      const int64_t q_len = starts[w.seq + 1] - starts[w.seq];
+      const int64_t ctx = lens[w.seq];
+      const int64_t nq = (w.row_end - w.row_begin) * group;
+      const bool by_key = nq < kRows;                                  // a decode row: few query vectors
+      if constexpr (bf16_tiles) {
+        if (amx && !by_key) {
+          AmxItem item{qp + starts[w.seq] * q_row + w.kv_head * group * q_head, q_row, q_head, nullptr, nullptr,
+                       kv_slot, tables + w.seq * table_width, block_size, ctx, q_len, w.row_begin, w.row_end, group,
+                       D, span, fscale, w.kv_head * group, op + starts[w.seq] * o_row + w.kv_head * group * o_head,
+                       o_row, o_head};
+          if constexpr (int8) item.k8 = kp + w.kv_head * kv_head_stride, item.v8 = vp + w.kv_head * kv_head_stride;
+          else item.k = kp + w.kv_head * kv_head_stride, item.v = vp + w.kv_head * kv_head_stride;
+          if (!amx_scratch) amx_scope.emplace(true), amx_scratch.emplace(tile_rows * group, D, span);
+          tile_item_amx(item, f, *amx_scratch);
+          continue;
+        }
+      }
+      const bool packed = tile16 && !by_key;                           // a query tile on bf16 dot products
+      // Query vectors of the tile, scaled, fp32: index i = row * group + g.
+      for (int64_t r = w.row_begin; r < w.row_end; ++r) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t i = (r - w.row_begin) * group + g;
+          const scalar_t* src = qp + (starts[w.seq] + r) * q_row + (w.kv_head * group + g) * q_head;
+          qpos[i] = ctx - q_len + r;
+          if (packed) {
+            std::memcpy(qb.data() + i * D, src, D * sizeof(scalar_t));
+            continue;
+          }
+          float* dst = qf.data() + i * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * fscale;
+        }
+      }
+      std::fill(acc.begin(), acc.begin() + nq * D, 0.0f);
+      for (int64_t i = 0; i < nq; ++i) f.start(m[i], l[i], w.kv_head * group + i % group);
+      const int64_t last_pos = ctx - q_len + w.row_end - 1;            // the tile's last query
+      const int64_t* table = tables + w.seq * table_width;
+      // A sliding layer starts at the tile's first query's window (not block aligned).
+      for (int64_t b0 = f.first_key(ctx - q_len + w.row_begin); b0 <= last_pos; b0 += span) {
+        const int64_t n = std::min(span, last_pos + 1 - b0);           // keys used in this span
+        // Keys and values of the span, block by block (one table lookup per block). A decode
+        // row reads fp32 rows in place and converts other dtypes into kT/vb row by row; a
+        // query tile gets K transposed into kT for the outer-product scores.
+        for (int64_t t = 0; t < n;) {
+          const int64_t pos = b0 + t, in_block = std::min(block_size - pos % block_size, n - t);
+          const int64_t first = table[pos / block_size] * block_size + pos % block_size;
+          for (int64_t e = 0; e < in_block; ++e, ++t) {
+            const int64_t off = (first + e) * kv_slot + w.kv_head * kv_head_stride;
+            if constexpr (bf16_tiles) {
+              if (packed) {
+                if constexpr (int8) {
+                  dequant_row(kp + off, kq.data() + t * D, D);
+                  dequant_row(vp + off, vq.data() + t * D, D);
+                  pack_key_bf16(kq.data() + t * D, kP.data(), t, kpad16, D);
+                  vsrc[t] = vq.data() + t * D;
+                } else {
+                  pack_key_bf16(kp + off, kP.data(), t, kpad16, D);
+                  vsrc[t] = vp + off;
+                }
+                continue;
+              }
+            }
+            if (by_key && std::is_same_v<pool_t, float>) {
+              krow[t] = reinterpret_cast<const float*>(kp + off);
+              vrow[t] = reinterpret_cast<const float*>(vp + off);
+              continue;
+            }
+            // An int8 row's scale (kv_int8.h); 1 for other pools, whose values it leaves exact.
+            const float ks = int8 ? row_scale(reinterpret_cast<const int8_t*>(kp + off), D) : 1.0f;
+            const float vs = int8 ? row_scale(reinterpret_cast<const int8_t*>(vp + off), D) : 1.0f;
+            if (by_key) {
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) kT[t * D + d] = static_cast<float>(kp[off + d]) * ks;
+            } else {
+              for (int64_t d = 0; d < D; ++d) kT[d * kpad + t] = static_cast<float>(kp[off + d]) * ks;
+            }
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) vb[t * D + d] = static_cast<float>(vp[off + d]) * vs;
+          }
+        }
+        if constexpr (bf16_tiles) {
+          if (packed)
+            for (int64_t t = 0; t < n; t += 2)
+              pack_values_bf16(vsrc[t], t + 1 < n ? vsrc[t + 1] : nullptr, vP.data() + t / 2 * D, D);
+        }
+        for_row_groups(nq, [&]<int R>(int64_t i) {                     // keys >= n: never read
+          if constexpr (bf16_tiles) {
+            if (packed) return scores_rows_bf16<R>(qb.data() + i * D, kP.data(), s.data() + i * kpad, kpad, kpad16, D, fscale);
+          }
+          if (by_key) scores_rows_by_key<R>(qf.data() + i * D, krow.data(), s.data() + i * kpad, kpad, n, D);
+          else scores_rows<R>(qf.data() + i * D, kT.data(), s.data() + i * kpad, kpad, D);
+        });
+        // Online softmax per query row: s becomes the span's probabilities (0 before the row's
+        // window and past its causal cut), alpha the rescale of what was accumulated.
+        for (int64_t i = 0; i < nq; ++i) {
+          float* si = s.data() + i * kpad;
+          const int64_t visible = std::max<int64_t>(0, std::min(n, qpos[i] + 1 - b0));   // causal cut
+          const int64_t lo = std::max<int64_t>(0, f.first_key(qpos[i]) - b0);            // window start
+          if (visible <= lo) {
+            std::fill(si, si + n, 0.0f);
+            alpha[i] = 1.0f;
+            continue;
+          }
+          f.cap(si, lo, visible);
+          const float sum = softmax_span(si, n, visible, m[i], alpha[i], lo);
+          l[i] = l[i] * alpha[i] + sum;
+        }
+        if constexpr (bf16_tiles) {
+          if (packed)
+            for (int64_t i = 0; i < nq; ++i) round_probs_bf16(s.data() + i * kpad, pb.data() + i * kpad16, n);
+        }
+        for_row_groups(nq, [&]<int R>(int64_t i) {
+          if constexpr (bf16_tiles) {
+            if (packed) return values_rows_bf16<R>(pb.data() + i * kpad16, alpha.data() + i, vP.data(), acc.data() + i * D, kpad16, n, D);
+          }
+          if (by_key) values_rows_by_key<R>(s.data() + i * kpad, alpha.data() + i, vrow.data(), acc.data() + i * D, kpad, n, D);
+          else values_rows<R>(s.data() + i * kpad, alpha.data() + i, vb.data(), acc.data() + i * D, kpad, n, D);
+        });
+      }
+      for (int64_t r = w.row_begin; r < w.row_end; ++r) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t i = (r - w.row_begin) * group + g;
+          const float inv = 1.0f / l[i];
+          scalar_t* dst = op + (starts[w.seq] + r) * o_row + (w.kv_head * group + g) * o_head;
+          const float* ai = acc.data() + i * D;
+          if constexpr (bf16_tiles) {
+            if (D % 16 == 0) {
+              store_scaled_bf16(dst, ai, inv, D);
+              continue;
+            }
+          }
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(ai[d] * inv);
+        }
+      }
+    }
+  });
+}
+
+
+}  // namespace streamgate::cpu
