@@ -13,18 +13,10 @@ import torch
 from engine.kernels import paged_attention_ops
 from engine.kv_cache import KV_SCALE_BYTES, PagedKVCache, dequantize_rows, quantize_rows
 from tests.bf16 import assert_tensor_within_noise
-from tests.test_paged_kernel import AMX, CASES, FEATURES, NO_AMX, random_batch, reference, reference_ext
+from tests.test_paged_kernel import CASES, FEATURES, amx, random_batch, reference, reference_ext  # noqa: F401 (amx: the fixture)
 
 ops = paged_attention_ops()
 needs_kernels = pytest.mark.skipif(ops is None, reason="the C++ kernels did not build (see the log)")
-
-
-@pytest.fixture(params=[pytest.param(False, id="no-amx"),
-                        pytest.param(True, id="amx", marks=pytest.mark.skipif(not AMX, reason=NO_AMX))])
-def amx(request):
-    ops.amx_tiles(request.param)
-    yield request.param
-    ops.amx_tiles(AMX)
 
 
 def test_quantize_rows_round_trip_is_within_half_a_step():

@@ -170,6 +170,23 @@ def greedy(eng, prompts: list[list[int]], tokens: int, tag: str) -> list[list[in
     return [got[f"{tag}-{i}"] for i in range(len(prompts))]
 
 
+def chat_greedy(engines: dict, make_fp32, tokens: int) -> dict[str, list[list[int]]]:
+    """Greedy outputs of the CHAT prompts (chat template applied) on each engine, each closed
+    after, then on the fp32 engine `make_fp32()` builds (once the others are closed)."""
+    tok = next(iter(engines.values())).tokenizer
+    prompts = []
+    for msg in CHAT:
+        ids = tok.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    outs = {name: greedy(eng, prompts, tokens, name) for name, eng in engines.items()}
+    for eng in engines.values():
+        eng.close()
+    fp32 = make_fp32()
+    outs["float32"] = greedy(fp32, prompts, tokens, "float32")
+    fp32.close()
+    return outs
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
     """Share of tokens before the first difference, and share of equal positions."""
     total = sum(len(x) for x in a)
@@ -220,16 +237,7 @@ def main(argv: list[str] | None = None) -> int:
           f"+ scratch {nbytes['scratch'] / 1e6:.1f} MB", flush=True)
 
     tok = engines["int8"].tokenizer
-    prompts = []
-    for msg in CHAT:
-        ids = tok.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True, tokenize=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    outs = {name: greedy(eng, prompts, args.agree_tokens, name) for name, eng in engines.items()}
-    for eng in engines.values():
-        eng.close()
-    fp32 = _engine(args.model, "float32", blocks)
-    outs["float32"] = greedy(fp32, prompts, args.agree_tokens, "float32")
-    fp32.close()
+    outs = chat_greedy(engines, lambda: _engine(args.model, "float32", blocks), args.agree_tokens)
     agree = {name: agreement(outs[name], outs["bfloat16"]) for name in ("int8", "float32")}
     print(f"greedy agreement with bf16: int8 {agree['int8']}, fp32 {agree['float32']}", flush=True)
 

@@ -26,7 +26,7 @@ import random
 import statistics
 import time
 
-from bench.engine.int8 import CHAT, agreement, greedy, held_out_ids, perplexity
+from bench.engine.int8 import CHAT, agreement, chat_greedy, held_out_ids, perplexity
 
 INT8_KV_ATTENTION = "streamgate_int8_kv_sdpa"
 
@@ -131,19 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r} rows at {args.ctx} tokens: {args.dtype} KV {med['dtype'] * 1e3:.1f} ms, int8 KV "
               f"{med['int8'] * 1e3:.1f} ms a step: {med['dtype'] / med['int8']:.2f}x", flush=True)
 
-    tok = engines["int8"].tokenizer
-    prompts = []
-    for msg in CHAT:
-        ids = tok.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True, tokenize=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    outs = {name: greedy(eng, prompts, args.agree_tokens, name) for name, eng in engines.items()}
-    for eng in engines.values():
-        eng.close()
     from engine import EngineConfig, LLMEngine
 
-    fp32 = LLMEngine(EngineConfig(model=args.model, dtype="float32", num_kv_blocks=blocks))
-    outs["float32"] = greedy(fp32, prompts, args.agree_tokens, "float32")
-    fp32.close()
+    tok = engines["int8"].tokenizer
+    outs = chat_greedy(engines, lambda: LLMEngine(EngineConfig(model=args.model, dtype="float32", num_kv_blocks=blocks)),
+                       args.agree_tokens)
     agree = {name: agreement(outs[name], outs["dtype"]) for name in ("int8", "float32")}
     print(f"greedy agreement with {args.dtype} KV: int8 KV {agree['int8']}, fp32 {agree['float32']}", flush=True)
     ppl = perplexities(model_dir, args.dtype, held_out_ids(tok, args.ppl_tokens), args.window)
