@@ -16,7 +16,7 @@
 #include <type_traits>
 
 #include "simd.h"
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -52,6 +52,36 @@ inline vec16 load16_fp32(const T* x) {
 template <typename T>
 inline void quantize_row(const T* x, int8_t* row, int64_t D) {
   const int64_t D16 = D / 16 * 16;
+#if defined(__AVX512F__)
+  // The same arithmetic on AVX-512 registers by name (GCC's code for the vector form below ran
+  // 2.7 ms for 512 tokens' rows over 30 layers): VCVTPS2DQ rounds half to even as the magic does.
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    const auto load = [x](int64_t d) {
+      if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(x + d);
+      else return _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + d))), 16));
+    };
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D16; d += 16) m = _mm512_max_ps(m, _mm512_abs_ps(load(d)));
+    float amax = _mm512_reduce_max_ps(m);
+    for (int64_t d = D16; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(x[d])));
+    const float scale = amax / 127.0f;
+    if (scale > 0.0f) {
+      const __m512 sv = _mm512_set1_ps(scale);
+      const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
+      for (int64_t d = 0; d < D16; d += 16) {
+        const __m512i i = _mm512_max_epi32(lo, _mm512_min_epi32(hi, _mm512_cvtps_epi32(_mm512_div_ps(load(d), sv))));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(row + d), _mm512_cvtepi32_epi8(i));
+      }
+      for (int64_t d = D16; d < D; ++d)
+        row[d] = static_cast<int8_t>(std::fmin(127.0f, std::fmax(-127.0f, std::nearbyint(static_cast<float>(x[d]) / scale))));
+      std::memcpy(row + D, &scale, sizeof scale);
+    } else {                                       // all zero (or NaN): zeros, scale 0
+      std::memset(row, 0, D + kScaleBytes);
+    }
+    return;
+  }
+#endif
   vec16 m{};
   for (int64_t d = 0; d < D16; d += 16) {
     const vec16 v = load16_fp32(x + d);

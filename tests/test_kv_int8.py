@@ -37,16 +37,17 @@ def test_quantize_rows_round_trip_is_within_half_a_step():
 
 
 @needs_kernels
+@pytest.mark.parametrize("head_dim", [64, 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_write_kv_quantizes_as_the_torch_fallback(dtype):
-    """The kernels' write_kv into an int8 pool writes exactly quantize_rows' bytes at each slot,
-    from strided views of a packed q/k/v output (as the fused forward hands them over), and
-    touches no other slot."""
+def test_write_kv_quantizes_as_the_torch_fallback(dtype, head_dim):
+    """The kernels' write_kv into an int8 pool writes exactly quantize_rows' bytes at each slot
+    (whole vectors and a head_dim's tail), from strided views of a packed q/k/v output (as the
+    fused forward hands them over), and touches no other slot."""
     g = torch.Generator().manual_seed(1)
-    qkv = (torch.randn(40, 9 + 3 + 3, 64, generator=g) * 3).to(dtype)
+    qkv = (torch.randn(40, 9 + 3 + 3, head_dim, generator=g) * 3).to(dtype)
     qkv[5] = 0
     k, v = qkv[:, 9:12], qkv[:, 12:]
-    k_pool = torch.full((100, 3, 68), 7, dtype=torch.int8)
+    k_pool = torch.full((100, 3, head_dim + 4), 7, dtype=torch.int8)
     v_pool = k_pool.clone()
     slots = torch.randperm(100, generator=g)[:40]
     ops_all = torch.ops.streamgate
