@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bench.engine.kv_int8 import register_int8_kv_attention
-from engine import EngineConfig, LLMEngine
+from engine import EngineConfig, LLMEngine, SamplingParams
 from tests.models import assert_greedy_parity, run_to_completion
 from tests.test_parity import FP32_TOL, mixed_workload
 
@@ -125,3 +125,24 @@ def test_int8_kv_on_two_tensor_parallel_ranks_equals_one_process(tiny_model):
     finally:
         tp.close()
     assert got == run_to_completion(LLMEngine(EngineConfig(**common)), workload())
+
+
+@pytest.mark.parametrize("path", PATHS[:2])
+def test_int8_kv_with_speculation_keeps_the_output(repeat_model, path):
+    """n-gram drafts verified over int8 rows (multi-row items, rejected rows rewritten later):
+    the same tokens as the int8-KV engine without speculation and as the int8-rounded HF
+    reference, with drafts accepted."""
+    from tests.test_speculative import prompts, staggered
+
+    backend, options = path
+    ps = prompts(6)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    cfg = dict(model=repeat_model, kv_cache_dtype="int8", attention_backend=backend, max_num_batched_tokens=32,
+               max_num_seqs=6, block_size=8, num_kv_blocks=200, speculative_ngram_min=1, **options)
+    want = run_to_completion(LLMEngine(EngineConfig(**cfg)), staggered(ps, params))
+    spec = LLMEngine(EngineConfig(num_speculative_tokens=4, **cfg))
+    assert run_to_completion(spec, staggered(ps, params)) == want
+    assert spec.stats()["spec_accepted_tokens"] > 50
+    ref = int8_kv_reference(repeat_model)
+    for i, p in enumerate(ps):
+        assert_greedy_parity(ref, p, want[f"r{i}"], FP32_TOL)
