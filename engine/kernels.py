@@ -51,7 +51,9 @@ class Variant:
 
 # x86-64 microarchitecture levels (the psABI's v3 = Haswell's AVX2/FMA/BMI, v4 = AVX-512
 # F/BW/CD/DQ/VL) plus AVX512-BF16, whose dot products the bf16 attention uses
-# (csrc/attention_bf16.h, attention_decode_bf16.h). An AMX host runs the avx512_bf16 build,
+# (csrc/attention_bf16.h, attention_decode_bf16.h), with AVX512-VNNI (every CPU with AVX512-BF16
+# has it: Cooper Lake, Sapphire Rapids on, Zen 4 on), whose VPDPBUSD the int8 linears' bf16 rows
+# use (csrc/linear_vnni.h). An AMX host runs the avx512_bf16 build,
 # whose prefill attention tiles use AMX where the CPU has AMX-BF16 and Linux grants the tile
 # state (csrc/attention_amx.h: functions compiled for the AMX target, chosen at run time, so no
 # variant of its own); oneDNN uses AMX for the bf16 matmuls by itself.
@@ -59,7 +61,8 @@ class Variant:
 _V3 = frozenset({"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"})
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 X86_VARIANTS = (
-    Variant("avx512_bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mtune=native"), _V4 | {"avx512_bf16"}),
+    Variant("avx512_bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=native"),
+            _V4 | {"avx512_bf16", "avx512_vnni"}),
     Variant("avx512", ("-march=x86-64-v4", "-mtune=native"), _V4),
     Variant("avx2", ("-march=x86-64-v3", "-mtune=native"), _V3),
     Variant("x86_64", ("-march=x86-64-v2", "-mtune=native"), frozenset({"sse4_2", "popcnt"})),

@@ -20,7 +20,9 @@ HOSTS = {   # flags as /proc/cpuinfo lists them on the hosts the project has run
     "zen1 (AVX2 only)": (AVX2 | {"sha_ni"}, "avx2"),
     "skylake-x (AVX-512)": (AVX512, "avx512"),
     "zen5 (AVX512-BF16)": (AVX512 | {"avx512_bf16", "avx512_vnni"}, "avx512_bf16"),
-    "sapphire rapids (AMX)": (AVX512 | {"avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"}, "avx512_bf16"),
+    "sapphire rapids (AMX)": (AVX512 | {"avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"},
+                              "avx512_bf16"),
+    "avx512-bf16 without vnni (none known)": (AVX512 | {"avx512_bf16"}, "avx512"),
     "pre-haswell": (BASE | {"avx"}, "x86_64"),
 }
 

@@ -20,10 +20,27 @@ ops = torch.ops.streamgate if load_kernels() else None
 _weight = weight
 
 
+VNNI_MAX_ROWS = 12          # csrc/linear_int8.cpp's kVnniMaxRows
+
+
+def _on_vnni(x) -> bool:
+    """Whether linear_int8 runs these rows on VNNI (csrc/linear_vnni.h): bf16/fp16 rows, K % 4
+    == 0, VNNI built and on, and not past kVnniMaxRows where AMX tiles take bf16 steps."""
+    k, rows = x.shape[1], x.shape[0]
+    amx = x.dtype == torch.bfloat16 and k % 32 == 0 and ops.amx_tiles() and rows > VNNI_MAX_ROWS
+    return x.dtype != torch.float32 and k % 4 == 0 and ops.int8_vnni() and not amx
+
+
 def _reference_and_tolerance(x, w, bias, out_dtype):
     """The fp64 reference from the dequantized weight w, within gamma_{K+4}: the K products,
-    then the scale, the bias and the dequantized weight's own fp32 rounding."""
-    return reference_and_tolerance(x, w, bias, out_dtype, roundings=4)
+    then the scale, the bias and the dequantized weight's own fp32 rounding. On VNNI each row
+    is first rounded to int16 steps of max|x| / 32767: at most half a step (and the 2^-24 of
+    the multiply that finds it) per element, times sum |w| per output."""
+    ref, tol, mag = reference_and_tolerance(x, w, bias, out_dtype, roundings=4)
+    if _on_vnni(x):
+        step = x.double().abs().amax(-1, keepdim=True) / 32767
+        tol = tol + 0.51 * step * w.double().abs().sum(-1)[None, :]
+    return ref, tol, mag
 
 
 def _dequantized(codes, scales):
@@ -55,8 +72,9 @@ def test_linear_int8_matches_the_dequantized_fp32_reference(n, k, dtype, with_bi
 def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(n, k, dtype):
     """1..20 rows (every pass width and its tail): each output row is bitwise the row computed
     alone, so a decode and the same position among verified drafts agree. Where bf16 steps of
-    more than 8 rows run on AMX tiles (csrc/linear_amx.h) that holds up to 8 rows, and
-    from 9 to 20 a row's bits do not depend on how many rows share the tiles' call."""
+    more than 8 rows (12 where bf16 rows take VNNI) run on AMX tiles (csrc/linear_amx.h) that
+    holds up to there, and past it a row's bits do not depend on how many rows share the
+    tiles' call."""
     w, b = _weight(n, k, seed=7 * n + k)
     codes, scales = quantize_int8(w)
     packed = ops.pack_int8(codes)
@@ -65,7 +83,8 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(n, k, dtype):
     def linear(rows):
         return ops.linear_int8(rows, packed, scales, b, n)
 
-    limit = 8 if dtype == torch.bfloat16 and k % 32 == 0 and ops.amx_tiles() else 20
+    vnni = dtype != torch.float32 and k % 4 == 0 and ops.int8_vnni()     # VNNI's rows (csrc/linear_vnni.h)
+    limit = (12 if vnni else 8) if dtype == torch.bfloat16 and k % 32 == 0 and ops.amx_tiles() else 20
     assert_rows_invariant(linear, x[:limit])
     full = linear(x)
     for m in range(limit + 1, 21):

@@ -1,0 +1,130 @@
+// int8 weight-only linears for bf16/fp16 activations on integer dot products (AVX512-VNNI):
+// y = (x q^T) s + b for the few rows of a decode step, from pack_int8's codes as they are.
+//
+// linear_blocks.h's FMA path widens every code to fp32 (two instructions for 16) and spends one
+// FMA per code and row: at 8 rows that is compute, not the stream of codes, that sets its time.
+// Here each activation row is quantized once per call to int16 against its own scale (max|x| /
+// 32767: an error under 2^-16 of its largest element, far below the bf16 rounding it already
+// carries), split exactly into two unsigned bytes, a = 256 (hi - 128) + lo, and VPDPBUSD takes
+// 4 codes x 16 outputs against 4 bytes of a plane in one instruction:
+//   sum_k a_k q_k = 256 (sum_k hi_k q_k - 128 sum_k q_k) + sum_k lo_k q_k,
+// int32 sums, exact (|sum| < 255 * 127 * K), so a row's result does not depend on the rows
+// beside it. A block's 64 bytes of four packed rows (k..k+3, 16 outputs each) are turned into
+// VNNI's order (output n's four codes adjacent) by one dword permute and one byte shuffle; sum_k
+// q_k is one more VPDPBUSD against ones. Needs K % 4 == 0.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "linear_blocks.h"
+
+namespace streamgate_linear {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kVnniBuilt = true;
+constexpr int kVnniRows = 8;           // rows a pass: 16 accumulators of one block's outputs
+
+// Rows of x as the two byte planes of their int16 codes, and each row's scale.
+struct SplitRows {
+  std::vector<uint8_t> lo, hi;
+  std::vector<float> scale;
+};
+
+template <typename T>
+inline __m512 load16(const T* p) {      // bf16 or fp16 -> fp32
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if constexpr (std::is_same_v<T, at::BFloat16>) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  else return _mm512_cvtph_ps(h);
+}
+
+// x [M, K] (row stride xs, K % 16 == 0 or a scalar tail) -> planes [M, K] and scales [M].
+template <typename T>
+inline void split_rows(const T* x, int64_t xs, int64_t M, int64_t K, SplitRows& out) {
+  out.lo.resize(M * K), out.hi.resize(M * K), out.scale.resize(M);
+  const int64_t K16 = K / 16 * 16;
+  for (int64_t m = 0; m < M; ++m) {
+    const T* row = x + m * xs;
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K16; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(row + k)));
+    float amax = _mm512_reduce_max_ps(mx);
+    for (int64_t k = K16; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(row[k])));
+    const float scale = amax / 32767.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    out.scale[m] = scale;
+    uint8_t *lo = out.lo.data() + m * K, *hi = out.hi.data() + m * K;
+    const __m512 iv = _mm512_set1_ps(inv);
+    const __m512i bound = _mm512_set1_epi32(32767), low8 = _mm512_set1_epi32(255), bias = _mm512_set1_epi32(128);
+    for (int64_t k = 0; k < K16; k += 16) {
+      __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(load16(row + k), iv));
+      a = _mm512_max_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), bound), _mm512_min_epi32(bound, a));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + k), _mm512_cvtepi32_epi8(_mm512_and_si512(a, low8)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_srai_epi32(a, 8), bias)));
+    }
+    for (int64_t k = K16; k < K; ++k) {
+      const int32_t a = std::clamp(static_cast<int32_t>(std::nearbyint(static_cast<float>(row[k]) * inv)), -32767, 32767);
+      lo[k] = static_cast<uint8_t>(a & 255);
+      hi[k] = static_cast<uint8_t>((a >> 8) + 128);
+    }
+  }
+}
+
+// Four packed rows (64 bytes: k..k+3 x 16 outputs) -> output n's codes k..k+3 in dword n.
+inline __m512i vnni_order(__m512i w) {
+  const __m512i dwords = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i bytes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+  return _mm512_shuffle_epi8(_mm512_permutexvar_epi32(dwords, w), bytes);
+}
+
+inline __m512i bcast4(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+// Rows m..m+R-1 against one block (K packed rows of 16 codes) -> y through `out`, with the
+// block's codes prefetched 4 KB ahead (Hint: linear_blocks.h's locality, or none).
+template <int R, int Hint, typename T>
+__attribute__((noinline)) void vnni_block_rows(const SplitRows& xs, int64_t m, int64_t K, const int8_t* block,
+                                               const Out<T>& out, int64_t n0, int64_t valid) {
+  __m512i lo[R], hi[R], sum = _mm512_setzero_si512();
+  for (int j = 0; j < R; ++j) lo[j] = hi[j] = _mm512_setzero_si512();
+  const __m512i ones = _mm512_set1_epi8(1);
+  const uint8_t* plo = xs.lo.data() + m * K;
+  const uint8_t* phi = xs.hi.data() + m * K;
+  for (int64_t k = 0; k < K; k += 4) {
+    if constexpr (Hint != kNoPrefetch) __builtin_prefetch(block + k * kBlock + 4096, 0, Hint);
+    const __m512i w = vnni_order(_mm512_loadu_si512(block + k * kBlock));
+    sum = _mm512_dpbusd_epi32(sum, ones, w);
+    for (int j = 0; j < R; ++j) {
+      lo[j] = _mm512_dpbusd_epi32(lo[j], bcast4(plo + j * K + k), w);
+      hi[j] = _mm512_dpbusd_epi32(hi[j], bcast4(phi + j * K + k), w);
+    }
+  }
+  const __m512i offset = _mm512_slli_epi32(sum, 7);                 // 128 sum_k q_k
+  for (int j = 0; j < R; ++j) {
+    const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi[j], offset)), _mm512_set1_ps(256.0f),
+                                     _mm512_cvtepi32_ps(lo[j]));
+    float tmp[kBlock];
+    _mm512_storeu_ps(tmp, _mm512_mul_ps(v, _mm512_set1_ps(xs.scale[m + j])));
+    out.store(m + j, n0, tmp, valid);
+  }
+}
+
+// Every block, kVnniRows rows a pass.
+template <int Hint, typename T>
+void vnni_blocks(const SplitRows& xs, int64_t M, int64_t K, int64_t N, const int8_t* wp, const Out<T>& out,
+                 int64_t blocks, int64_t grain_bytes) {
+  split_blocks(blocks, K * kBlock, grain_bytes, [&](int64_t b) {
+    const int8_t* block = wp + b * K * kBlock;
+    const int64_t n0 = b * kBlock, valid = std::min(kBlock, N - n0);
+    row_groups<kVnniRows>(M, [&](auto r, int64_t m) {
+      vnni_block_rows<decltype(r)::value, Hint>(xs, m, K, block, out, n0, valid);
+    });
+  });
+}
+#else
+constexpr bool kVnniBuilt = false;
+#endif
+
+}  // namespace streamgate_linear
