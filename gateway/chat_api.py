@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from .chat_format import ChoiceFormat, chat_logprobs, delta_dict, token_text
+from .chat_format import ChoiceFormat, chat_logprobs, delta_dict, event_json, token_text
 from .prompts import chat_template
 from .streaming import Delta, Done
 from .harmony import is_harmony_template
@@ -94,7 +94,7 @@ async def chat_chunks(gw, adm, first, events):
             body["usage"] = None
         if num_tokens is not None:
             body["num_tokens"] = num_tokens      # a streamgate extension: tokens in this delta
-        return json.dumps(body, ensure_ascii=False)
+        return event_json(body)
 
     def finish(i: int, reason: str):
         finished[i] = True

@@ -6,10 +6,24 @@ ws_format.py, Responses events in responses.py)."""
 
 from __future__ import annotations
 
+import json
+
 from .harmony import HarmonyParser
 from .prompts import starts_in_reasoning
 from .reasoning import ReasoningSplitter
 from .tool_parsers import ToolCallDelta, ToolCallParser
+
+
+# Characters valid raw in a JSON string that Python's str.splitlines() (and so httpx's
+# iter_lines, which GuideLLM and other SSE clients read streams with) takes for line ends:
+# raw in an SSE data line they cut it, and the client fails to decode the half it got.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def event_json(body: object) -> str:
+    """An SSE event's JSON: UTF-8 text as is, except U+0085, U+2028 and U+2029 escaped (the
+    same JSON; control characters json.dumps escapes itself)."""
+    return json.dumps(body, ensure_ascii=False).translate(_LINE_BREAKS)
 
 
 def _byte_decoder() -> dict[str, int]:

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from .chat_api import choice_reason, stream_end
-from .chat_format import token_text
+from .chat_format import event_json, token_text
 from .sse import serve_openai
 from .streaming import Delta, Done
 
@@ -95,7 +95,7 @@ async def completion_chunks(gw, adm, first, events):
             body["usage"] = None
         if num_tokens is not None:
             body["num_tokens"] = num_tokens
-        return json.dumps(body, ensure_ascii=False)
+        return event_json(body)
 
     try:
         if echo:

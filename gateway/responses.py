@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from .chat_api import choice_parser
-from .chat_format import ChoiceFormat
+from .chat_format import ChoiceFormat, event_json
 from .errors import BadRequest
 from .responses_input import Refused, ResponsesRequest, chat_body
 from .schemas import parse_body
@@ -104,7 +104,7 @@ class _Events:
     def event(self, kind: str, **fields) -> ServerSentEvent:
         data = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return ServerSentEvent(json.dumps(data, ensure_ascii=False), event=kind)
+        return ServerSentEvent(event_json(data), event=kind)
 
     def start(self, item: dict) -> list:
         out = self.close()

@@ -139,6 +139,7 @@ E2E_MODULES = {
     "test_bench_pooled",
     "test_api_chat", "test_api_clients", "test_api_endpoints", "test_api_reasoning", "test_api_ws",
     "test_api_harmony", "test_gateway_hardening", "test_ledger_fails_closed", "test_api_tool_stream",
+    "test_api_line_breaks",
 }
 SLOW_MODULES = E2E_MODULES | {
     "test_bench",                                               # bench.engine.offline / bench.engine.gemm subprocesses
