@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from bench.engine.kv_int8 import register_int8_kv_attention
 from engine import EngineConfig, LLMEngine, SamplingParams
 from tests.models import assert_greedy_parity, run_to_completion
+from tests.test_families import family_model  # noqa: F401 (fixture)
 from tests.test_parity import FP32_TOL, mixed_workload
 
 
@@ -146,3 +147,22 @@ def test_int8_kv_with_speculation_keeps_the_output(repeat_model, path):
     ref = int8_kv_reference(repeat_model)
     for i, p in enumerate(ps):
         assert_greedy_parity(ref, p, want[f"r{i}"], FP32_TOL)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss", "qwen3-sliding"])
+def test_int8_kv_families_with_windows_softcaps_and_sinks(family_model, family):
+    """Sliding windows (a hybrid model's own KV-cache groups), soft-capping and sinks over int8
+    rows: the kernel gives the torch backend's tokens (both read the same dequantized values,
+    fp32), under chunking and prefix hits, and every block comes back."""
+    from tests.test_families import workload
+
+    outs = {}
+    for backend in ("kernel", "torch"):
+        engine = LLMEngine(EngineConfig(model=family_model(family), kv_cache_dtype="int8", attention_backend=backend,
+                                        block_size=8, max_num_batched_tokens=32, max_num_seqs=8,
+                                        kv_cache_memory_gb=1 / 64))
+        assert engine.runner.kv_cache.k.dtype == torch.int8
+        outs[backend] = run_to_completion(engine, workload())
+        stats = engine.stats()
+        assert stats["kv_blocks_used"] == 0 and stats["prefix_cache_hit_tokens"] > 0
+    assert outs["kernel"] == outs["torch"]
