@@ -140,8 +140,8 @@ inline void tile_item_amx(const AmxItem& w, const Features& f, AmxScratch& sc) {
       for (int64_t e = 0; e < in_block; ++e, ++t) {
         const int64_t off = (first + e) * w.kv_slot;
         if (w.k8) {
-          dequant_row(w.k8 + off, sc.kb.data() + t * D, D);
-          dequant_row(w.v8 + off, sc.vq.data() + t % 2 * D, D);
+          dequant_row_bf16(w.k8 + off, sc.kb.data() + t * D, D);
+          dequant_row_bf16(w.v8 + off, sc.vq.data() + t % 2 * D, D);
           vsrc[t % 2] = sc.vq.data() + t % 2 * D;
         } else {
           std::memcpy(sc.kb.data() + t * D, w.k + off, D * sizeof(c10::BFloat16));

@@ -154,8 +154,8 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const to
             if constexpr (bf16_tiles) {
               if (packed) {
                 if constexpr (int8) {
-                  dequant_row(kp + off, kq.data() + t * D, D);
-                  dequant_row(vp + off, vq.data() + t * D, D);
+                  dequant_row_bf16(kp + off, kq.data() + t * D, D);
+                  dequant_row_bf16(vp + off, vq.data() + t * D, D);
                   pack_key_bf16(kq.data() + t * D, kP.data(), t, kpad16, D);
                   vsrc[t] = vq.data() + t * D;
                 } else {

@@ -19,10 +19,12 @@
 #include <vector>
 
 #include "linear_blocks.h"
+#include "simd.h"
 
 namespace streamgate_linear {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+using streamgate::cpu::load16;
 constexpr bool kVnniBuilt = true;
 constexpr int kVnniRows = 8;           // rows a pass: 16 accumulators of one block's outputs
 
@@ -31,13 +33,6 @@ struct SplitRows {
   std::vector<uint8_t> lo, hi;
   std::vector<float> scale;
 };
-
-template <typename T>
-inline __m512 load16(const T* p) {      // bf16 or fp16 -> fp32
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  if constexpr (std::is_same_v<T, at::BFloat16>) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  else return _mm512_cvtph_ps(h);
-}
 
 // x [M, K] (row stride xs, K % 16 == 0 or a scalar tail) -> planes [M, K] and scales [M].
 template <typename T>

@@ -3,6 +3,9 @@
 // of the softmax and of SiLU.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <cstdint>
 #include <cstring>
 #ifdef __AVX2__
@@ -119,6 +122,31 @@ inline V round_bf16_v(V x) {
   return x;
 }
 inline vec16 exp16_nonpositive(vec16 x) { return exp_nonpositive<vec16, vec16i>(x); }
+
+#ifdef __AVX512F__
+// Sixteen values of any storage dtype as fp32 lanes of one AVX-512 register: the decode rows'
+// keys and values (attention_decode.h), the int8 KV rows' quantization (kv_int8.h) and the int8
+// linears' activation rows (linear_vnni.h).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const c10::BFloat16* p) {          // bf16 is fp32's upper half
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
+inline __m512 load16(const double* p) {                 // for completeness: fp64 pools are tests only
+  const __m256 lo = _mm512_cvtpd_ps(_mm512_loadu_pd(p)), hi = _mm512_cvtpd_ps(_mm512_loadu_pd(p + 8));
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512 load16(const int8_t* p) {                 // an int8 pool's values, unscaled
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
 
 #ifdef __AVX2__
 // [sum(a[0]), ..., sum(a[3])]: four horizontal sums in one 128-bit vector.
