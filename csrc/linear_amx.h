@@ -72,7 +72,12 @@ inline void widen_panel(const int8_t* codes, int64_t K, uint32_t* panel) {
 // c[16 * MB rows][32] fp32 (row stride 32) = rows [m0, m0 + 16 MB) of x (bf16, row stride K,
 // K % 32 == 0) times NB panels (NB blocks of 16 outputs). Tiles 0-3 accumulate, 4 and 7 hold
 // A, 5 and 6 hold B (attention_amx.h's configuration: 16 rows of 64 bytes each).
-template <int MB, int NB>
+// Stream: x's tiles are loaded with the non-temporal hint (TILELOADDT1), so that a pair's panels
+// (K x 64 bytes), which every 32-row tile of the call reads again, stay in L1 instead of being
+// evicted by activations read once per pair; the same bits. Both tiles together must come from
+// L1 for TDPBF16PS to run near its rate: one core of the Intel AMX host made 2.5 TFLOP/s with
+// its four tile loads a step from a 32 KB ring and 0.86-1.9 from 256 KB (2026-12-05).
+template <int MB, int NB, bool Stream = false>
 __attribute__((target("amx-tile,amx-bf16"))) inline void tile_rows_blocks(const c10::BFloat16* x, int64_t K,
                                                                           const uint32_t* panel0,
                                                                           const uint32_t* panel1, float* c) {
@@ -85,11 +90,13 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void tile_rows_blocks(const 
   for (int64_t k0 = 0; k0 < K; k0 += 32) {
     _tile_loadd(5, panel0 + k0 / 2 * 16, 64);
     if constexpr (NB == 2) _tile_loadd(6, panel1 + k0 / 2 * 16, 64);
-    _tile_loadd(4, x + k0, xbytes);
+    if constexpr (Stream) _tile_stream_loadd(4, x + k0, xbytes);
+    else _tile_loadd(4, x + k0, xbytes);
     _tile_dpbf16ps(0, 4, 5);
     if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 6);
     if constexpr (MB == 2) {
-      _tile_loadd(7, x + 16 * K + k0, xbytes);
+      if constexpr (Stream) _tile_stream_loadd(7, x + 16 * K + k0, xbytes);
+      else _tile_loadd(7, x + 16 * K + k0, xbytes);
       _tile_dpbf16ps(2, 7, 5);
       if constexpr (NB == 2) _tile_dpbf16ps(3, 7, 6);
     }
@@ -142,6 +149,10 @@ template <bool Widened, typename Panel, bool Silu = false>
 inline void amx_linear(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K, int64_t blocks, int64_t N,
                        const float* s, const float* b, c10::BFloat16* y, Panel panel) {
   const int64_t pairs = (blocks + 1) / 2;
+  // Activations streamed past the panels where a pair's panels fit L1 (48 KB) beside a tile's
+  // rows and more than one 32-row tile reads them: SmolLM2's K = 576 linears at 288-512 rows
+  // 1.15-1.2x on one core of the Intel AMX host; its K = 1536 (panels of 96 KB) 0.97x, so not there.
+  const bool stream = M16 > 32 && K * 64 <= 40 * 1024;
   streamgate::cpu::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     AmxScope scope(true);
     // Two panels of K/2 x 16 words where the codes are widened (uninitialized: each is written whole).
@@ -154,7 +165,10 @@ inline void amx_linear(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
         const bool two_rows = m0 + 16 < M16;
         const c10::BFloat16* xa = x + m0 * K;
-        if (two_rows) {
+        if (two_rows && stream) {
+          if (nb == 2) tile_rows_blocks<2, 2, true>(xa, K, panel0, panel1, c);
+          else tile_rows_blocks<2, 1, true>(xa, K, panel0, panel1, c);
+        } else if (two_rows) {
           if (nb == 2) tile_rows_blocks<2, 2>(xa, K, panel0, panel1, c);
           else tile_rows_blocks<2, 1>(xa, K, panel0, panel1, c);
         } else {
