@@ -30,21 +30,33 @@
 
 namespace streamgate::cpu {
 
-// y [M, N] bf16 from `run(x16, M, M16, y)`, x16 being x [M, K] bf16 in whole 16-row tiles (a
-// copy with zero rows past M unless x is contiguous and M a multiple of 16), as the tile loads
-// read 16 rows at a time.
+// A call's activation rows x [M, K] bf16 as the tile loads read them, 16 rows at a time: the
+// tile at row r0 from x itself, except a last, partial tile (M % 16 rows), which comes from a
+// 16-row copy with zero rows past M. Only that copy is made (x had been copied whole for any M
+// not a multiple of 16: ~3 ms of a 512-token mixed step's 140, SmolLM2 on the Intel AMX host).
+struct RowTiles {
+  const c10::BFloat16* x;
+  const c10::BFloat16* tail;      // the last tile's 16 rows, or null when M % 16 == 0
+  int64_t tail_row, K;
+  const c10::BFloat16* tile(int64_t r0) const { return tail && r0 == tail_row ? tail : x + r0 * K; }
+};
+
+// y [M, N] bf16 from `run(rows, M, M16, y)`, M16 = M rounded up to 16 (x copied first only
+// where it is not contiguous).
 template <typename Run>
 inline torch::Tensor on_row_tiles(const torch::Tensor& x, int64_t N, Run run) {
   const int64_t M = x.size(0), K = x.size(1), M16 = (M + 15) / 16 * 16;
-  torch::Tensor xp = x;
-  if (M16 > M || !x.is_contiguous()) {
-    xp = torch::empty({M16, K}, x.options());
-    xp.narrow(0, 0, M).copy_(x);
-    xp.narrow(0, M, M16 - M).zero_();
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor tail;
+  if (M16 > M) {
+    tail = torch::zeros({16, K}, x.options());
+    tail.narrow(0, 0, M - (M16 - 16)).copy_(xc.narrow(0, M16 - 16, M - (M16 - 16)));
   }
+  const auto* xp = reinterpret_cast<const c10::BFloat16*>(xc.data_ptr<at::BFloat16>());
+  const RowTiles rows{xp, tail.defined() ? reinterpret_cast<const c10::BFloat16*>(tail.data_ptr<at::BFloat16>()) : nullptr,
+                      M16 - 16, K};
   auto y = torch::empty({M, N}, x.options());
-  run(reinterpret_cast<const c10::BFloat16*>(xp.data_ptr<at::BFloat16>()), M, M16,
-      reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>()));
+  run(rows, M, M16, reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>()));
   return y;
 }
 
@@ -69,8 +81,8 @@ inline void widen_panel(const int8_t* codes, int64_t K, uint32_t* panel) {
   }
 }
 
-// c[16 * MB rows][32] fp32 (row stride 32) = rows [m0, m0 + 16 MB) of x (bf16, row stride K,
-// K % 32 == 0) times NB panels (NB blocks of 16 outputs). Tiles 0-3 accumulate, 4 and 7 hold
+// c[16 * MB rows][32] fp32 (row stride 32) = the 16-row tiles x0 and (MB == 2) x1 (bf16, row
+// stride K, K % 32 == 0) times NB panels (NB blocks of 16 outputs). Tiles 0-3 accumulate, 4 and 7 hold
 // A, 5 and 6 hold B (attention_amx.h's configuration: 16 rows of 64 bytes each).
 // Stream: x's tiles are loaded with the non-temporal hint (TILELOADDT1), so that a pair's panels
 // (K x 64 bytes), which every 32-row tile of the call reads again, stay in L1 instead of being
@@ -78,7 +90,8 @@ inline void widen_panel(const int8_t* codes, int64_t K, uint32_t* panel) {
 // L1 for TDPBF16PS to run near its rate: one core of the Intel AMX host made 2.5 TFLOP/s with
 // its four tile loads a step from a 32 KB ring and 0.86-1.9 from 256 KB (2026-12-05).
 template <int MB, int NB, bool Stream = false>
-__attribute__((target("amx-tile,amx-bf16"))) inline void tile_rows_blocks(const c10::BFloat16* x, int64_t K,
+__attribute__((target("amx-tile,amx-bf16"))) inline void tile_rows_blocks(const c10::BFloat16* x0,
+                                                                          const c10::BFloat16* x1, int64_t K,
                                                                           const uint32_t* panel0,
                                                                           const uint32_t* panel1, float* c) {
   asm volatile("" ::: "memory");      // the panel and x stores before the tile loads (attention_amx.h)
@@ -90,13 +103,13 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void tile_rows_blocks(const 
   for (int64_t k0 = 0; k0 < K; k0 += 32) {
     _tile_loadd(5, panel0 + k0 / 2 * 16, 64);
     if constexpr (NB == 2) _tile_loadd(6, panel1 + k0 / 2 * 16, 64);
-    if constexpr (Stream) _tile_stream_loadd(4, x + k0, xbytes);
-    else _tile_loadd(4, x + k0, xbytes);
+    if constexpr (Stream) _tile_stream_loadd(4, x0 + k0, xbytes);
+    else _tile_loadd(4, x0 + k0, xbytes);
     _tile_dpbf16ps(0, 4, 5);
     if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 6);
     if constexpr (MB == 2) {
-      if constexpr (Stream) _tile_stream_loadd(7, x + 16 * K + k0, xbytes);
-      else _tile_loadd(7, x + 16 * K + k0, xbytes);
+      if constexpr (Stream) _tile_stream_loadd(7, x1 + k0, xbytes);
+      else _tile_loadd(7, x1 + k0, xbytes);
       _tile_dpbf16ps(2, 7, 5);
       if constexpr (NB == 2) _tile_dpbf16ps(3, 7, 6);
     }
@@ -140,13 +153,13 @@ inline void store_tile_rows_silu(const float* c, int64_t rows, const float* b, c
   }
 }
 
-// y [M, N] bf16 = x [M16, K] bf16 (rows past M zero; M16 a multiple of 16, K % 32 == 0) times the
+// y [M, N] bf16 = x's rows (RowTiles; M16 = M rounded up to 16, K % 32 == 0) times the
 // blocks of 16 outputs whose K/2 x 16-word panels `panel(block, buffer)` returns (widened into
 // `buffer`, or read in place), scaled by s (none: 1), plus b: pairs of blocks split over threads.
 // Silu: each pair of blocks is a gate block and its up block (N % 32 == 0), and y [M, N / 2]
 // holds silu(gate) * up (store_tile_rows_silu).
 template <bool Widened, typename Panel, bool Silu = false>
-inline void amx_linear(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K, int64_t blocks, int64_t N,
+inline void amx_linear(const RowTiles& x, int64_t M, int64_t M16, int64_t K, int64_t blocks, int64_t N,
                        const float* s, const float* b, c10::BFloat16* y, Panel panel) {
   const int64_t pairs = (blocks + 1) / 2;
   // Activations streamed past the panels where a pair's panels fit L1 (48 KB) beside a tile's
@@ -164,16 +177,16 @@ inline void amx_linear(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K
       const uint32_t* panel1 = nb == 2 ? panel(blk + 1, buffers.get() + K / 2 * 16) : panel0;
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
         const bool two_rows = m0 + 16 < M16;
-        const c10::BFloat16* xa = x + m0 * K;
+        const c10::BFloat16 *xa = x.tile(m0), *xb = two_rows ? x.tile(m0 + 16) : xa;
         if (two_rows && stream) {
-          if (nb == 2) tile_rows_blocks<2, 2, true>(xa, K, panel0, panel1, c);
-          else tile_rows_blocks<2, 1, true>(xa, K, panel0, panel1, c);
+          if (nb == 2) tile_rows_blocks<2, 2, true>(xa, xb, K, panel0, panel1, c);
+          else tile_rows_blocks<2, 1, true>(xa, xb, K, panel0, panel1, c);
         } else if (two_rows) {
-          if (nb == 2) tile_rows_blocks<2, 2>(xa, K, panel0, panel1, c);
-          else tile_rows_blocks<2, 1>(xa, K, panel0, panel1, c);
+          if (nb == 2) tile_rows_blocks<2, 2>(xa, xb, K, panel0, panel1, c);
+          else tile_rows_blocks<2, 1>(xa, xb, K, panel0, panel1, c);
         } else {
-          if (nb == 2) tile_rows_blocks<1, 2>(xa, K, panel0, panel1, c);
-          else tile_rows_blocks<1, 1>(xa, K, panel0, panel1, c);
+          if (nb == 2) tile_rows_blocks<1, 2>(xa, xb, K, panel0, panel1, c);
+          else tile_rows_blocks<1, 1>(xa, xb, K, panel0, panel1, c);
         }
         if constexpr (Silu)
           store_tile_rows_silu(c, std::min<int64_t>(32, M - m0), b ? b + blk * 16 : nullptr, y + m0 * (N / 2) + pair * 16,
@@ -187,7 +200,7 @@ inline void amx_linear(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K
 }
 
 // int8 codes packed [blocks][K][16] (linear_int8.cpp), widened per call.
-inline void linear_int8_amx(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K, const int8_t* codes,
+inline void linear_int8_amx(const RowTiles& x, int64_t M, int64_t M16, int64_t K, const int8_t* codes,
                             int64_t blocks, int64_t N, const float* s, const float* b, c10::BFloat16* y) {
   amx_linear<true>(x, M, M16, K, blocks, N, s, b, y, [&](int64_t blk, uint32_t* buffer) -> const uint32_t* {
     widen_panel(codes + blk * K * 16, K, buffer);
@@ -197,7 +210,7 @@ inline void linear_int8_amx(const c10::BFloat16* x, int64_t M, int64_t M16, int6
 
 // bf16 weights packed [blocks][K/2][16][2] (linear_bf16.cpp's AVX512-BF16 layout): already AMX's
 // B layout, read in place.
-inline void linear_bf16_amx(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K, const uint32_t* words,
+inline void linear_bf16_amx(const RowTiles& x, int64_t M, int64_t M16, int64_t K, const uint32_t* words,
                             int64_t blocks, int64_t N, const float* b, c10::BFloat16* y) {
   amx_linear<false>(x, M, M16, K, blocks, N, nullptr, b, y,
              [&](int64_t blk, uint32_t*) -> const uint32_t* { return words + blk * (K / 2) * 16; });
@@ -205,7 +218,7 @@ inline void linear_bf16_amx(const c10::BFloat16* x, int64_t M, int64_t M16, int6
 
 // The same with the fused SiLU·up epilogue: the blocks alternate gate and up (N % 32 == 0), y is
 // [M, N / 2].
-inline void linear_bf16_amx_silu(const c10::BFloat16* x, int64_t M, int64_t M16, int64_t K, const uint32_t* words,
+inline void linear_bf16_amx_silu(const RowTiles& x, int64_t M, int64_t M16, int64_t K, const uint32_t* words,
                                  int64_t blocks, int64_t N, const float* b, c10::BFloat16* y) {
   auto panel = [&](int64_t blk, uint32_t*) -> const uint32_t* { return words + blk * (K / 2) * 16; };
   amx_linear<false, decltype(panel), true>(x, M, M16, K, blocks, N, nullptr, b, y, panel);
@@ -217,11 +230,11 @@ inline void linear_bf16_amx_silu(const c10::BFloat16* x, int64_t M, int64_t M16,
 
 namespace streamgate::cpu {
 constexpr bool kLinearAmxBuilt = false;
-inline void linear_int8_amx(const c10::BFloat16*, int64_t, int64_t, int64_t, const int8_t*, int64_t, int64_t,
+inline void linear_int8_amx(const RowTiles&, int64_t, int64_t, int64_t, const int8_t*, int64_t, int64_t,
                             const float*, const float*, c10::BFloat16*) {}
-inline void linear_bf16_amx(const c10::BFloat16*, int64_t, int64_t, int64_t, const uint32_t*, int64_t, int64_t,
+inline void linear_bf16_amx(const RowTiles&, int64_t, int64_t, int64_t, const uint32_t*, int64_t, int64_t,
                             const float*, c10::BFloat16*) {}
-inline void linear_bf16_amx_silu(const c10::BFloat16*, int64_t, int64_t, int64_t, const uint32_t*, int64_t, int64_t,
+inline void linear_bf16_amx_silu(const RowTiles&, int64_t, int64_t, int64_t, const uint32_t*, int64_t, int64_t,
                                  const float*, c10::BFloat16*) {}
 }  // namespace streamgate::cpu
 

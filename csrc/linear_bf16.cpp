@@ -219,7 +219,7 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, c
   if (kPack == 2 && streamgate::cpu::amx_linear_rows(x, kAmxMinRows)) {
     const int64_t K = x.size(1);
     const auto* words = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
-    return streamgate::cpu::on_row_tiles(x, N, [&](const c10::BFloat16* xp, int64_t M, int64_t M16, c10::BFloat16* y) {
+    return streamgate::cpu::on_row_tiles(x, N, [&](const streamgate::cpu::RowTiles& xp, int64_t M, int64_t M16, c10::BFloat16* y) {
       streamgate::cpu::linear_bf16_amx(xp, M, M16, K, words, packed.size(0), N, bp, y);
     });
   }
@@ -249,7 +249,7 @@ torch::Tensor linear_bf16_silu(const torch::Tensor& x, const torch::Tensor& pack
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t K = x.size(1);
   const auto* words = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
-  return streamgate::cpu::on_row_tiles(x, N / 2, [&](const c10::BFloat16* xp, int64_t M, int64_t M16, c10::BFloat16* y) {
+  return streamgate::cpu::on_row_tiles(x, N / 2, [&](const streamgate::cpu::RowTiles& xp, int64_t M, int64_t M16, c10::BFloat16* y) {
     streamgate::cpu::linear_bf16_amx_silu(xp, M, M16, K, words, packed.size(0), N, bp, y);
   });
 }

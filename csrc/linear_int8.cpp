@@ -93,7 +93,7 @@ constexpr int64_t kVnniMaxRows = 12;
 torch::Tensor linear_amx(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                          const c10::optional<torch::Tensor>& bias, int64_t N) {
   const int64_t K = x.size(1);
-  return streamgate::cpu::on_row_tiles(x, N, [&](const c10::BFloat16* xp, int64_t M, int64_t M16, c10::BFloat16* y) {
+  return streamgate::cpu::on_row_tiles(x, N, [&](const streamgate::cpu::RowTiles& xp, int64_t M, int64_t M16, c10::BFloat16* y) {
     streamgate::cpu::linear_int8_amx(xp, M, M16, K, packed.data_ptr<int8_t>(), packed.size(0), N,
                                      scales.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr, y);
   });
