@@ -11,6 +11,8 @@
 
 #include <cstring>
 
+#include "parallel.h"
+
 #include "kv_int8.h"
 
 namespace {
@@ -35,9 +37,11 @@ void quantize_rows(torch::Tensor& pool, const torch::Tensor& x, const int64_t* s
   const int64_t n = x.size(0), heads = x.size(1), D = x.size(2), row = pool.size(2);
   int8_t* dst = pool.data_ptr<int8_t>();
   const T* src = x.data_ptr<T>();
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t h = 0; h < heads; ++h)
-      streamgate::cpu::quantize_row(src + i * x.stride(0) + h * x.stride(1), dst + (sp[i] * heads + h) * row, D);
+  streamgate::cpu::parallel_for(0, n, 8, [&](int64_t i0, int64_t i1) {     // as the bf16 rows below
+    for (int64_t i = i0; i < i1; ++i)
+      for (int64_t h = 0; h < heads; ++h)
+        streamgate::cpu::quantize_row(src + i * x.stride(0) + h * x.stride(1), dst + (sp[i] * heads + h) * row, D);
+  });
 }
 
 // k_pool[slots[i]] = k[i] and v_pool[slots[i]] = v[i] for every token i.
@@ -68,10 +72,16 @@ void write_kv(torch::Tensor k_pool, torch::Tensor v_pool, const torch::Tensor& s
                           k.stride(0) * e, k.stride(1) * e},
                          {static_cast<char*>(v_pool.data_ptr()), static_cast<const char*>(v.data_ptr()),
                           v.stride(0) * e, v.stride(1) * e}};
-  for (const Side& s : sides)
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t h = 0; h < heads; ++h)
-        std::memcpy(s.dst + (sp[i] * heads + h) * bytes, s.src + i * s.s0 + h * s.s1, bytes);
+  // Tokens split over the kernels' threads: each row lands on a line of the pool not written
+  // since its block was last used, so a write is a read-for-ownership miss; two threads keep
+  // twice as many in flight (Intel AMX host, 30 layers, pool in memory: a 512-token chunk
+  // 2.76 -> 1.50 ms on the elastic pool, 32 decode rows 0.24 -> 0.19 ms, 2026-12-05).
+  streamgate::cpu::parallel_for(0, n, 8, [&](int64_t i0, int64_t i1) {
+    for (const Side& s : sides)
+      for (int64_t i = i0; i < i1; ++i)
+        for (int64_t h = 0; h < heads; ++h)
+          std::memcpy(s.dst + (sp[i] * heads + h) * bytes, s.src + i * s.s0 + h * s.s1, bytes);
+  });
 }
 
 }  // namespace
