@@ -197,12 +197,9 @@ inline void tile_item_amx(const AmxItem& w, const Features& f, AmxScratch& sc) {
     for (int64_t g = 0; g < rows16; g += 16) {
       bool full = true;
       for (int64_t i = g; i < g + 16; ++i) full = full && sc.lo[i] == 0 && sc.vis[i] == n;
-      if (full)
-        softmax_lanes<true>(sc.sT.data() + g, rows16, n, keys32, w.scale, sc.vis.data() + g, sc.lo.data() + g,
-                            sc.m.data() + g, sc.l.data() + g, sc.alpha.data() + g);
-      else
-        softmax_lanes<false>(sc.sT.data() + g, rows16, n, keys32, w.scale, sc.vis.data() + g, sc.lo.data() + g,
-                             sc.m.data() + g, sc.l.data() + g, sc.alpha.data() + g);
+      (full ? softmax_lanes<true> : softmax_lanes<false>)(sc.sT.data() + g, rows16, n, keys32, w.scale,
+                                                           sc.vis.data() + g, sc.lo.data() + g, sc.m.data() + g,
+                                                           sc.l.data() + g, sc.alpha.data() + g);
       probs_to_rows(sc.sT.data() + g, rows16, keys32, sc.pb.data() + g * sc.keys64, sc.keys64);
     }
     for (int64_t i = 0; i < rows16; ++i) {               // what was accumulated, rescaled (where the max moved)

@@ -9,8 +9,6 @@ tokens'; `max_tokens: 0` with `echo` scores the prompt and generates nothing (wh
 
 from __future__ import annotations
 
-import json
-
 from starlette.requests import Request
 from starlette.responses import Response
 
