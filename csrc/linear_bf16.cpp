@@ -87,6 +87,11 @@ constexpr int kDpBlocks(int R) { return R == 1 ? 4 : R == 2 ? 3 : R == 3 ? 2 : 1
 // VDPBF16PS a row leave the stream latency-bound (measured: the head at 8-64 rows); not for
 // 1-3 rows, which stream as fast as the memory allows (prefetchnta cost the shift+FMA form's
 // one-row stream ~20 % on the Zen 4 host, 2026-12-02).
+// On Intel's CPUs (stream_prefetch_hint() == kPrefetchT0) passes of 1-3 rows prefetch each of
+// their B streams too: SmolLM2's one-row bf16 decode step on the Intel AMX host 17.9 -> 16.5-16.7
+// ms with this and the block tails below (2 threads, builds alternating, 2026-12-05), most of it
+// the prefetch (switched off alone: +0.8-1.2 ms); the layers' one-row calls then read ~21 GB/s
+// against ~19. Other CPUs keep the hardware prefetchers alone, as measured on Zen 4.
 constexpr int64_t kAhead = 64;
 
 // Rows row..row+R-1 of x as bf16 k-pairs (one 32-bit word each, row stride xs words) against
@@ -94,7 +99,7 @@ constexpr int64_t kAhead = 64;
 // accumulator per row and block, VDPBF16PS with the pair broadcast. Not inlined, as block_rows.
 template <int R, int B, typename T>
 __attribute__((noinline)) void dp_rows(const uint16_t* x, int64_t xs, const uint16_t* block, int64_t K2,
-                                       const Out<T>& out, int64_t row, int64_t n0, int64_t N) {
+                                       const Out<T>& out, int64_t row, int64_t n0, int64_t N, bool ahead) {
   const int64_t stride = K2 * 2 * kBlock;          // codes per block
   __m512 acc[B][R];
   for (int b = 0; b < B; ++b)
@@ -106,6 +111,9 @@ __attribute__((noinline)) void dp_rows(const uint16_t* x, int64_t xs, const uint
   };
   for (int64_t r = 0; r < K2; ++r) {
     if constexpr (R >= 4) _mm_prefetch(reinterpret_cast<const char*>(block + (r + kAhead) * 2 * kBlock), _MM_HINT_T0);
+    if (R < 4 && ahead)
+      for (int b = 0; b < B; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(block + b * stride + (r + kAhead) * 2 * kBlock), _MM_HINT_T0);
     for (int b = 0; b < B; ++b) {
       const __m512bh w = (__m512bh)_mm512_loadu_si512(block + b * stride + r * 2 * kBlock);
       for (int j = 0; j < R; ++j) acc[b][j] = _mm512_dpbf16_ps(acc[b][j], w, pair(j, r));
@@ -131,21 +139,33 @@ torch::Tensor bf16_pairs(const torch::Tensor& x) {
 
 // Each thread takes its blocks in groups of ~256 KB (L2-resident) and runs every 8-row pass
 // over a group before the next one: the pass's activations (8 rows, a few KB) stay in L1
-// across the group's blocks, and the weights come from memory once per call whatever M.
+// across the group's blocks, and the weights come from memory once per call whatever M. A
+// call of one pass (up to 8 rows) takes its blocks as one group. A group's last blocks, fewer
+// than a pass runs side by side, still run side by side (3 or 2), not one at a time: one block
+// is one stream, waiting on memory alone. The same sums either way (each block's chain in k order).
 template <typename T>
 void dp_blocks(const uint16_t* xp, int64_t xs, int64_t M, int64_t K2, int64_t N, const uint16_t* wp,
                const Out<T>& out, int64_t blocks) {
   const int64_t block_bytes = std::max<int64_t>(1, K2 * 2 * kBlock * 2);     // K = 0: no division by 0
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / block_bytes);
-  const int64_t group = std::max<int64_t>(1, (256 << 10) / block_bytes);
+  const int64_t group = M <= kDpRows ? blocks : std::max<int64_t>(1, (256 << 10) / block_bytes);
+  const bool ahead = stream_prefetch_hint() == kPrefetchT0;
   streamgate::cpu::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t g0 = b0; g0 < b1; g0 += group) {
       const int64_t g1 = std::min(b1, g0 + group);
       row_groups<kDpRows>(M, [&](auto r, int64_t m) {
         constexpr int R = decltype(r)::value, B = kDpBlocks(R);
+        const uint16_t* x = xp + m * xs * 2;
+        auto blocks_at = [&](auto width, int64_t b) {
+          dp_rows<R, decltype(width)::value>(x, xs, wp + b * K2 * 2 * kBlock, K2, out, m, b * kBlock, N, ahead);
+        };
         int64_t b = g0;
-        for (; b + B <= g1; b += B) dp_rows<R, B>(xp + m * xs * 2, xs, wp + b * K2 * 2 * kBlock, K2, out, m, b * kBlock, N);
-        for (; b < g1; ++b) dp_rows<R, 1>(xp + m * xs * 2, xs, wp + b * K2 * 2 * kBlock, K2, out, m, b * kBlock, N);
+        for (; b + B <= g1; b += B) blocks_at(std::integral_constant<int, B>{}, b);
+        if constexpr (B >= 3) {
+          if (g1 - b == 3 && B >= 4) blocks_at(std::integral_constant<int, 3>{}, b), b = g1;
+          if (g1 - b == 2) blocks_at(std::integral_constant<int, 2>{}, b), b = g1;
+        }
+        for (; b < g1; ++b) blocks_at(std::integral_constant<int, 1>{}, b);
       });
     }
   });

@@ -45,7 +45,7 @@ def _unpacked(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return packed.permute(0, 2, 1).reshape(packed.shape[0] * 16, k)[:n]
 
 
-@pytest.mark.parametrize("n, k", [(37, 70), (16, 64), (1, 33), (50, 1), (200, 576)])
+@pytest.mark.parametrize("n, k", [(37, 70), (16, 64), (1, 33), (50, 1), (200, 576), (90, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_bf16_matches_the_fp64_reference(n, k, dtype, with_bias):
@@ -67,7 +67,7 @@ def test_linear_bf16_matches_the_fp64_reference(n, k, dtype, with_bias):
         assert (err <= tol).all(), (rows, (err / tol).max().item())
 
 
-@pytest.mark.parametrize("n, k", [(37, 70), (200, 576), (40, 1)])
+@pytest.mark.parametrize("n, k", [(37, 70), (200, 576), (40, 1), (90, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(n, k, dtype):
     """1..20 rows (every pass width and its tail, odd K): each output row is bitwise the row

@@ -47,7 +47,7 @@ def _dequantized(codes, scales):
     return codes.float() * scales[:, None]
 
 
-@pytest.mark.parametrize("n, k", [(37, 70), (16, 64), (1, 33), (50, 1), (200, 576)])
+@pytest.mark.parametrize("n, k", [(37, 70), (16, 64), (1, 33), (50, 1), (200, 576), (90, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_int8_matches_the_dequantized_fp32_reference(n, k, dtype, with_bias):

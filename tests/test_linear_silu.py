@@ -32,7 +32,7 @@ def gate_up(i: int, k: int, bias: bool, seed: int):
 @pytest.mark.parametrize("rows", [5, 16, 17, 32, 33, 64, 100])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_gate_up_silu_gives_the_unfused_bits(rows, bias):
-    i, k = 48, 96
+    i, k = 112, 96                                      # 14 blocks: 16-row steps take them four at a time
     lin = gate_up(i, k, bias, seed=rows)
     plain = _fuse("bf16", *lin).packed                  # gate then up
     blocked = _fuse("bf16", *lin, block=16).packed       # alternating blocks of 16
