@@ -128,11 +128,12 @@ inline void with_rows(int64_t r, F&& f) {
 // of the next span's blocks, then head(h, n) for each KV head h with kin/vin pointing at its n
 // keys and values in place. Every slot's heads (adjacent in the pool) are so read while the
 // span is in cache, once, instead of one pass over the whole context per head.
-// Keys from `begin` (a sliding window's first key, else 0) to ctx - 1.
+// Keys from `begin` (a sliding window's first key, else 0) to ctx - 1; KV heads [h0, h1) of the
+// kv_heads (a sequence decoded alone is split by head over the threads: attention_items.h).
 template <typename T, typename F>
 inline void for_decode_spans(const T* kp, const T* vp, int64_t kv_slot, int64_t kv_hs, const int64_t* table,
                              int64_t block_size, int64_t begin, int64_t ctx, int64_t span, int64_t kv_heads,
-                             int64_t* base, const T** kin, const T** vin, F&& head) {
+                             int64_t h0, int64_t h1, int64_t* base, const T** kin, const T** vin, F&& head) {
   for (int64_t b0 = begin; b0 < ctx; b0 += span) {
     const int64_t n = std::min(span, ctx - b0);
     for (int64_t t = 0; t < n;) {                        // block by block: one division a block
@@ -141,17 +142,31 @@ inline void for_decode_spans(const T* kp, const T* vp, int64_t kv_slot, int64_t 
       for (int64_t e = 0; e < in_block; ++e, ++t) base[t] = first + e * kv_slot;
     }
     const int64_t block_bytes = block_size * kv_slot * sizeof(T);
-    for (int64_t h = 0; h < kv_heads; ++h) {
+    const bool all = h0 == 0 && h1 == kv_heads;
+    for (int64_t h = h0; h < h1; ++h) {
       // The next span's blocks into cache while this one is computed (blocks are scattered over
       // the pool, so the hardware prefetchers lose the stream at every block boundary), a
       // 1/kv_heads share before each head: one burst of the whole span stalled on its misses.
+      // A range of heads prefetches only its own rows of each slot (the other heads' thread
+      // fetches theirs).
       const int64_t from = block_bytes * h / kv_heads, to = block_bytes * (h + 1) / kv_heads;
       for (int64_t pos = b0 + span; pos < std::min(ctx, b0 + 2 * span); pos += block_size) {
         const int64_t first = table[pos / block_size] * block_size * kv_slot;
         const char *kb = reinterpret_cast<const char*>(kp + first), *vb = reinterpret_cast<const char*>(vp + first);
-        for (int64_t off = from / 64 * 64; off < to; off += 64) {
-          _mm_prefetch(kb + off, _MM_HINT_T0);
-          _mm_prefetch(vb + off, _MM_HINT_T0);
+        if (all) {
+          for (int64_t off = from / 64 * 64; off < to; off += 64) {
+            _mm_prefetch(kb + off, _MM_HINT_T0);
+            _mm_prefetch(vb + off, _MM_HINT_T0);
+          }
+          continue;
+        }
+        const int64_t row0 = h * kv_hs * sizeof(T), row1 = row0 + kv_hs * sizeof(T);
+        for (int64_t e = 0; e < block_size; ++e) {
+          const int64_t slot = e * kv_slot * sizeof(T);
+          for (int64_t off = (slot + row0) / 64 * 64; off < slot + row1; off += 64) {
+            _mm_prefetch(kb + off, _MM_HINT_T0);
+            _mm_prefetch(vb + off, _MM_HINT_T0);
+          }
         }
       }
       for (int64_t t = 0; t < n; ++t) {
@@ -172,22 +187,23 @@ inline void scale_by_rows(float* s, int64_t kpad, int64_t group, const int8_t* c
 }
 
 // One decode row (the sequence's last position, attending to all ctx keys, or its window's)
-// for all KV heads of its sequence at once, span by span (for_decode_spans). group <= 3
+// for KV heads [h0, h1) of its sequence at once (all of them, or a thread's share when the
+// sequence is decoded alone), span by span (for_decode_spans). group <= 3
 // query heads per KV head; f: the layer's features (window, soft-cap, sinks).
 // q/o: the row's [heads, D] (head strides q_hs, o_hs); pools [slots, kv_heads, D] of P, which
 // is T or int8 (rows of D values and a scale, kv_int8.h).
 template <typename T, typename P = T>
 void decode_sequence(const T* q, int64_t q_hs, const P* kp, const P* vp, int64_t kv_slot, int64_t kv_hs,
                      const int64_t* table, int64_t block_size, int64_t ctx, int64_t span, int64_t kpad,
-                     int64_t kv_heads, int64_t group, int64_t D, float scale, T* o, int64_t o_hs,
-                     DecodeScratch<P>& w, const Features& f) {
-  const int64_t heads = kv_heads * group;
-  for (int64_t i = 0; i < heads; ++i) {
+                     int64_t kv_heads, int64_t h0, int64_t h1, int64_t group, int64_t D, float scale, T* o,
+                     int64_t o_hs, DecodeScratch<P>& w, const Features& f) {
+  const int64_t i_begin = h0 * group, i_end = h1 * group;             // query heads
+  for (int64_t i = i_begin; i < i_end; ++i) {
     for (int64_t d = 0; d < D; ++d) w.qf[i * D + d] = static_cast<float>(q[i * q_hs + d]) * scale;
     f.start(w.m[i], w.l[i], i);
   }
-  std::fill(w.acc.begin(), w.acc.begin() + heads * D, 0.0f);
-  for_decode_spans(kp, vp, kv_slot, kv_hs, table, block_size, f.first_key(ctx - 1), ctx, span, kv_heads,
+  std::fill(w.acc.begin() + i_begin * D, w.acc.begin() + i_end * D, 0.0f);
+  for_decode_spans(kp, vp, kv_slot, kv_hs, table, block_size, f.first_key(ctx - 1), ctx, span, kv_heads, h0, h1,
                    w.base.data(), w.kin.data(), w.vin.data(), [&](int64_t h, int64_t n) {
     const int64_t i0 = h * group;
     with_rows(group, [&]<int R>() { scores_decode<R>(w.qf.data() + i0 * D, w.kin.data(), w.s.data() + i0 * kpad, kpad, n, D); });
@@ -202,7 +218,7 @@ void decode_sequence(const T* q, int64_t q_hs, const P* kp, const P* vp, int64_t
       values_decode<R>(w.s.data() + i0 * kpad, w.alpha.data() + i0, w.vin.data(), w.acc.data() + i0 * D, kpad, n, D);
     });
   });
-  for (int64_t i = 0; i < heads; ++i) {
+  for (int64_t i = i_begin; i < i_end; ++i) {
     const float inv = 1.0f / w.l[i];
     for (int64_t d = 0; d < D; ++d) o[i * o_hs + d] = static_cast<T>(w.acc[i * D + d] * inv);
   }
@@ -217,7 +233,8 @@ struct DecodeScratch {
 
 template <typename T, typename P = T>
 void decode_sequence(const T*, int64_t, const P*, const P*, int64_t, int64_t, const int64_t*, int64_t, int64_t, int64_t,
-                     int64_t, int64_t, int64_t, int64_t, float, T*, int64_t, DecodeScratch<P>&, const Features&) {}
+                     int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, T*, int64_t, DecodeScratch<P>&,
+                     const Features&) {}
 #endif
 
 }  // namespace streamgate::cpu

@@ -112,15 +112,15 @@ struct DecodeScratchBf16 {
 inline void decode_sequence_bf16(const c10::BFloat16* q, int64_t q_hs, const c10::BFloat16* kp,
                                  const c10::BFloat16* vp, int64_t kv_slot, int64_t kv_hs, const int64_t* table,
                                  int64_t block_size, int64_t ctx, int64_t span, int64_t kpad, int64_t kv_heads,
-                                 int64_t group, int64_t D, float scale, c10::BFloat16* o, int64_t o_hs,
-                                 DecodeScratchBf16& w, const Features& f) {
-  const int64_t heads = kv_heads * group;
-  for (int64_t i = 0; i < heads; ++i) {
+                                 int64_t h0, int64_t h1, int64_t group, int64_t D, float scale, c10::BFloat16* o,
+                                 int64_t o_hs, DecodeScratchBf16& w, const Features& f) {
+  const int64_t i_begin = h0 * group, i_end = h1 * group;             // query heads
+  for (int64_t i = i_begin; i < i_end; ++i) {
     std::copy(q + i * q_hs, q + i * q_hs + D, w.qb.data() + i * D);
     f.start(w.m[i], w.l[i], i);
   }
-  std::fill(w.acc.begin(), w.acc.begin() + heads * D, 0.0f);
-  for_decode_spans(kp, vp, kv_slot, kv_hs, table, block_size, f.first_key(ctx - 1), ctx, span, kv_heads,
+  std::fill(w.acc.begin() + i_begin * D, w.acc.begin() + i_end * D, 0.0f);
+  for_decode_spans(kp, vp, kv_slot, kv_hs, table, block_size, f.first_key(ctx - 1), ctx, span, kv_heads, h0, h1,
                    w.base.data(), w.kin.data(), w.vin.data(), [&](int64_t h, int64_t n) {
     const int64_t i0 = h * group;
     with_rows(group, [&]<int R>() {
@@ -140,7 +140,7 @@ inline void decode_sequence_bf16(const c10::BFloat16* q, int64_t q_hs, const c10
       if (d0 < D) values_slice_bf16<R, 1>(pb, w.pstride, w.alpha.data() + i0, w.vin.data(), w.acc.data() + i0 * D, n, D, d0);
     });
   });
-  for (int64_t i = 0; i < heads; ++i) {
+  for (int64_t i = i_begin; i < i_end; ++i) {
     const float inv = 1.0f / w.l[i];
     for (int64_t d = 0; d < D; ++d)
       o[i * o_hs + d] = c10::BFloat16(w.acc[i * D + d / 32 * 32 + permuted(d % 32)] * inv);
@@ -155,7 +155,7 @@ struct DecodeScratchBf16 {
 
 inline void decode_sequence_bf16(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::BFloat16*, int64_t,
                                  int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                 float, c10::BFloat16*, int64_t, DecodeScratchBf16&, const Features&) {}
+                                 int64_t, int64_t, float, c10::BFloat16*, int64_t, DecodeScratchBf16&, const Features&) {}
 #endif
 
 }  // namespace streamgate::cpu

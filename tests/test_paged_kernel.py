@@ -226,3 +226,36 @@ def test_streamgate_amx_0_turns_the_tiles_off_in_a_new_process():
                          env={**os.environ, "STREAMGATE_AMX": "0"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["False", "True"], out.stdout
+
+
+@pytest.mark.skipif(ops is None or not hasattr(ops, "paged_attention_ext"), reason="no paged_attention_ext")
+@pytest.mark.parametrize("pool", ["model dtype", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("feature", FEATURES)
+def test_a_sequence_decoded_alone_is_split_by_kv_head_with_the_same_bits(feature, dtype, pool, all_threads):
+    """One decode row with more threads than sequences: its KV heads run as separate items
+    (csrc/attention_items.h), each with its own sink and window; the output equals the eager
+    math and, bit for bit, the whole row computed on one thread. (On a one-core host both runs
+    take the whole row.)"""
+    from engine.kv_cache import dequantize_rows, quantize_rows
+
+    window, softcap, with_sinks = FEATURES[feature]
+    q_lens, ctx_lens, heads, kv_heads, head_dim = [1], [150], 9, 3, 64
+    q, k_pool, v_pool, tables = random_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, 16, dtype, seed=6)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(9)) * 2 if with_sinks else None
+    if pool == "int8":
+        k_pool, v_pool = quantize_rows(k_pool.float()), quantize_rows(v_pool.float())
+        kd, vd = dequantize_rows(k_pool, torch.float32), dequantize_rows(v_pool, torch.float32)
+    else:
+        kd, vd = k_pool, v_pool
+    want = reference_ext(q, kd, vd, tables, q_lens, ctx_lens, 16, 0.3, window, softcap, sinks)
+    outs = []
+    for threads in (torch.get_num_threads(), 1):
+        torch.set_num_threads(threads)
+        out = torch.full(q.shape, float("nan"), dtype=dtype)
+        ops.paged_attention_ext(q, k_pool, v_pool, tables, torch.tensor([0, 1]), torch.tensor(ctx_lens), 16, 0.3,
+                                window, softcap, sinks, out)
+        outs.append(out)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(outs[0].float(), want, atol=tol, rtol=tol)
+    assert torch.equal(outs[0], outs[1])
