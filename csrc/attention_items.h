@@ -25,8 +25,8 @@ constexpr int64_t kQueryTileAmx = 32;   // ... on AMX tiles (attention_amx_item.
 
 struct Item {
   int64_t seq, kv_head, row_begin, row_end;   // rows counted from the sequence's first row
-  int64_t h0 = 0, h1 = 0;                     // kv_head -1: a decode row (decode_sequence), its KV heads
-};                                            // [h0, h1), all of them where h1 is 0
+  int64_t h0 = 0, h1 = 0;                     // kv_head -1: a decode row (decode_sequence) for
+};                                            // KV heads [h0, h1)
 
 inline void check_inputs(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                          const torch::Tensor& block_tables, const torch::Tensor& q_start,
@@ -77,7 +77,7 @@ inline std::vector<std::vector<Item>> deal_items(const torch::Tensor& q, const t
       if (split_heads)
         for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({b, -1, 0, 1, h, h + 1});
       else
-        items.push_back({b, -1, 0, 1});
+        items.push_back({b, -1, 0, 1, 0, num_kv_heads});
       continue;
     }
     for (int64_t h = 0; h < num_kv_heads; ++h)
@@ -97,7 +97,7 @@ inline std::vector<std::vector<Item>> deal_items(const torch::Tensor& q, const t
   for (size_t i = 0; i < items.size(); ++i) {
     const Item& w = items[i];
     const int64_t q_len = starts[w.seq + 1] - starts[w.seq];
-    const int64_t heads = w.kv_head >= 0 ? 1 : w.h1 > 0 ? w.h1 - w.h0 : num_kv_heads;
+    const int64_t heads = w.kv_head >= 0 ? 1 : w.h1 - w.h0;
     const int64_t c = (w.row_end - w.row_begin) * (lens[w.seq] - q_len + w.row_end) * heads;
     if (by_seq && !groups.empty() && items[groups.back().first].seq == w.seq) {
       groups.back().second = i + 1;

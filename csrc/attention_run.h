@@ -89,17 +89,17 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const to
     for (int64_t bin = first_bin; bin < last_bin; ++bin)
     for (const Item& w : bins[bin]) {
       if (w.kv_head < 0) {
-        const int64_t row = starts[w.seq], h0 = w.h0, h1 = w.h1 > 0 ? w.h1 : num_kv_heads;
+        const int64_t row = starts[w.seq];
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && !int8) {
           if (decode16) {
             decode_sequence_bf16(qp + row * q_row, q_head, kp, vp, kv_slot, kv_head_stride, tables + w.seq * table_width,
-                                 block_size, lens[w.seq], span, kpad, num_kv_heads, h0, h1, group, D, fscale, op + row * o_row,
+                                 block_size, lens[w.seq], span, kpad, num_kv_heads, w.h0, w.h1, group, D, fscale, op + row * o_row,
                                  o_head, scratch16, f);
             continue;
           }
         }
         decode_sequence(qp + row * q_row, q_head, kp, vp, kv_slot, kv_head_stride, tables + w.seq * table_width,
-                        block_size, lens[w.seq], span, kpad, num_kv_heads, h0, h1, group, D, fscale, op + row * o_row, o_head,
+                        block_size, lens[w.seq], span, kpad, num_kv_heads, w.h0, w.h1, group, D, fscale, op + row * o_row, o_head,
                         scratch, f);
         continue;
       }

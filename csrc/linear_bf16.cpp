@@ -110,8 +110,7 @@ __attribute__((noinline)) void dp_rows(const uint16_t* x, int64_t xs, const uint
     return (__m512bh)_mm512_set1_epi32(v);
   };
   for (int64_t r = 0; r < K2; ++r) {
-    if constexpr (R >= 4) _mm_prefetch(reinterpret_cast<const char*>(block + (r + kAhead) * 2 * kBlock), _MM_HINT_T0);
-    if (R < 4 && ahead)
+    if (R >= 4 || ahead)                          // passes of 4+ rows take one block (B = 1)
       for (int b = 0; b < B; ++b)
         _mm_prefetch(reinterpret_cast<const char*>(block + b * stride + (r + kAhead) * 2 * kBlock), _MM_HINT_T0);
     for (int b = 0; b < B; ++b) {
@@ -137,37 +136,22 @@ torch::Tensor bf16_pairs(const torch::Tensor& x) {
   return padded;
 }
 
-// Each thread takes its blocks in groups of ~256 KB (L2-resident) and runs every 8-row pass
-// over a group before the next one: the pass's activations (8 rows, a few KB) stay in L1
-// across the group's blocks, and the weights come from memory once per call whatever M. A
-// call of one pass (up to 8 rows) takes its blocks as one group. A group's last blocks, fewer
-// than a pass runs side by side, still run side by side (3 or 2), not one at a time: one block
-// is one stream, waiting on memory alone. The same sums either way (each block's chain in k order).
+// Every block in 8-row passes over pass_groups' groups (linear_blocks.h), kDpBlocks(R) blocks
+// side by side; a group's last blocks, fewer than that, still run side by side (3 or 2), not one
+// at a time: one block is one stream, waiting on memory alone. The same sums either way (each
+// block's chain in k order).
 template <typename T>
 void dp_blocks(const uint16_t* xp, int64_t xs, int64_t M, int64_t K2, int64_t N, const uint16_t* wp,
                const Out<T>& out, int64_t blocks) {
   const int64_t block_bytes = std::max<int64_t>(1, K2 * 2 * kBlock * 2);     // K = 0: no division by 0
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / block_bytes);
-  const int64_t group = M <= kDpRows ? blocks : std::max<int64_t>(1, (256 << 10) / block_bytes);
   const bool ahead = stream_prefetch_hint() == kPrefetchT0;
-  streamgate::cpu::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t g0 = b0; g0 < b1; g0 += group) {
-      const int64_t g1 = std::min(b1, g0 + group);
-      row_groups<kDpRows>(M, [&](auto r, int64_t m) {
-        constexpr int R = decltype(r)::value, B = kDpBlocks(R);
-        const uint16_t* x = xp + m * xs * 2;
-        auto blocks_at = [&](auto width, int64_t b) {
-          dp_rows<R, decltype(width)::value>(x, xs, wp + b * K2 * 2 * kBlock, K2, out, m, b * kBlock, N, ahead);
-        };
-        int64_t b = g0;
-        for (; b + B <= g1; b += B) blocks_at(std::integral_constant<int, B>{}, b);
-        if constexpr (B >= 3) {
-          if (g1 - b == 3 && B >= 4) blocks_at(std::integral_constant<int, 3>{}, b), b = g1;
-          if (g1 - b == 2) blocks_at(std::integral_constant<int, 2>{}, b), b = g1;
-        }
-        for (; b < g1; ++b) blocks_at(std::integral_constant<int, 1>{}, b);
-      });
-    }
+  pass_groups<kDpRows>(M, blocks, block_bytes, grain, [&](auto r, int64_t m, int64_t g0, int64_t g1) {
+    constexpr int R = decltype(r)::value;
+    row_groups<kDpBlocks(R)>(g1 - g0, [&](auto width, int64_t i) {
+      const int64_t b = g0 + i;
+      dp_rows<R, decltype(width)::value>(xp + m * xs * 2, xs, wp + b * K2 * 2 * kBlock, K2, out, m, b * kBlock, N, ahead);
+    });
   });
 }
 #endif

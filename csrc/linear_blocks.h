@@ -117,7 +117,8 @@ __attribute__((noinline)) void block_rows(const float* x, int64_t xs, const type
 }
 
 // Calls f(std::integral_constant<int, R>{}, m) for rows m..m+R-1 covering 0..M-1: passes of
-// Max rows, then one of the remaining M % Max.
+// Max rows, then one of the remaining M % Max. (Also blocks side by side: Max at a time, then
+// the rest in one call.)
 template <int Max, class F>
 inline void row_groups(int64_t M, F&& f) {
   int64_t m = 0;
@@ -125,6 +126,22 @@ inline void row_groups(int64_t M, F&& f) {
   if constexpr (Max > 1) {
     if (M - m > 0) row_groups<Max - 1>(M - m, [&](auto r, int64_t m2) { f(r, m + m2); });
   }
+}
+
+// The threads' blocks (at least `grain` a task) for passes of up to Rows rows: f(R, m, g0, g1)
+// runs the pass of rows m..m+R-1 over blocks [g0, g1). A call of one pass takes each thread's
+// blocks as one group; a call of more takes them in groups of ~256 KB (L2-resident), every pass
+// over a group before the next, so later passes read the weights from L2, not memory, and a
+// pass's rows stay in L1 across the group.
+template <int Rows, class F>
+inline void pass_groups(int64_t M, int64_t blocks, int64_t block_bytes, int64_t grain, F&& f) {
+  const int64_t group = M <= Rows ? blocks : std::max<int64_t>(1, (256 << 10) / block_bytes);
+  streamgate::cpu::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t g0 = b0; g0 < b1; g0 += group) {
+      const int64_t g1 = std::min(b1, g0 + group);
+      row_groups<Rows>(M, [&](auto r, int64_t m) { f(r, m, g0, g1); });
+    }
+  });
 }
 
 // Splits the blocks over the threads, at least `grain_bytes` of weights per task so small

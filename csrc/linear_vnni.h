@@ -123,29 +123,19 @@ __attribute__((noinline)) void vnni_block_rows(const SplitRows& xs, int64_t m, i
 // alternating, 2026-12-05); eight rows (one block a pass) level.
 constexpr int kVnniBlocks(int R) { return R == 1 ? 4 : R == 2 ? 2 : 1; }
 
-// Every block, kVnniRows rows a pass; each thread's blocks in order, B at a time, then the rest.
-// Calls of more than one pass take a thread's blocks in groups of ~256 KB, every pass over a
-// group before the next, so later passes read the codes from L2, not memory.
+// Every block in kVnniRows-row passes over pass_groups' groups (linear_blocks.h), kVnniBlocks(R)
+// blocks side by side, then the group's rest in one call.
 template <int Hint, typename T>
 void vnni_blocks(const SplitRows& xs, int64_t M, int64_t K, int64_t N, const int8_t* wp, const Out<T>& out,
                  int64_t blocks, int64_t grain_bytes) {
   const int64_t block_bytes = std::max<int64_t>(1, K * kBlock);
   const int64_t grain = std::max<int64_t>(1, grain_bytes / block_bytes);
-  const int64_t group = M <= kVnniRows ? blocks : std::max<int64_t>(1, (256 << 10) / block_bytes);
-  streamgate::cpu::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t g0 = b0; g0 < b1; g0 += group) {
-      const int64_t g1 = std::min(b1, g0 + group);
-      row_groups<kVnniRows>(M, [&](auto r, int64_t m) {
-        constexpr int R = decltype(r)::value, B = kVnniBlocks(R);
-        int64_t b = g0;
-        for (; b + B <= g1; b += B) vnni_block_rows<R, B, Hint>(xs, m, K, wp + b * K * kBlock, out, b * kBlock, N);
-        if constexpr (B == 4) {
-          if (g1 - b == 3) vnni_block_rows<R, 3, Hint>(xs, m, K, wp + b * K * kBlock, out, b * kBlock, N), b = g1;
-          if (g1 - b == 2) vnni_block_rows<R, 2, Hint>(xs, m, K, wp + b * K * kBlock, out, b * kBlock, N), b = g1;
-        }
-        for (; b < g1; ++b) vnni_block_rows<R, 1, Hint>(xs, m, K, wp + b * K * kBlock, out, b * kBlock, N);
-      });
-    }
+  pass_groups<kVnniRows>(M, blocks, block_bytes, grain, [&](auto r, int64_t m, int64_t g0, int64_t g1) {
+    constexpr int R = decltype(r)::value;
+    row_groups<kVnniBlocks(R)>(g1 - g0, [&](auto width, int64_t i) {
+      const int64_t b = g0 + i;
+      vnni_block_rows<R, decltype(width)::value, Hint>(xs, m, K, wp + b * K * kBlock, out, b * kBlock, N);
+    });
   });
 }
 #else
