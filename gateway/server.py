@@ -19,6 +19,8 @@ from .protocols import protocol_class
 
 log = structlog.get_logger("streamgate.server")
 
+CLOSE_ECHO_WAIT_S = 5.0      # draining: at most this long for closed WebSockets' echoes
+
 
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, gateway):
@@ -49,11 +51,24 @@ class DrainingServer(uvicorn.Server):
         async def drain_then_exit() -> None:
             try:
                 await self.gateway.drain(grace)
+                await self._closing_handshakes(self.gateway.settings.drain_grace_s if grace is None else grace)
             finally:
                 self.force_exit = self.force_exit or force
                 self.should_exit = True
 
         self._drain_task = asyncio.ensure_future(drain_then_exit())
+
+
+    async def _closing_handshakes(self, grace: float) -> None:
+        """Wait, within the grace and CLOSE_ECHO_WAIT_S, for every WebSocket to end: the
+        gateway closes each with 1012 as its requests end, and its connection ends when the
+        client's close echo arrives (or uvicorn's close timeout passes). uvicorn's shutdown
+        closes every transport at once: a client whose echo was still on its way found the
+        connection cut, and a browser then reports 1006, not the 1012 it was sent."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + min(grace, CLOSE_ECHO_WAIT_S)
+        while loop.time() < until and any(hasattr(c, "close_sent") for c in self.server_state.connections):
+            await asyncio.sleep(0.02)       # uvicorn's websockets-sansio protocol, until connection_lost
 
 
 def config(app, host: str, port: int, *, max_frame_bytes: int, log_config=None, log_level=None,

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
+import time
 
 import httpx
 import openai
@@ -177,3 +179,42 @@ def test_sigterm_drains_then_aborts_with_a_final_event(tiny_model, tmp_path):
         live.thread.join(timeout=20)
         assert not live.thread.is_alive(), "the server did not exit after draining"
         assert live.gateway.quotas.in_flight("acme") == 0
+
+
+def test_drain_keeps_a_socket_until_the_client_echoes_close_1012(tiny_model, tmp_path):
+    """Draining closes an idle WebSocket with 1012 and keeps its TCP connection until the
+    client's close echo arrives, however late (within the wait): uvicorn's shutdown used to
+    cut it, and a browser whose echo met a closed connection reported 1006, not 1012."""
+    from websockets.client import ClientProtocol
+    from websockets.frames import Close
+    from websockets.uri import parse_uri
+
+    def read_until(sock, proto, done):
+        while not done():
+            data = sock.recv(65536)
+            assert data, "the server closed the TCP connection before the closing handshake"
+            proto.receive_data(data)
+
+    with serve(tiny_model("llama"), tmp_path, drain_grace_s=5) as live:
+        proto = ClientProtocol(parse_uri(live.ws_url))
+        request = proto.connect()
+        request.headers["Authorization"] = AUTH["Authorization"]
+        proto.send_request(request)
+        with socket.create_connection(live.url.removeprefix("http://").split(":"), timeout=30) as sock:
+            sock.sendall(b"".join(proto.data_to_send()))
+            events = []
+            read_until(sock, proto, lambda: events.extend(proto.events_received()) or
+                       any(getattr(e, "data", None) for e in events[1:]))          # the hello frame
+            live.sigterm()
+            read_until(sock, proto, lambda: proto.close_rcvd is not None)
+            assert proto.close_rcvd.code == 1012
+            time.sleep(0.5)                    # a slow client: the server must still be there
+            sock.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                sock.recv(1, socket.MSG_PEEK)  # b"" here: the server closed before the echo
+            sock.setblocking(True)
+            sock.sendall(b"".join(proto.data_to_send()))                     # the echo
+            assert isinstance(proto.close_sent, Close)
+            assert sock.recv(1) == b""                                       # then the server closes
+        live.thread.join(timeout=20)
+        assert not live.thread.is_alive(), "the server did not exit after draining"
