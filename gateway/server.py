@@ -14,6 +14,7 @@ import sys
 
 import structlog
 import uvicorn
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol   # config()'s ws
 
 from .protocols import protocol_class
 
@@ -48,16 +49,17 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(self._start_drain, grace, force)
 
     def _start_drain(self, grace: float | None, force: bool) -> None:
+        grace_s = self.gateway.settings.drain_grace_s if grace is None else grace
+
         async def drain_then_exit() -> None:
             try:
-                await self.gateway.drain(grace)
-                await self._closing_handshakes(self.gateway.settings.drain_grace_s if grace is None else grace)
+                await self.gateway.drain(grace_s)
+                await self._closing_handshakes(grace_s)
             finally:
                 self.force_exit = self.force_exit or force
                 self.should_exit = True
 
         self._drain_task = asyncio.ensure_future(drain_then_exit())
-
 
     async def _closing_handshakes(self, grace: float) -> None:
         """Wait, within the grace and CLOSE_ECHO_WAIT_S, for every WebSocket to end: the
@@ -67,8 +69,8 @@ class DrainingServer(uvicorn.Server):
         connection cut, and a browser then reports 1006, not the 1012 it was sent."""
         loop = asyncio.get_running_loop()
         until = loop.time() + min(grace, CLOSE_ECHO_WAIT_S)
-        while loop.time() < until and any(hasattr(c, "close_sent") for c in self.server_state.connections):
-            await asyncio.sleep(0.02)       # uvicorn's websockets-sansio protocol, until connection_lost
+        while loop.time() < until and any(isinstance(c, WebSocketsSansIOProtocol) for c in self.server_state.connections):
+            await asyncio.sleep(0.02)       # each leaves the set in its connection_lost
 
 
 def config(app, host: str, port: int, *, max_frame_bytes: int, log_config=None, log_level=None,
