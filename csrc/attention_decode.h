@@ -13,6 +13,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -124,16 +125,79 @@ inline void with_rows(int64_t r, F&& f) {
   else f.template operator()<3>();
 }
 
-// The span walk of a decode row: for each span of its context, the slots' offsets, a prefetch
-// of the next span's blocks, then head(h, n) for each KV head h with kin/vin pointing at its n
-// keys and values in place. Every slot's heads (adjacent in the pool) are so read while the
-// span is in cache, once, instead of one pass over the whole context per head.
+// How a decode row's span walk gets the next span's K/V into cache while it computes this one
+// (blocks are scattered over the pool, and a span's compute loop keeps few misses in flight):
+// - prefetch instructions (Intel's CPUs): the next span, a 1/kv_heads share before each head (on
+//   the Intel AMX host a 32-row step's attention took 20 ms with them, 35 without: HISTORY.md);
+// - loads (elsewhere): one byte of every 64-byte line of the next span's K and V, its blocks side
+//   by side, before this span's compute. On the Zen 4 host (2026-12-05) prefetcht0/t1/nta were
+//   all level with none, while these loads (a tight loop, many misses in flight) halved decode
+//   rows from memory: bench.engine.attention bf16, 2 threads, 32 x 340 tokens 24.3-25.5 -> 13.1 ms.
+// torch.ops.streamgate.decode_span_loads switches; the outputs are bit-identical either way.
+inline std::atomic<bool>& decode_span_loads() {
+  static std::atomic<bool> on([] {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return !__builtin_cpu_is("intel");
+#else
+    return true;
+#endif
+  }());
+  return on;
+}
+
+// Loads one byte of each 64-byte line that positions [from, to) of a sequence occupy in the K
+// and V pools (bytes [r0, r1) of each slot: all of it, or a range of KV heads), up to 16 blocks
+// side by side so that their misses are in flight together.
+template <typename T>
+inline void load_span(const T* kp, const T* vp, int64_t kv_slot, const int64_t* table, int64_t block_size,
+                      int64_t from, int64_t to, int64_t r0, int64_t r1) {
+  constexpr int kStreams = 16;
+  const int64_t slot = kv_slot * static_cast<int64_t>(sizeof(T));
+  const bool whole = r0 == 0 && r1 == slot;         // a block's rows are one contiguous range
+  unsigned x = 0;
+  while (from < to) {
+    const char *ks[kStreams], *vs[kStreams];
+    int64_t slots[kStreams], most = 0;
+    int m = 0;
+    for (; from < to && m < kStreams; ++m) {
+      const int64_t in_block = std::min(block_size - from % block_size, to - from);
+      const int64_t first = (table[from / block_size] * block_size + from % block_size) * kv_slot;
+      ks[m] = reinterpret_cast<const char*>(kp + first), vs[m] = reinterpret_cast<const char*>(vp + first);
+      slots[m] = in_block, most = std::max(most, in_block);
+      from += in_block;
+    }
+    auto load = [&](int i, int64_t off) {
+      x += *reinterpret_cast<const volatile unsigned char*>(ks[i] + off) +
+           *reinterpret_cast<const volatile unsigned char*>(vs[i] + off);
+    };
+    if (whole) {
+      for (int64_t off = 0; off < most * slot + 63; off += 64)
+        for (int i = 0; i < m; ++i)
+          if (off < slots[i] * slot + 63) load(i, std::min(off, slots[i] * slot - 1));
+    } else {
+      for (int64_t e = 0; e < most; ++e)
+        for (int i = 0; i < m; ++i)
+          if (e < slots[i])
+            for (int64_t off = e * slot + r0; off < e * slot + r1 + 63; off += 64) load(i, std::min(off, e * slot + r1 - 1));
+    }
+  }
+  asm volatile("" ::"r"(x));                        // the loads are the point, not their sum
+}
+
+// The span walk of a decode row: for each span of its context, the slots' offsets, the next
+// span's K/V brought into cache (above), then head(h, n) for each KV head h with kin/vin
+// pointing at its n keys and values in place. Every slot's heads (adjacent in the pool) are so
+// read while the span is in cache, once, instead of one pass over the whole context per head.
 // Keys from `begin` (a sliding window's first key, else 0) to ctx - 1; KV heads [h0, h1) of the
 // kv_heads (a sequence decoded alone is split by head over the threads: attention_items.h).
 template <typename T, typename F>
 inline void for_decode_spans(const T* kp, const T* vp, int64_t kv_slot, int64_t kv_hs, const int64_t* table,
                              int64_t block_size, int64_t begin, int64_t ctx, int64_t span, int64_t kv_heads,
                              int64_t h0, int64_t h1, int64_t* base, const T** kin, const T** vin, F&& head) {
+  const bool loads = decode_span_loads().load(std::memory_order_relaxed);
+  const int64_t r0 = h0 * kv_hs * sizeof(T), r1 = (h1 == kv_heads ? kv_slot : h1 * kv_hs) * sizeof(T);
+  if (loads) load_span(kp, vp, kv_slot, table, block_size, begin, std::min(ctx, begin + span), r0, r1);
   for (int64_t b0 = begin; b0 < ctx; b0 += span) {
     const int64_t n = std::min(span, ctx - b0);
     for (int64_t t = 0; t < n;) {                        // block by block: one division a block
@@ -141,16 +205,14 @@ inline void for_decode_spans(const T* kp, const T* vp, int64_t kv_slot, int64_t 
       const int64_t first = (table[pos / block_size] * block_size + pos % block_size) * kv_slot;
       for (int64_t e = 0; e < in_block; ++e, ++t) base[t] = first + e * kv_slot;
     }
+    if (loads) load_span(kp, vp, kv_slot, table, block_size, b0 + span, std::min(ctx, b0 + 2 * span), r0, r1);
     const int64_t block_bytes = block_size * kv_slot * sizeof(T);
     const bool all = h0 == 0 && h1 == kv_heads;
     for (int64_t h = h0; h < h1; ++h) {
-      // The next span's blocks into cache while this one is computed (blocks are scattered over
-      // the pool, so the hardware prefetchers lose the stream at every block boundary), a
-      // 1/kv_heads share before each head: one burst of the whole span stalled on its misses.
-      // A range of heads prefetches only its own rows of each slot (the other heads' thread
-      // fetches theirs).
+      // Prefetch: the next span's blocks, a 1/kv_heads share before each head. A range of heads
+      // prefetches only its own rows of each slot (the other heads' thread fetches theirs).
       const int64_t from = block_bytes * h / kv_heads, to = block_bytes * (h + 1) / kv_heads;
-      for (int64_t pos = b0 + span; pos < std::min(ctx, b0 + 2 * span); pos += block_size) {
+      for (int64_t pos = b0 + span; !loads && pos < std::min(ctx, b0 + 2 * span); pos += block_size) {
         const int64_t first = table[pos / block_size] * block_size * kv_slot;
         const char *kb = reinterpret_cast<const char*>(kp + first), *vb = reinterpret_cast<const char*>(vp + first);
         if (all) {

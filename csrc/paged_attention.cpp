@@ -80,6 +80,17 @@ bool amx_tiles(std::optional<bool> enable) {
   return amx_switch().load();
 }
 
+// Whether decode rows load the next span's K/V (true) or prefetch it (attention_decode.h);
+// `enable` sets it for every later call in the process (benchmarks compare the two).
+bool decode_span_loads_op(std::optional<bool> enable) {
+#ifdef __AVX512F__
+  if (enable.has_value()) decode_span_loads().store(*enable);
+  return decode_span_loads().load();
+#else
+  return false;                          // the AVX2 / portable decode rows use neither
+#endif
+}
+
 }  // namespace
 
 // Registered as a torch operator (not a Python binding) so that a call costs the dispatcher's
@@ -90,6 +101,7 @@ TORCH_LIBRARY_FRAGMENT(streamgate, m) {
   m.def("paged_attention_ext(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor q_start, "
         "Tensor ctx_lens, int block_size, float scale, int window, float softcap, Tensor? sinks, Tensor(a!) out) -> ()");
   m.def("amx_tiles(bool? enable=None) -> bool", &amx_tiles);
+  m.def("decode_span_loads(bool? enable=None) -> bool", &decode_span_loads_op);
 }
 
 TORCH_LIBRARY_IMPL(streamgate, CPU, m) {

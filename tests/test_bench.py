@@ -62,6 +62,13 @@ def test_attention_benchmark_runs_both_backends(capsys, tmp_path):
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
     assert [r[0] for r in rows[1:]] == ["1", "8"], rows
     assert all(float(r[4]) < 1e-3 for r in rows[1:]), rows                    # fp32: the same outputs
+    import torch
+
+    loads = torch.ops.streamgate.decode_span_loads()
+    decode, chunk = json.loads((tmp_path / "attention.json").read_text())["rows"]
+    assert decode["span_loads"] is loads and decode["kernel_other_walk_ms"] > 0  # the other walk, timed beside
+    assert "kernel_other_walk_ms" not in chunk                                  # decode rows only
+    assert torch.ops.streamgate.decode_span_loads() is loads                    # and the switch left as it was
 
 
 def _amx_tiles() -> bool:

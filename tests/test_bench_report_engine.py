@@ -120,6 +120,11 @@ def test_attention_and_gemm_speed_ups():
     md = render_attention(amx, "a")
     assert "| 4 × 128-token chunks over 600 (`4x600-600/128`) | 50.0 ms | 40.0 ms | 1.25× | 100.0 ms | 2.50× |" in md
     assert "(`32x200-1000/1`) | 30.0 ms | 60.0 ms | 0.50× | 61.0 ms | — |" in md      # decode: no tiles
+    walk = {**att, "rows": [att["rows"][0], {**att["rows"][1], "span_loads": True, "kernel_other_walk_ms": 90.0}]}
+    md = render_attention(walk, "a")                     # decode rows: loads, and prefetches beside them
+    assert "| kernel, next span prefetched | loads speed-up |" in md
+    assert "(`32x200-1000/1`) | 30.0 ms | 60.0 ms | 0.50× | 90.0 ms | 1.50× |" in md
+    assert "(`4x600-600/128`) | 50.0 ms | 40.0 ms | 1.25× | — | — |" in md
     gemm = {"provenance": {**PROV, "benchmark": "engine.gemm"}, "args": {"reps": 50}, "threads": 2,
             "native_bf16": True, "kernel": True,
             "rows": [{"layer": "o", "out": 500, "in": 1000, "rows": 8, "kernel_fp32_ms": 0.4, "mkl_fp32_ms": 0.5,

@@ -12,7 +12,9 @@ layers (median of --reps, the two backends alternating so load on a shared host 
 "torch" is the gather (index_select) + SDPA path the engine used before, "kernel" the C++
 kernel reading the pool in place; in bf16 on a CPU with AMX, "kernel" runs the query tiles on AMX
 tiles and "kernel, no AMX" the same build with them off (`torch.ops.streamgate.amx_tiles`: the
-VDPBF16PS tiles an AVX512-BF16 CPU without AMX runs). Writes --json-out
+VDPBF16PS tiles an AVX512-BF16 CPU without AMX runs). Decode rows also time the other way to bring
+the next span's K/V into cache ("loads" or "prefetch": `torch.ops.streamgate.decode_span_loads`,
+csrc/attention_decode.h). Writes --json-out
 (bench/results/attention.json).
 """
 
@@ -69,9 +71,17 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
     class Layer:
         layer_idx = 0
 
-    def step(meta, query, key, amx_tiles: bool | None = None) -> float:
-        if amx_tiles is not None:                                   # AMX's A/B: off for this step only
-            ops.amx_tiles(amx_tiles)
+    loads = ops.decode_span_loads()     # how decode rows bring the next span in: loads, else prefetches
+    walk = "prefetch" if loads else "loads"                         # the other way, timed beside it
+    walks = ops.decode_span_loads(not loads) is not loads           # builds without AVX-512 have neither
+    ops.decode_span_loads(loads)
+
+    def step(meta, query, key, switch=None) -> float:
+        """One step's attention over every layer; `switch` (op, value): a kernel switch set for
+        this step only (an A/B of one build: AMX tiles off, the other decode walk)."""
+        if switch is not None:
+            before = switch[0]()
+            switch[0](switch[1])
         try:
             start = time.perf_counter()
             for layer in range(layers):
@@ -79,13 +89,14 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
                 paged_attention(Layer, query, key, key, None, scaling=dim ** -0.5, paged=meta)
             return time.perf_counter() - start
         finally:
-            if amx_tiles is not None:
-                ops.amx_tiles(amx)
+            if switch is not None:
+                switch[0](before)
 
     print(f"{seqs} sequences, contexts {min(lens)}-{max(lens)} ({sum(lens)} tokens), {str(dtype)[6:]}, "
           f"30 layers, median of {reps} (ms per step):")
     print(f"  {'query tokens':>12} {'torch':>9} {'kernel':>9} {'speed-up':>9}  max |diff|"
-          + (f"  {'no AMX':>9} {'AMX speed-up':>12}" if amx else ""))
+          + (f"  {'no AMX':>9} {'AMX speed-up':>12}" if amx else "")
+          + (f"  {walk:>9} {'walk speed-up':>13}" if walks and 1 in chunks else ""))
     out = []
     for n in chunks:
         rows = seqs * n
@@ -101,12 +112,15 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
         key = torch.randn(1, kv_heads, rows, dim, dtype=dtype)     # a first chunk's own K/V (torch path)
         with torch.inference_mode():
             step(torch_meta, query, key), step(kernel_meta, query, key)
-            times = {"torch": [], "kernel": [], **({"kernel_no_amx": []} if amx else {})}
+            times = {"torch": [], "kernel": [], **({"kernel_no_amx": []} if amx else {}),
+                     **({"kernel_other_walk": []} if walks and n == 1 else {})}
             for _ in range(reps):
                 times["torch"].append(step(torch_meta, query, key))
                 times["kernel"].append(step(kernel_meta, query, key))
                 if amx:
-                    times["kernel_no_amx"].append(step(kernel_meta, query, key, amx_tiles=False))
+                    times["kernel_no_amx"].append(step(kernel_meta, query, key, (ops.amx_tiles, False)))
+                if walks and n == 1:
+                    times["kernel_other_walk"].append(step(kernel_meta, query, key, (ops.decode_span_loads, not loads)))
             ref = paged_attention(Layer, query, key, key, None, scaling=dim ** -0.5, paged=torch_meta)[0]
             got = paged_attention(Layer, query, key, key, None, scaling=dim ** -0.5, paged=kernel_meta)[0]
         med = {k: statistics.median(v) * 1000 for k, v in times.items()}
@@ -115,11 +129,15 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
         diff = float((ref - got).abs().max()) if min(lens) > n else None
         print(f"  {n:>12} {med['torch']:>9.1f} {med['kernel']:>9.1f} {med['torch'] / med['kernel']:>8.2f}x  "
               f"{'not comparable' if diff is None else f'{diff:.1e}'}"
-              + (f"  {med['kernel_no_amx']:>9.1f} {med['kernel_no_amx'] / med['kernel']:>11.2f}x" if amx else ""),
+              + (f"  {med['kernel_no_amx']:>9.1f} {med['kernel_no_amx'] / med['kernel']:>11.2f}x" if amx else "")
+              + (f"  {med['kernel_other_walk']:>9.1f} {med['kernel_other_walk'] / med['kernel']:>12.2f}x"
+                 if walks and n == 1 else ""),
               flush=True)
         out.append({"seqs": seqs, "min_ctx": min_ctx, "max_ctx": max_ctx, "context_tokens": sum(lens), "chunk": n,
                     "torch_ms": med["torch"], "kernel_ms": med["kernel"], "max_abs_diff": diff,
-                    **({"kernel_no_amx_ms": med["kernel_no_amx"]} if amx else {})})
+                    **({"kernel_no_amx_ms": med["kernel_no_amx"]} if amx else {}),
+                    **({"span_loads": loads, "kernel_other_walk_ms": med["kernel_other_walk"]}
+                       if walks and n == 1 else {})})
     return out
 
 

@@ -24,10 +24,14 @@ def render_attention(data: dict, name: str) -> str:
              f"{_threads(data['threads'])}, median of {data['reps']} steps, the backends alternating"
              + ("; the kernel's query tiles on AMX tiles, and with them off (VDPBF16PS, what a CPU without AMX runs)"
                 if amx else ""))
+    # Decode rows also ran the other way of bringing the next span into cache (csrc/attention_decode.h).
+    walk = next((r for r in data["rows"] if "kernel_other_walk_ms" in r), None)
+    other = walk and ("prefetched" if walk["span_loads"] else "loaded")
     head = "| batch (`--case`) | gather + SDPA | kernel | kernel speed-up |"
     lines = [caption(data, name, extra), "",
-             head + (" kernel, no AMX | AMX speed-up |" if amx else ""),
-             "|---|---:|---:|---:|" + ("---:|---:|" if amx else "")]
+             head + (" kernel, no AMX | AMX speed-up |" if amx else "")
+             + (f" kernel, next span {other} | {'loads' if walk['span_loads'] else 'prefetch'} speed-up |" if walk else ""),
+             "|---|---:|---:|---:|" + ("---:|---:|" if amx else "") + ("---:|---:|" if walk else "")]
     for r in data["rows"]:
         case = f"{r['seqs']}x{r['min_ctx']}-{r['max_ctx']}/{r['chunk']}"
         row = (f"| {_batch(r)} (`{case}`) | {r['torch_ms']:,.1f} ms | {r['kernel_ms']:,.1f} ms | "
@@ -36,6 +40,9 @@ def render_attention(data: dict, name: str) -> str:
             row += f" {r['kernel_no_amx_ms']:,.1f} ms | — |"
         elif amx:
             row += f" {r['kernel_no_amx_ms']:,.1f} ms | {r['kernel_no_amx_ms'] / r['kernel_ms']:.2f}× |"
+        if walk:
+            row += (f" {r['kernel_other_walk_ms']:,.1f} ms | {r['kernel_other_walk_ms'] / r['kernel_ms']:.2f}× |"
+                    if "kernel_other_walk_ms" in r else " — | — |")
         lines.append(row)
     return "\n".join(lines)
 
