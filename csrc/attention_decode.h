@@ -146,9 +146,8 @@ inline std::atomic<bool>& decode_span_loads() {
   return on;
 }
 
-// Loads one byte of each 64-byte line that positions [from, to) of a sequence occupy in the K
-// and V pools (bytes [r0, r1) of each slot: all of it, or a range of KV heads), up to 16 blocks
-// side by side so that their misses are in flight together.
+// Loads one byte of each 64-byte line of positions [from, to) in the K and V pools (bytes [r0, r1)
+// of each slot: all, or a range of KV heads), up to 16 blocks side by side (their misses in flight).
 template <typename T>
 inline void load_span(const T* kp, const T* vp, int64_t kv_slot, const int64_t* table, int64_t block_size,
                       int64_t from, int64_t to, int64_t r0, int64_t r1) {
@@ -185,10 +184,9 @@ inline void load_span(const T* kp, const T* vp, int64_t kv_slot, const int64_t* 
   asm volatile("" ::"r"(x));                        // the loads are the point, not their sum
 }
 
-// The span walk of a decode row: for each span of its context, the slots' offsets, the next
-// span's K/V brought into cache (above), then head(h, n) for each KV head h with kin/vin
-// pointing at its n keys and values in place. Every slot's heads (adjacent in the pool) are so
-// read while the span is in cache, once, instead of one pass over the whole context per head.
+// The span walk of a decode row: for each span of its context, the slots' offsets, the next span's
+// K/V brought into cache (above), then head(h, n) for each KV head h with kin/vin at its n keys and
+// values in place: every slot's heads are read while the span is in cache, once.
 // Keys from `begin` (a sliding window's first key, else 0) to ctx - 1; KV heads [h0, h1) of the
 // kv_heads (a sequence decoded alone is split by head over the threads: attention_items.h).
 template <typename T, typename F>
