@@ -135,14 +135,7 @@ inline void with_rows(int64_t r, F&& f) {
 //   rows from memory: bench.engine.attention bf16, 2 threads, 32 x 340 tokens 24.3-25.5 -> 13.1 ms.
 // torch.ops.streamgate.decode_span_loads switches; the outputs are bit-identical either way.
 inline std::atomic<bool>& decode_span_loads() {
-  static std::atomic<bool> on([] {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    return !__builtin_cpu_is("intel");
-#else
-    return true;
-#endif
-  }());
+  static std::atomic<bool> on(!intel_cpu());
   return on;
 }
 

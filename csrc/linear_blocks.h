@@ -14,6 +14,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "parallel.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cstring>
@@ -62,17 +63,7 @@ struct Out {
 constexpr int kNoPrefetch = -1, kPrefetchNta = 0, kPrefetchT0 = 3;
 
 // The int8 stream's hint on this CPU: prefetcht0 on Intel's, prefetchnta elsewhere.
-inline int stream_prefetch_hint() {
-  static const int hint = [] {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    return __builtin_cpu_is("intel") ? kPrefetchT0 : kPrefetchNta;
-#else
-    return kPrefetchNta;
-#endif
-  }();
-  return hint;
-}
+inline int stream_prefetch_hint() { return streamgate::cpu::intel_cpu() ? kPrefetchT0 : kPrefetchNta; }
 
 // Rows m..m+R-1 of x (fp32, row stride xs) against one block: U accumulators per row over
 // the packed rows. Not inlined: inside parallel_for's lambda GCC kept the accumulators on the

@@ -16,6 +16,21 @@ namespace streamgate::cpu {
 
 constexpr int64_t kLanes = 8;        // fp32 lanes of one vector (AVX2: one register)
 
+// Whether this is an Intel CPU: where software prefetch measured gains (the Intel AMX host) and
+// did nothing measurable (the Zen 4 host) differ, the kernels choose by vendor (linear_blocks.h's
+// weight streams, attention_decode.h's span walk). Probed once.
+inline bool intel_cpu() {
+  static const bool intel = [] {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return static_cast<bool>(__builtin_cpu_is("intel"));
+#else
+    return false;
+#endif
+  }();
+  return intel;
+}
+
 typedef float vec8 __attribute__((vector_size(32)));   // GCC/Clang vector extension
 typedef int32_t vec8i __attribute__((vector_size(32)));
 
