@@ -72,6 +72,22 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const 
   paged_attention_ext(q, k_pool, v_pool, block_tables, q_start, ctx_lens, block_size, scale, 0, 0.0, std::nullopt, out);
 }
 
+// How a call with these inputs deals its work to the threads (deal_items): one row per item,
+// [bin, sequence, KV head (-1: a decode row's heads h0..h1), first row, end row, h0, h1].
+torch::Tensor attention_work(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& block_tables,
+                             const torch::Tensor& q_start, const torch::Tensor& ctx_lens, int64_t block_size) {
+  check_inputs(q, k_pool, k_pool, block_tables, q_start, ctx_lens, q);
+  const bool use_amx = kAmxBuilt && q.scalar_type() == at::kBFloat16 && q.size(2) % 32 == 0 &&
+                       amx_switch().load(std::memory_order_relaxed);
+  const auto bins = deal_items(q, k_pool, block_tables, q_start, ctx_lens, block_size,
+                               use_amx ? kQueryTileAmx : kQueryTile);
+  std::vector<int64_t> rows;
+  for (size_t b = 0; b < bins.size(); ++b)
+    for (const Item& w : bins[b])
+      rows.insert(rows.end(), {static_cast<int64_t>(b), w.seq, w.kv_head, w.row_begin, w.row_end, w.h0, w.h1});
+  return torch::tensor(rows, torch::kLong).view({-1, 7});
+}
+
 // Whether this process runs AMX tiles: bf16 pools' query tiles (attention_amx_item.h) and bf16
 // rows of the int8 and bf16 linears past their minimum (linear_amx.h); `enable` turns them on
 // (where this process may run AMX tiles) or off, for every later call in the process.
@@ -101,6 +117,8 @@ TORCH_LIBRARY_FRAGMENT(streamgate, m) {
   m.def("paged_attention_ext(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor q_start, "
         "Tensor ctx_lens, int block_size, float scale, int window, float softcap, Tensor? sinks, Tensor(a!) out) -> ()");
   m.def("amx_tiles(bool? enable=None) -> bool", &amx_tiles);
+  m.def("attention_work(Tensor q, Tensor k_pool, Tensor block_tables, Tensor q_start, Tensor ctx_lens, "
+        "int block_size) -> Tensor", &attention_work);
   m.def("decode_span_loads(bool? enable=None) -> bool", &decode_span_loads_op);
 }
 

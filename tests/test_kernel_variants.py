@@ -56,7 +56,8 @@ OPERATOR_TESTS = ["test_rms_norm_and_residual_add_match_transformers", "test_rot
 RUNNABLE = [v.name for v in kernels.variants() if v.runs_here(cpu_flags()) and v != kernels.choose_variant()]
 
 
-VARIANT_TESTS = ["tests/test_paged_kernel.py", "tests/test_decode_walk.py", *[f"tests/test_fused_llama.py::{name}" for name in OPERATOR_TESTS],
+VARIANT_TESTS = ["tests/test_paged_kernel.py", "tests/test_decode_walk.py", "tests/test_attention_work.py",
+                 *[f"tests/test_fused_llama.py::{name}" for name in OPERATOR_TESTS],
                  "tests/test_packed_linear.py::test_packed_linear_matches_nn_linear_for_any_row_count",
                  "tests/test_linear_int8.py", "tests/test_linear_bf16.py", "tests/test_logits_kernel.py",
                  "tests/test_linear_silu.py", "tests/test_kv_int8.py",
