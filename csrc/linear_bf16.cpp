@@ -30,6 +30,7 @@
 #include "parallel.h"
 #include "linear_blocks.h"
 #include "linear_amx.h"
+#include "linear_dp.h"
 
 namespace {
 
@@ -74,87 +75,6 @@ struct Bf16Code {
   }
 };
 
-#if defined(__AVX512BF16__)
-constexpr int kDpRows = 8;       // rows per pass over a block (8 accumulators in flight)
-// One accumulator per row and output lane, summed over the k-pairs in order, at every pass
-// width: a row's sum is then the same sequence of VDPBF16PS whatever rows share its call, so
-// a one-row decode and the same position verified among k drafts (or batched beside other
-// sequences) give the same bits (speculative greedy output equals the plain run's). Passes of
-// 1-3 rows, whose one chain a block would wait on VDPBF16PS's latency, run kDpBlocks(R) blocks
-// side by side instead: independent chains over other outputs, each still in k order.
-constexpr int kDpBlocks(int R) { return R == 1 ? 4 : R == 2 ? 3 : R == 3 ? 2 : 1; }
-// Software prefetch 4 KB ahead (in packed rows of 64 B) for passes of 4+ rows, whose 8
-// VDPBF16PS a row leave the stream latency-bound (measured: the head at 8-64 rows); not for
-// 1-3 rows, which stream as fast as the memory allows (prefetchnta cost the shift+FMA form's
-// one-row stream ~20 % on the Zen 4 host, 2026-12-02).
-// On Intel's CPUs (stream_prefetch_hint() == kPrefetchT0) passes of 1-3 rows prefetch each of
-// their B streams too: SmolLM2's one-row bf16 decode step on the Intel AMX host 17.9 -> 16.5-16.7
-// ms with this and the block tails below (2 threads, builds alternating, 2026-12-05), most of it
-// the prefetch (switched off alone: +0.8-1.2 ms); the layers' one-row calls then read ~21 GB/s
-// against ~19. Other CPUs keep the hardware prefetchers alone, as measured on Zen 4.
-constexpr int64_t kAhead = 64;
-
-// Rows row..row+R-1 of x as bf16 k-pairs (one 32-bit word each, row stride xs words) against
-// B consecutive blocks of K2 packed pair rows from `block` (outputs n0..n0+16B-1, of N): one
-// accumulator per row and block, VDPBF16PS with the pair broadcast. Not inlined, as block_rows.
-template <int R, int B, typename T>
-__attribute__((noinline)) void dp_rows(const uint16_t* x, int64_t xs, const uint16_t* block, int64_t K2,
-                                       const Out<T>& out, int64_t row, int64_t n0, int64_t N, bool ahead) {
-  const int64_t stride = K2 * 2 * kBlock;          // codes per block
-  __m512 acc[B][R];
-  for (int b = 0; b < B; ++b)
-    for (int j = 0; j < R; ++j) acc[b][j] = _mm512_setzero_ps();
-  auto pair = [&](int j, int64_t r) {
-    int32_t v;
-    std::memcpy(&v, x + 2 * (j * xs + r), sizeof v);
-    return (__m512bh)_mm512_set1_epi32(v);
-  };
-  for (int64_t r = 0; r < K2; ++r) {
-    if (R >= 4 || ahead)                          // passes of 4+ rows take one block (B = 1)
-      for (int b = 0; b < B; ++b)
-        _mm_prefetch(reinterpret_cast<const char*>(block + b * stride + (r + kAhead) * 2 * kBlock), _MM_HINT_T0);
-    for (int b = 0; b < B; ++b) {
-      const __m512bh w = (__m512bh)_mm512_loadu_si512(block + b * stride + r * 2 * kBlock);
-      for (int j = 0; j < R; ++j) acc[b][j] = _mm512_dpbf16_ps(acc[b][j], w, pair(j, r));
-    }
-  }
-  for (int b = 0; b < B; ++b)
-    for (int j = 0; j < R; ++j) {
-      float tmp[kBlock];
-      _mm512_storeu_ps(tmp, acc[b][j]);
-      out.store(row + j, n0 + b * kBlock, tmp, std::min(kBlock, N - n0 - b * kBlock));
-    }
-}
-
-// x bf16 [M, K] -> its rows as k-pairs: x itself where the pairs are whole words (unit
-// column stride, even K and row stride), else a copy zero-padded to an even K.
-torch::Tensor bf16_pairs(const torch::Tensor& x) {
-  const int64_t K = x.size(1);
-  if (x.stride(1) == 1 && K % 2 == 0 && x.stride(0) % 2 == 0) return x;
-  auto padded = torch::zeros({x.size(0), K + K % 2}, x.options());
-  padded.narrow(1, 0, K).copy_(x);
-  return padded;
-}
-
-// Every block in 8-row passes over pass_groups' groups (linear_blocks.h), kDpBlocks(R) blocks
-// side by side; a group's last blocks, fewer than that, still run side by side (3 or 2), not one
-// at a time: one block is one stream, waiting on memory alone. The same sums either way (each
-// block's chain in k order).
-template <typename T>
-void dp_blocks(const uint16_t* xp, int64_t xs, int64_t M, int64_t K2, int64_t N, const uint16_t* wp,
-               const Out<T>& out, int64_t blocks) {
-  const int64_t block_bytes = std::max<int64_t>(1, K2 * 2 * kBlock * 2);     // K = 0: no division by 0
-  const int64_t grain = std::max<int64_t>(1, (32 << 10) / block_bytes);
-  const bool ahead = stream_prefetch_hint() == kPrefetchT0;
-  pass_groups<kDpRows>(M, blocks, block_bytes, grain, [&](auto r, int64_t m, int64_t g0, int64_t g1) {
-    constexpr int R = decltype(r)::value;
-    row_groups<kDpBlocks(R)>(g1 - g0, [&](auto width, int64_t i) {
-      const int64_t b = g0 + i;
-      dp_rows<R, decltype(width)::value>(xp + m * xs * 2, xs, wp + b * K2 * 2 * kBlock, K2, out, m, b * kBlock, N, ahead);
-    });
-  });
-}
-#endif
 
 // weight [N, K] bf16 -> packed [ceil(N/16), K, 16] (or [ceil(N/16), ceil(K/2), 16, 2] with
 // AVX512-BF16) bf16, zero past N and K.
@@ -237,25 +157,36 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, c
   return y;
 }
 
-// linear_bf16 and silu_and_mul(block=16) in one pass, on AMX tiles only: x [M, K] bf16 (more than
-// kAmxMinRows rows), packed from pack_bf16 of a gate/up weight whose 16-output blocks alternate
-// gate and up (out_features % 32 == 0) -> y [M, out_features / 2] = silu(gate) * up, the same bits.
+// linear_bf16 and silu_and_mul(block=16) in one pass: x [M, K] bf16, packed from pack_bf16 of a
+// gate/up weight whose 16-output blocks alternate gate and up (out_features % 32 == 0) -> y
+// [M, out_features / 2] = silu(gate) * up, the same bits. On AMX tiles where linear_bf16 takes
+// them, else VDPBF16PS passes (the avx512_bf16 build); other builds refuse it.
 torch::Tensor linear_bf16_silu(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                                int64_t out_features) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "linear_bf16_silu: x must be [M, K] on the CPU");
   const int64_t N = out_features;
   check_packed(packed, N, x.size(1), "linear_bf16_silu");
   TORCH_CHECK(N % 32 == 0, "linear_bf16_silu: out_features must be a multiple of 32 (gate/up blocks of 16)");
-  TORCH_CHECK(kPack == 2 && streamgate::cpu::amx_linear_rows(x, kAmxMinRows),
-              "linear_bf16_silu: runs on AMX tiles only (bf16 rows, more than ", kAmxMinRows, ", K % 32 == 0, AMX on)");
+  TORCH_CHECK(kPack == 2 && x.scalar_type() == torch::kBFloat16,
+              "linear_bf16_silu: runs on bf16 rows in the avx512_bf16 build only (VDPBF16PS or AMX)");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() &&
                                     bias->numel() == N), "linear_bf16_silu: bias must be [out_features] fp32");
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t K = x.size(1);
-  const auto* words = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
-  return streamgate::cpu::on_row_tiles(x, N / 2, [&](const streamgate::cpu::RowTiles& xp, int64_t M, int64_t M16, c10::BFloat16* y) {
-    streamgate::cpu::linear_bf16_amx_silu(xp, M, M16, K, words, packed.size(0), N, bp, y);
-  });
+  if (streamgate::cpu::amx_linear_rows(x, kAmxMinRows)) {
+    const auto* words = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+    return streamgate::cpu::on_row_tiles(x, N / 2, [&](const streamgate::cpu::RowTiles& xp, int64_t M, int64_t M16, c10::BFloat16* y) {
+      streamgate::cpu::linear_bf16_amx_silu(xp, M, M16, K, words, packed.size(0), N, bp, y);
+    });
+  }
+  auto y = torch::empty({x.size(0), N / 2}, x.options());
+#if defined(__AVX512BF16__)
+  const auto xp = bf16_pairs(x);
+  dp_blocks_silu(reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>()), xp.stride(0) / 2, x.size(0),
+                 packed.size(1), N, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+                 Out<c10::BFloat16>{y.data_ptr<c10::BFloat16>(), N / 2, nullptr, bp});
+#endif
+  return y;
 }
 
 }  // namespace

@@ -101,17 +101,18 @@ def _fuse(kind: str, *linears: nn.Linear, block: int = 0) -> PackedLinear:
 
 
 def silu_block(kind: str, mlp: nn.Module) -> int:
-    """16 where gate/up can run as one AMX pass with SiLU·up in its epilogue (bf16 block
-    weights, whole 16-output blocks, a kernel build and CPU that run it: csrc/linear_amx.h), so
-    they are packed alternating in blocks of 16; else 0 (gate then up)."""
+    """16 where gate/up can run as one pass with SiLU·up in its epilogue (bf16 block weights,
+    whole 16-output blocks, a kernel build that runs it: AMX tiles or VDPBF16PS passes,
+    csrc/linear_amx.h and linear_dp.h), so they are packed alternating in blocks of 16; else 0
+    (gate then up)."""
     return 16 if (kind == "bf16" and mlp.gate_proj.weight.dtype == torch.bfloat16 and mlp.gate_proj.out_features % 16 == 0
                   and fused_silu_runs()) else 0
 
 
 @cache
 def fused_silu_runs() -> bool:
-    """Whether this process's kernels run linear_bf16_silu (the avx512_bf16 build, AMX on when
-    first asked): tried once on a 5 x 32 step."""
+    """Whether this process's kernels run linear_bf16_silu (the avx512_bf16 build): tried once
+    on a 5 x 32 step."""
     try:
         w = torch.ops.streamgate.pack_bf16(torch.zeros(32, 32, dtype=torch.bfloat16))
         torch.ops.streamgate.linear_bf16_silu(torch.zeros(5, 32, dtype=torch.bfloat16), w, None, 32)
@@ -197,7 +198,7 @@ class FusedLlama:
                                          sliding_window=layer.window, paged=paged)
                 out = out[0].reshape(n, q_end)
             x = ops.add_rms_norm(layer.o_w.linear(out), residual, layer.norm_post, layer.eps_post)
-            if layer.silu_block:                       # one pass on AMX where it can (packed_linear.Bf16Weight)
+            if layer.silu_block:                       # one pass where it can (packed_linear.Bf16Weight)
                 hidden = layer.down_w.linear(layer.gate_up_w.silu_linear(x))
             else:
                 hidden = layer.down_w.linear(ops.silu_and_mul(layer.gate_up_w.linear(x)))

@@ -117,10 +117,13 @@ class Bf16Weight:
 
     def silu_linear(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up [M, N / 2] of a gate/up weight packed alternating in blocks of 16
-        (fused_llama.silu_block): on AMX tiles in one pass, the GEMM's epilogue applying SiLU·up
-        (csrc/linear_amx.h), where linear() would run those tiles; else linear() then
+        (fused_llama.silu_block): in one pass, the GEMM's epilogue applying SiLU·up
+        (csrc/linear_amx.h on AMX tiles, csrc/linear_dp.h's VDPBF16PS passes), wherever linear()
+        would run the block copy on bf16 rows in the avx512_bf16 build; else linear() then
         silu_and_mul(block=16). The same bits either way."""
-        if self._on_tiles(x):
+        rows = x.shape[0]
+        if (x.dtype == torch.bfloat16 and loaded_variant() == "avx512_bf16"
+                and (self.onednn is None or rows <= BF16_KERNEL_MAX_ROWS or self._on_tiles(x))):
             return torch.ops.streamgate.linear_bf16_silu(x, self.blocks, self.bias32, self.out_features)
         return torch.ops.streamgate.silu_and_mul(self.linear(x), 16)
 

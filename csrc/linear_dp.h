@@ -1,0 +1,133 @@
+// The VDPBF16PS passes of csrc/linear_bf16.cpp's block kernel (the avx512_bf16 variant): bf16
+// activations as k-pairs against weights packed [ceil(N/16), ceil(K/2), 16, 2], 8 rows a pass,
+// one in-order sum per output; a gate/up weight packed in alternating blocks of 16
+// (fused_llama.silu_block) can store silu(gate) * up instead of the two outputs, the GEMM and
+// silu_and_mul(block=16) in one pass with the same bits.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+#include "linear_amx.h"
+#include "linear_blocks.h"
+
+namespace streamgate_linear {
+
+#if defined(__AVX512BF16__)
+constexpr int kDpRows = 8;       // rows per pass over a block (8 accumulators in flight)
+// One accumulator per row and output lane, summed over the k-pairs in order, at every pass
+// width: a row's sum is then the same sequence of VDPBF16PS whatever rows share its call, so
+// a one-row decode and the same position verified among k drafts (or batched beside other
+// sequences) give the same bits (speculative greedy output equals the plain run's). Passes of
+// 1-3 rows, whose one chain a block would wait on VDPBF16PS's latency, run kDpBlocks(R) blocks
+// side by side instead: independent chains over other outputs, each still in k order.
+constexpr int kDpBlocks(int R) { return R == 1 ? 4 : R == 2 ? 3 : R == 3 ? 2 : 1; }
+// Software prefetch 4 KB ahead (in packed rows of 64 B) for passes of 4+ rows, whose 8
+// VDPBF16PS a row leave the stream latency-bound (measured: the head at 8-64 rows); not for
+// 1-3 rows, which stream as fast as the memory allows (prefetchnta cost the shift+FMA form's
+// one-row stream ~20 % on the Zen 4 host, 2026-12-02).
+// On Intel's CPUs (stream_prefetch_hint() == kPrefetchT0) passes of 1-3 rows prefetch each of
+// their B streams too: SmolLM2's one-row bf16 decode step on the Intel AMX host 17.9 -> 16.5-16.7
+// ms with this and the block tails below (2 threads, builds alternating, 2026-12-05), most of it
+// the prefetch (switched off alone: +0.8-1.2 ms); the layers' one-row calls then read ~21 GB/s
+// against ~19. Other CPUs keep the hardware prefetchers alone, as measured on Zen 4.
+constexpr int64_t kAhead = 64;
+
+// Rows row..row+R-1 of x as bf16 k-pairs (one 32-bit word each, row stride xs words) against
+// B consecutive blocks of K2 packed pair rows from `block` (outputs n0..n0+16B-1, of N): one
+// accumulator per row and block, VDPBF16PS with the pair broadcast. Not inlined, as block_rows.
+// Silu: the blocks are pairs, a gate block then its up block, and out.y [.., N / 2] gets
+// silu(gate) * up, each rounded as the two outputs and silu_and_mul(block=16) round them.
+template <int R, int B, bool Silu = false, typename T>
+__attribute__((noinline)) void dp_rows(const uint16_t* x, int64_t xs, const uint16_t* block, int64_t K2,
+                                       const Out<T>& out, int64_t row, int64_t n0, int64_t N, bool ahead) {
+  const int64_t stride = K2 * 2 * kBlock;          // codes per block
+  __m512 acc[B][R];
+  for (int b = 0; b < B; ++b)
+    for (int j = 0; j < R; ++j) acc[b][j] = _mm512_setzero_ps();
+  auto pair = [&](int j, int64_t r) {
+    int32_t v;
+    std::memcpy(&v, x + 2 * (j * xs + r), sizeof v);
+    return (__m512bh)_mm512_set1_epi32(v);
+  };
+  for (int64_t r = 0; r < K2; ++r) {
+    if (R >= 4 || ahead)                          // passes of 4+ rows take one block (B = 1)
+      for (int b = 0; b < B; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(block + b * stride + (r + kAhead) * 2 * kBlock), _MM_HINT_T0);
+    for (int b = 0; b < B; ++b) {
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(block + b * stride + r * 2 * kBlock);
+      for (int j = 0; j < R; ++j) acc[b][j] = _mm512_dpbf16_ps(acc[b][j], w, pair(j, r));
+    }
+  }
+  if constexpr (Silu) {
+    static_assert(B % 2 == 0 && std::is_same_v<T, c10::BFloat16>);
+    for (int b = 0; b < B; b += 2)
+      for (int j = 0; j < R; ++j) {
+        float c[2 * kBlock];
+        _mm512_storeu_ps(c, acc[b][j]);
+        _mm512_storeu_ps(c + kBlock, acc[b + 1][j]);
+        streamgate::cpu::store_tile_rows_silu(c, 1, out.bias ? out.bias + n0 + b * kBlock : nullptr,
+                                              out.y + (row + j) * out.ys + (n0 + b * kBlock) / 2, out.ys);
+      }
+    return;
+  }
+  for (int b = 0; b < B; ++b)
+    for (int j = 0; j < R; ++j) {
+      float tmp[kBlock];
+      _mm512_storeu_ps(tmp, acc[b][j]);
+      out.store(row + j, n0 + b * kBlock, tmp, std::min(kBlock, N - n0 - b * kBlock));
+    }
+}
+
+// x bf16 [M, K] -> its rows as k-pairs: x itself where the pairs are whole words (unit
+// column stride, even K and row stride), else a copy zero-padded to an even K.
+inline torch::Tensor bf16_pairs(const torch::Tensor& x) {
+  const int64_t K = x.size(1);
+  if (x.stride(1) == 1 && K % 2 == 0 && x.stride(0) % 2 == 0) return x;
+  auto padded = torch::zeros({x.size(0), K + K % 2}, x.options());
+  padded.narrow(1, 0, K).copy_(x);
+  return padded;
+}
+
+// Every block in 8-row passes over pass_groups' groups (linear_blocks.h), kDpBlocks(R) blocks
+// side by side; a group's last blocks, fewer than that, still run side by side (3 or 2), not one
+// at a time: one block is one stream, waiting on memory alone. The same sums either way (each
+// block's chain in k order).
+template <typename T>
+inline void dp_blocks(const uint16_t* xp, int64_t xs, int64_t M, int64_t K2, int64_t N, const uint16_t* wp,
+               const Out<T>& out, int64_t blocks) {
+  const int64_t block_bytes = std::max<int64_t>(1, K2 * 2 * kBlock * 2);     // K = 0: no division by 0
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / block_bytes);
+  const bool ahead = stream_prefetch_hint() == kPrefetchT0;
+  pass_groups<kDpRows>(M, blocks, block_bytes, grain, [&](auto r, int64_t m, int64_t g0, int64_t g1) {
+    constexpr int R = decltype(r)::value;
+    row_groups<kDpBlocks(R)>(g1 - g0, [&](auto width, int64_t i) {
+      const int64_t b = g0 + i;
+      dp_rows<R, decltype(width)::value>(xp + m * xs * 2, xs, wp + b * K2 * 2 * kBlock, K2, out, m, b * kBlock, N, ahead);
+    });
+  });
+}
+
+// dp_blocks for a gate/up weight in alternating blocks of 16 (N % 32 == 0), storing silu(gate) *
+// up into out.y [M, N / 2]: pairs of blocks split over the threads, two pairs side by side in
+// passes of 1-2 rows, one pair (two chains) in wider ones. The same sums as dp_blocks.
+inline void dp_blocks_silu(const uint16_t* xp, int64_t xs, int64_t M, int64_t K2, int64_t N, const uint16_t* wp,
+                           const Out<c10::BFloat16>& out) {
+  const int64_t pair_bytes = std::max<int64_t>(1, K2 * 2 * kBlock * 2) * 2;
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / pair_bytes);
+  const bool ahead = stream_prefetch_hint() == kPrefetchT0;
+  pass_groups<kDpRows>(M, N / (2 * kBlock), pair_bytes, grain, [&](auto r, int64_t m, int64_t p0, int64_t p1) {
+    constexpr int R = decltype(r)::value;
+    row_groups<R <= 2 ? 2 : 1>(p1 - p0, [&](auto width, int64_t i) {
+      const int64_t b = 2 * (p0 + i);
+      dp_rows<R, 2 * decltype(width)::value, true>(xp + m * xs * 2, xs, wp + b * K2 * 2 * kBlock, K2, out, m,
+                                                   b * kBlock, N, ahead);
+    });
+  });
+}
+#endif
+
+}  // namespace streamgate_linear
