@@ -19,6 +19,12 @@ linear kernel; bf16 ones for oneDNN's matmul (with avx512_bf16 or AMX its bf16 G
 the fp32 one at 8+ rows and reads half the bytes at one row: docs/BENCHMARKS.md §8.16), and
 the C++ operators round bf16 results where transformers' bf16 modules do. Greedy parity with
 HF `generate` is tested as for the transformers path (tests/test_parity.py).
+
+Where every linear is bf16 on the block kernel alone (the avx512_bf16 build without a oneDNN
+copy: a CPU without AMX, or the elastic pool) and every layer is plain, the whole layer loop is
+one operator call (csrc/llama_layers.cpp: the same operators in the same order, the same bits,
+tests/test_llama_layers.py): no Python between them, and the GIL released once a step instead
+of at every call, where a served engine waited for it behind the event loop.
 """
 
 from __future__ import annotations
@@ -165,8 +171,27 @@ class FusedLlama:
         self.layers = [_Layer(layer, kind, w) for layer, w in zip(body.layers, windows)]
         self.norm, self.eps = body.norm.weight.detach(), body.norm.variance_epsilon
         self.lm_head = model.lm_head = PackedLinear(model.lm_head, kind)   # a tied one: its own copy
+        self.layer_args = self._cpp_layer_args()
+        self.cpp_layers = self.layer_args is not None     # tests and benchmarks turn it off to compare
         log.info("fused Llama-shaped forward (%s): %d layers, q/k/v and gate/up packed as one GEMM each (%s)",
                  cfg.model_type, len(self.layers), kind)
+
+    def _cpp_layer_args(self) -> tuple | None:
+        """The weights, biases, eps and shapes csrc/llama_layers.cpp takes, where it can run every
+        layer: bf16 weights on the block kernel alone (no oneDNN copy), no q/k norms, one
+        gate/up layout; else None (the Python loop below)."""
+        linears = [(l.qkv_w, l.o_w, l.gate_up_w, l.down_w) for l in self.layers]
+        if (self.kind != "bf16" or any(l.q_norm is not None for l in self.layers)
+                or len({l.silu_block for l in self.layers}) != 1 or len({l.attn.scaling for l in self.layers}) != 1
+                or any(getattr(w, "onednn", True) is not None for ws in linears for w in ws)
+                or len({tuple(w.out_features for w in ws) for ws in linears}) != 1
+                or not hasattr(torch.ops.streamgate, "llama_layers")):
+            return None
+        weights = [t for l, ws in zip(self.layers, linears)
+                   for t in (l.norm_in, ws[0].blocks, ws[1].blocks, l.norm_post, ws[2].blocks, ws[3].blocks)]
+        biases = [w.bias32 for ws in linears for w in ws]
+        eps = [float(e) for l in self.layers for e in (l.eps_in, l.eps_post)]
+        return weights, biases, eps, [w.out_features for w in linears[0]], self.layers[0].silu_block
 
     def __call__(self, input_ids, position_ids, cache, paged, logits_to_keep, **_):
         ops = torch.ops.streamgate
@@ -174,9 +199,17 @@ class FusedLlama:
         cos, sin = (t[0].float().contiguous() for t in self.rotary_emb(residual[None], position_ids))  # [N, D]
         n, hd = residual.shape[0], self.head_dim
         q_end = self.heads * hd
-        hidden = x = ops.rms_norm(residual, self.layers[0].norm_in, self.layers[0].eps_in)
         direct = kernel_layers(paged)             # one write and one kernel call a layer where it holds
         kb, pools = direct if direct is not None else (None, None)
+        if direct is not None and self.cpp_layers:  # every layer in one call (csrc/llama_layers.cpp)
+            weights, biases, eps, out_features, block = self.layer_args
+            hidden = ops.llama_layers(residual, cos, sin, weights, biases, eps, out_features, block,
+                                      [k for k, _ in pools], [v for _, v in pools], paged.slot_mapping,
+                                      kb.block_tables, kb.q_start, kb.ctx_lens, cache.block_size,
+                                      self.layers[0].attn.scaling, self.heads, self.kv_heads, hd)
+            final = ops.add_rms_norm(hidden, residual, self.norm, self.eps)
+            return SimpleNamespace(logits=self.lm_head(final[logits_to_keep])[None])
+        hidden = x = ops.rms_norm(residual, self.layers[0].norm_in, self.layers[0].eps_in)
         for i, layer in enumerate(self.layers):
             if i:
                 x = ops.add_rms_norm(hidden, residual, layer.norm_in, layer.eps_in)

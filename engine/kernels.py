@@ -29,7 +29,7 @@ log = logging.getLogger("streamgate.engine")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "linear.cpp", CSRC / "linear_int8.cpp", CSRC / "linear_bf16.cpp",
-           CSRC / "layers.cpp",
+           CSRC / "layers.cpp", CSRC / "llama_layers.cpp",
            CSRC / "write_kv.cpp", CSRC / "parallel.cpp", CSRC / "logits.cpp"]
 HEADERS = sorted(CSRC.glob("*.h"))
 NAME = "streamgate_kernels"

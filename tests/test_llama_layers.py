@@ -1,0 +1,82 @@
+"""The fused forward's layers as one operator call (csrc/llama_layers.cpp) against its Python
+loop: the same logits, bit for bit, on a batch of a chunk over cached context beside a whole
+prompt and decode rows, for Llama and Qwen2 (q/k/v biases); the same greedy tokens; and the
+call really taken where the forward says it can run. The elastic pool is on, so that the bf16
+linears run on the block kernel alone (the operator's condition) on any avx512_bf16 build."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLMEngine, SamplingParams
+from engine.config import EngineConfig
+from engine.fused_llama import FusedLlama
+from engine.kernels import load_kernels
+
+
+def engine_for(model: str) -> LLMEngine:
+    eng = LLMEngine(EngineConfig(model=model, dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=16,
+                                 max_num_seqs=4, elastic_threads=True, enable_prefix_caching=False))
+    forward = eng.runner.forward
+    if not isinstance(forward, FusedLlama) or forward.layer_args is None:
+        pytest.skip("no bf16 forward on the block kernel alone here (needs the avx512_bf16 kernel build)")
+    return eng
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts calls of torch.ops.streamgate.llama_layers (the forward looks it up each step)."""
+    if not load_kernels():
+        pytest.skip("the C++ kernels did not build (see the log)")
+    calls = []
+    real = torch.ops.streamgate.llama_layers
+    monkeypatch.setattr(torch.ops.streamgate, "llama_layers", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_one_call_gives_the_python_loops_logits_bit_for_bit(tiny_model, family, counted):
+    """Every step of a chunked prompt beside a short one, then their decode rows, runs both ways
+    (the second run writes the same K/V into the same slots); the logits must be equal."""
+    eng = engine_for(tiny_model(family))
+    forward, real_run = eng.runner.forward, eng.runner.run
+    steps = []
+
+    def both(batch, *args, **kwargs):
+        forward.cpp_layers = False
+        ref = real_run(batch, *args, **kwargs)
+        before = len(counted)
+        forward.cpp_layers = True
+        got = real_run(batch, *args, **kwargs)
+        assert len(counted) == before + 1
+        assert got.dtype == ref.dtype and torch.equal(got, ref), batch
+        steps.append((batch.num_prefill_tokens, batch.num_decode_tokens))
+        return got
+
+    eng.runner.run = both
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    eng.add_request("a", list(range(100, 130)), params)          # 16-token chunks, then decode
+    eng.add_request("b", list(range(300, 305)), params)
+    while eng.has_unfinished():
+        eng.step()
+    assert any(p and d for p, d in steps) or any(p > 0 for p, _ in steps[1:]), steps   # a chunk over context
+    assert any(p == 0 and d == 2 for p, d in steps), steps                            # two decode rows
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_tokens_are_the_python_loops(tiny_model, family, counted):
+    tokens = {}
+    for on in (True, False):
+        eng = engine_for(tiny_model(family))
+        eng.runner.forward.cpp_layers = on
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        eng.add_request("a", list(range(100, 140)), params)
+        eng.add_request("b", list(range(300, 305)), params)
+        tokens[on] = {}
+        while eng.has_unfinished():
+            for out in eng.step():
+                tokens[on].setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert tokens[True] == tokens[False]
+    assert all(len(t) == 6 for t in tokens[True].values())
+    assert counted, "the one-call forward never ran"
