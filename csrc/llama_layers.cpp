@@ -1,6 +1,7 @@
 // A step's decoder layers of a Llama-shaped model as one operator call: engine/fused_llama.py's
-// layer loop for bf16 weights on the block kernel (no oneDNN copy) and the plain paged attention,
-// calling the same operators in the same order through the dispatcher, so the same bits.
+// layer loop for bf16 weights on the block kernel (no oneDNN copy) or int8 weights on theirs
+// (steps the int8 kernel takes), and the plain paged attention, calling the same operators in
+// the same order through the dispatcher, so the same bits.
 //
 // Why: from Python each of a step's ~270 operator calls releases the GIL, and the boxed call
 // takes it again to drop its arguments' Python references. Served, the event loop holds the GIL
@@ -26,12 +27,13 @@ c10::TypedOperatorHandle<F> op(const char* name) {
 
 // residual [N, C] (updated in place, as add_rms_norm does); cos/sin [N, head_dim] fp32; per layer
 // six weights (input norm, packed q/k/v, o, post-attention norm, packed gate/up, down: norms as
-// the modules hold them, linears from pack_bf16), four biases (q/k/v, o, gate/up, down: fp32 or
-// none) and two eps; out_features of q/k/v, o, gate/up and down; silu_block 16: gate/up packed
-// alternating in blocks of 16 (linear_bf16_silu), 0: gate then up. Returns the last layer's
-// MLP output, before the final norm's residual add.
+// the modules hold them, linears from pack_bf16 or pack_int8), four biases and four scales (q/k/v,
+// o, gate/up, down: fp32 or none; a linear with scales is int8) and two eps; out_features of
+// q/k/v, o, gate/up and down; silu_block 16: gate/up packed alternating in blocks of 16
+// (linear_bf16_silu), 0: gate then up. Returns the last layer's MLP output, before the final
+// norm's residual add.
 T llama_layers(T residual, CT cos, CT sin, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
-               at::ArrayRef<double> eps, at::IntArrayRef out_features, int64_t silu_block, at::TensorList k_pools,
+               const c10::List<std::optional<at::Tensor>>& scales, at::ArrayRef<double> eps, at::IntArrayRef out_features, int64_t silu_block, at::TensorList k_pools,
                at::TensorList v_pools, CT slots, CT block_tables, CT q_start, CT ctx_lens, int64_t block_size,
                double scale, int64_t heads, int64_t kv_heads, int64_t head_dim) {
   static const auto rms_norm = op<T(CT, CT, double)>("streamgate::rms_norm");
@@ -40,11 +42,13 @@ T llama_layers(T residual, CT cos, CT sin, at::TensorList weights, const c10::Li
   static const auto silu_and_mul = op<T(CT, int64_t)>("streamgate::silu_and_mul");
   static const auto write_kv = op<void(T, T, CT, CT, CT)>("streamgate::write_kv");
   static const auto linear = op<T(CT, CT, OT, int64_t)>("streamgate::linear_bf16");
+  static const auto linear8 = op<T(CT, CT, CT, OT, int64_t)>("streamgate::linear_int8");
   static const auto linear_silu = op<T(CT, CT, OT, int64_t)>("streamgate::linear_bf16_silu");
   static const auto attention = op<void(CT, CT, CT, CT, CT, CT, int64_t, double, T)>("streamgate::paged_attention");
   const int64_t layers = static_cast<int64_t>(k_pools.size()), n = residual.size(0);
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_pools.size()) == layers &&
               static_cast<int64_t>(weights.size()) == 6 * layers && static_cast<int64_t>(biases.size()) == 4 * layers &&
+              static_cast<int64_t>(scales.size()) == 4 * layers &&
               static_cast<int64_t>(eps.size()) == 2 * layers && out_features.size() == 4,
               "llama_layers: per layer 6 weights, 4 biases, 2 eps and a K and V pool; 4 out_features");
   TORCH_CHECK(out_features[0] == (heads + 2 * kv_heads) * head_dim && out_features[1] == residual.size(1) &&
@@ -52,19 +56,23 @@ T llama_layers(T residual, CT cos, CT sin, at::TensorList weights, const c10::Li
   T x, hidden;
   for (int64_t i = 0; i < layers; ++i) {
     const T* w = weights.data() + 6 * i;
-    auto bias = [&](int64_t j) { return biases.get(4 * i + j); };
+    // linear j of the layer (0 q/k/v, 1 o, 2 gate/up, 3 down) on x, on its weight's kernel.
+    auto lin = [&](const T& x, int64_t j, const T& weight) {
+      const std::optional<at::Tensor> s = scales.get(4 * i + j);
+      return s.has_value() ? linear8.call(x, weight, *s, biases.get(4 * i + j), out_features[j])
+                           : linear.call(x, weight, biases.get(4 * i + j), out_features[j]);
+    };
     x = i == 0 ? rms_norm.call(residual, w[0], eps[0]) : add_rms_norm.call(hidden, residual, w[0], eps[2 * i]);
-    const T qkv = linear.call(x, w[1], bias(0), out_features[0]).view({n, heads + 2 * kv_heads, head_dim});
+    const T qkv = lin(x, 0, w[1]).view({n, heads + 2 * kv_heads, head_dim});
     const T q = qkv.narrow(1, 0, heads), k = qkv.narrow(1, heads, kv_heads), v = qkv.narrow(1, heads + kv_heads, kv_heads);
     rotary.call(q, k, cos, sin);
     write_kv.call(k_pools[i], v_pools[i], slots, k, v);
     T out = at::empty({n, heads, head_dim}, q.options());
     attention.call(q, k_pools[i], v_pools[i], block_tables, q_start, ctx_lens, block_size, scale, out);
-    x = add_rms_norm.call(linear.call(out.view({n, heads * head_dim}), w[2], bias(1), out_features[1]), residual, w[3],
-                          eps[2 * i + 1]);
-    const T act = silu_block ? linear_silu.call(x, w[4], bias(2), out_features[2])
-                             : silu_and_mul.call(linear.call(x, w[4], bias(2), out_features[2]), 0);
-    hidden = linear.call(act, w[5], bias(3), out_features[3]);
+    x = add_rms_norm.call(lin(out.view({n, heads * head_dim}), 1, w[2]), residual, w[3], eps[2 * i + 1]);
+    const T act = silu_block ? linear_silu.call(x, w[4], biases.get(4 * i + 2), out_features[2])
+                             : silu_and_mul.call(lin(x, 2, w[4]), 0);
+    hidden = lin(act, 3, w[5]);
   }
   return hidden;
 }
@@ -72,7 +80,8 @@ T llama_layers(T residual, CT cos, CT sin, at::TensorList weights, const c10::Li
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(streamgate, m) {
-  m.def("llama_layers(Tensor(a!) residual, Tensor cos, Tensor sin, Tensor[] weights, Tensor?[] biases, float[] eps, "
+  m.def("llama_layers(Tensor(a!) residual, Tensor cos, Tensor sin, Tensor[] weights, Tensor?[] biases, Tensor?[] scales, "
+        "float[] eps, "
         "int[] out_features, int silu_block, Tensor(b!)[] k_pools, Tensor(c!)[] v_pools, Tensor slots, "
         "Tensor block_tables, Tensor q_start, Tensor ctx_lens, int block_size, float scale, int heads, int kv_heads, "
         "int head_dim) -> Tensor");

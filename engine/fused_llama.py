@@ -38,6 +38,8 @@ from torch import nn
 
 from .attention import kernel_layers, paged_attention
 from .packed_linear import BF16_BLOCK_COPY_MAX_BYTES, PackedLinear, available, bf16_kernel_only
+from .quantization import KERNEL_MAX_ROWS as INT8_KERNEL_MAX_ROWS
+from .quantization import Int8Weight
 
 log = logging.getLogger("streamgate.engine")
 
@@ -127,6 +129,11 @@ def fused_silu_runs() -> bool:
         return False
 
 
+def _packed(weight) -> torch.Tensor:
+    """A bf16 or int8 weight's packed blocks (what its kernel reads)."""
+    return weight.codes if isinstance(weight, Int8Weight) else weight.blocks
+
+
 def _weight(linear: PackedLinear):
     """What a packed linear's forward comes down to, as an object with `.linear(x)`: its int8
     or bf16 weight, else the module itself (called so, without nn.Module's call machinery)."""
@@ -177,21 +184,27 @@ class FusedLlama:
                  cfg.model_type, len(self.layers), kind)
 
     def _cpp_layer_args(self) -> tuple | None:
-        """The weights, biases, eps and shapes csrc/llama_layers.cpp takes, where it can run every
-        layer: bf16 weights on the block kernel alone (no oneDNN copy), no q/k norms, one
-        gate/up layout; else None (the Python loop below)."""
+        """The weights, biases, scales, eps and shapes csrc/llama_layers.cpp takes, where it can
+        run every layer: bf16 weights on the block kernel alone (no oneDNN copy) or int8 ones on
+        theirs (steps of up to KERNEL_MAX_ROWS rows), no q/k norms, one gate/up layout, one
+        scaling; else None (the Python loop below)."""
         linears = [(l.qkv_w, l.o_w, l.gate_up_w, l.down_w) for l in self.layers]
-        if (self.kind != "bf16" or any(l.q_norm is not None for l in self.layers)
+        ws = [w for group in linears for w in group]
+        if self.kind == "bf16":
+            fits = all(getattr(w, "onednn", True) is None for w in ws)
+        else:
+            fits = self.kind == "int8" and all(isinstance(w, Int8Weight) and w.kernel for w in ws)
+        if (not fits or any(l.q_norm is not None for l in self.layers)
                 or len({l.silu_block for l in self.layers}) != 1 or len({l.attn.scaling for l in self.layers}) != 1
-                or any(getattr(w, "onednn", True) is not None for ws in linears for w in ws)
-                or len({tuple(w.out_features for w in ws) for ws in linears}) != 1
+                or len({tuple(w.out_features for w in group) for group in linears}) != 1
                 or not hasattr(torch.ops.streamgate, "llama_layers")):
             return None
-        weights = [t for l, ws in zip(self.layers, linears)
-                   for t in (l.norm_in, ws[0].blocks, ws[1].blocks, l.norm_post, ws[2].blocks, ws[3].blocks)]
-        biases = [w.bias32 for ws in linears for w in ws]
+        weights = [t for l, (qkv, o, gate_up, down) in zip(self.layers, linears)
+                   for t in (l.norm_in, _packed(qkv), _packed(o), l.norm_post, _packed(gate_up), _packed(down))]
+        biases = [w.bias32 for w in ws]
+        scales = [w.scales if isinstance(w, Int8Weight) else None for w in ws]
         eps = [float(e) for l in self.layers for e in (l.eps_in, l.eps_post)]
-        return weights, biases, eps, [w.out_features for w in linears[0]], self.layers[0].silu_block
+        return weights, biases, scales, eps, [w.out_features for w in linears[0]], self.layers[0].silu_block
 
     def __call__(self, input_ids, position_ids, cache, paged, logits_to_keep, **_):
         ops = torch.ops.streamgate
@@ -201,9 +214,9 @@ class FusedLlama:
         q_end = self.heads * hd
         direct = kernel_layers(paged)             # one write and one kernel call a layer where it holds
         kb, pools = direct if direct is not None else (None, None)
-        if direct is not None and self.cpp_layers:  # every layer in one call (csrc/llama_layers.cpp)
-            weights, biases, eps, out_features, block = self.layer_args
-            hidden = ops.llama_layers(residual, cos, sin, weights, biases, eps, out_features, block,
+        if direct is not None and self.cpp_layers and (self.kind != "int8" or n <= INT8_KERNEL_MAX_ROWS):
+            weights, biases, scales, eps, out_features, block = self.layer_args   # one call: csrc/llama_layers.cpp
+            hidden = ops.llama_layers(residual, cos, sin, weights, biases, scales, eps, out_features, block,
                                       [k for k, _ in pools], [v for _, v in pools], paged.slot_mapping,
                                       kb.block_tables, kb.q_start, kb.ctx_lens, cache.block_size,
                                       self.layers[0].attn.scaling, self.heads, self.kv_heads, hd)

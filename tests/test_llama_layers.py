@@ -1,8 +1,9 @@
 """The fused forward's layers as one operator call (csrc/llama_layers.cpp) against its Python
 loop: the same logits, bit for bit, on a batch of a chunk over cached context beside a whole
-prompt and decode rows, for Llama and Qwen2 (q/k/v biases); the same greedy tokens; and the
-call really taken where the forward says it can run. The elastic pool is on, so that the bf16
-linears run on the block kernel alone (the operator's condition) on any avx512_bf16 build."""
+prompt and decode rows, for Llama and Qwen2 (q/k/v biases), bf16 and int8 weights; the same
+greedy tokens; and the call really taken where the forward says it can run. bf16 runs on the
+elastic pool, so that its linears run on the block kernel alone (the operator's condition) on
+any avx512_bf16 build."""
 
 from __future__ import annotations
 
@@ -15,13 +16,19 @@ from engine.fused_llama import FusedLlama
 from engine.kernels import load_kernels
 
 
-def engine_for(model: str) -> LLMEngine:
+def engine_for(model: str, quantization: str | None) -> LLMEngine:
+    """bf16 on the elastic pool (its linears then on the block kernel alone on any avx512_bf16
+    build), or int8 weights (their kernel takes steps of up to 32 rows)."""
     eng = LLMEngine(EngineConfig(model=model, dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=16,
-                                 max_num_seqs=4, elastic_threads=True, enable_prefix_caching=False))
+                                 max_num_seqs=4, elastic_threads=True if quantization is None else None,
+                                 quantization=quantization, enable_prefix_caching=False))
     forward = eng.runner.forward
     if not isinstance(forward, FusedLlama) or forward.layer_args is None:
-        pytest.skip("no bf16 forward on the block kernel alone here (needs the avx512_bf16 kernel build)")
+        pytest.skip("no fused forward on the kernels alone here (bf16 needs the avx512_bf16 kernel build)")
     return eng
+
+
+CASES = [("llama", None), ("qwen2", None), ("llama", "int8"), ("qwen2", "int8")]
 
 
 @pytest.fixture
@@ -35,11 +42,11 @@ def counted(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_one_call_gives_the_python_loops_logits_bit_for_bit(tiny_model, family, counted):
+@pytest.mark.parametrize("family, quantization", CASES)
+def test_one_call_gives_the_python_loops_logits_bit_for_bit(tiny_model, family, quantization, counted):
     """Every step of a chunked prompt beside a short one, then their decode rows, runs both ways
     (the second run writes the same K/V into the same slots); the logits must be equal."""
-    eng = engine_for(tiny_model(family))
+    eng = engine_for(tiny_model(family), quantization)
     forward, real_run = eng.runner.forward, eng.runner.run
     steps = []
 
@@ -64,11 +71,11 @@ def test_one_call_gives_the_python_loops_logits_bit_for_bit(tiny_model, family, 
     assert any(p == 0 and d == 2 for p, d in steps), steps                            # two decode rows
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_greedy_tokens_are_the_python_loops(tiny_model, family, counted):
+@pytest.mark.parametrize("family, quantization", CASES)
+def test_greedy_tokens_are_the_python_loops(tiny_model, family, quantization, counted):
     tokens = {}
     for on in (True, False):
-        eng = engine_for(tiny_model(family))
+        eng = engine_for(tiny_model(family), quantization)
         eng.runner.forward.cpp_layers = on
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         eng.add_request("a", list(range(100, 140)), params)
