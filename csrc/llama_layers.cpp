@@ -32,8 +32,10 @@ c10::TypedOperatorHandle<F> op(const char* name) {
 // q/k/v, o, gate/up and down; silu_block 16: gate/up packed alternating in blocks of 16
 // (linear_bf16_silu), 0: gate then up. Returns the last layer's MLP output, before the final
 // norm's residual add.
-T llama_layers(T residual, CT cos, CT sin, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
-               const c10::List<std::optional<at::Tensor>>& scales, at::ArrayRef<double> eps, at::IntArrayRef out_features, int64_t silu_block, at::TensorList k_pools,
+using Optionals = c10::List<std::optional<at::Tensor>>;
+
+T llama_layers(T residual, CT cos, CT sin, at::TensorList weights, const Optionals& biases, const Optionals& scales,
+               at::ArrayRef<double> eps, at::IntArrayRef out_features, int64_t silu_block, at::TensorList k_pools,
                at::TensorList v_pools, CT slots, CT block_tables, CT q_start, CT ctx_lens, int64_t block_size,
                double scale, int64_t heads, int64_t kv_heads, int64_t head_dim) {
   static const auto rms_norm = op<T(CT, CT, double)>("streamgate::rms_norm");
@@ -50,7 +52,7 @@ T llama_layers(T residual, CT cos, CT sin, at::TensorList weights, const c10::Li
               static_cast<int64_t>(weights.size()) == 6 * layers && static_cast<int64_t>(biases.size()) == 4 * layers &&
               static_cast<int64_t>(scales.size()) == 4 * layers &&
               static_cast<int64_t>(eps.size()) == 2 * layers && out_features.size() == 4,
-              "llama_layers: per layer 6 weights, 4 biases, 2 eps and a K and V pool; 4 out_features");
+              "llama_layers: per layer 6 weights, 4 biases, 4 scales, 2 eps and a K and V pool; 4 out_features");
   TORCH_CHECK(out_features[0] == (heads + 2 * kv_heads) * head_dim && out_features[1] == residual.size(1) &&
               out_features[3] == residual.size(1), "llama_layers: out_features do not match the heads and hidden size");
   T x, hidden;
@@ -64,7 +66,8 @@ T llama_layers(T residual, CT cos, CT sin, at::TensorList weights, const c10::Li
     };
     x = i == 0 ? rms_norm.call(residual, w[0], eps[0]) : add_rms_norm.call(hidden, residual, w[0], eps[2 * i]);
     const T qkv = lin(x, 0, w[1]).view({n, heads + 2 * kv_heads, head_dim});
-    const T q = qkv.narrow(1, 0, heads), k = qkv.narrow(1, heads, kv_heads), v = qkv.narrow(1, heads + kv_heads, kv_heads);
+    const T q = qkv.narrow(1, 0, heads), k = qkv.narrow(1, heads, kv_heads);
+    const T v = qkv.narrow(1, heads + kv_heads, kv_heads);
     rotary.call(q, k, cos, sin);
     write_kv.call(k_pools[i], v_pools[i], slots, k, v);
     T out = at::empty({n, heads, head_dim}, q.options());
@@ -80,11 +83,10 @@ T llama_layers(T residual, CT cos, CT sin, at::TensorList weights, const c10::Li
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(streamgate, m) {
-  m.def("llama_layers(Tensor(a!) residual, Tensor cos, Tensor sin, Tensor[] weights, Tensor?[] biases, Tensor?[] scales, "
-        "float[] eps, "
-        "int[] out_features, int silu_block, Tensor(b!)[] k_pools, Tensor(c!)[] v_pools, Tensor slots, "
-        "Tensor block_tables, Tensor q_start, Tensor ctx_lens, int block_size, float scale, int heads, int kv_heads, "
-        "int head_dim) -> Tensor");
+  m.def("llama_layers(Tensor(a!) residual, Tensor cos, Tensor sin, Tensor[] weights, Tensor?[] biases, "
+        "Tensor?[] scales, float[] eps, int[] out_features, int silu_block, Tensor(b!)[] k_pools, "
+        "Tensor(c!)[] v_pools, Tensor slots, Tensor block_tables, Tensor q_start, Tensor ctx_lens, int block_size, "
+        "float scale, int heads, int kv_heads, int head_dim) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(streamgate, CPU, m) {

@@ -21,10 +21,11 @@ the C++ operators round bf16 results where transformers' bf16 modules do. Greedy
 HF `generate` is tested as for the transformers path (tests/test_parity.py).
 
 Where every linear is bf16 on the block kernel alone (the avx512_bf16 build without a oneDNN
-copy: a CPU without AMX, or the elastic pool) and every layer is plain, the whole layer loop is
-one operator call (csrc/llama_layers.cpp: the same operators in the same order, the same bits,
-tests/test_llama_layers.py): no Python between them, and the GIL released once a step instead
-of at every call, where a served engine waited for it behind the event loop.
+copy: a CPU without AMX, or the elastic pool) or int8 on its kernel (steps of up to 32 rows),
+and every layer is plain, the whole layer loop is one operator call (csrc/llama_layers.cpp: the
+same operators in the same order, the same bits, tests/test_llama_layers.py): no Python between
+them, and the GIL released once a step instead of at every call, where a served engine waited
+for it behind the event loop.
 """
 
 from __future__ import annotations
@@ -195,7 +196,8 @@ class FusedLlama:
         else:
             fits = self.kind == "int8" and all(isinstance(w, Int8Weight) and w.kernel for w in ws)
         if (not fits or any(l.q_norm is not None for l in self.layers)
-                or len({l.silu_block for l in self.layers}) != 1 or len({l.attn.scaling for l in self.layers}) != 1
+                or len({l.silu_block for l in self.layers}) != 1
+                or len({l.attn.scaling for l in self.layers}) != 1
                 or len({tuple(w.out_features for w in group) for group in linears}) != 1
                 or not hasattr(torch.ops.streamgate, "llama_layers")):
             return None

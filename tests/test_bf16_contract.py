@@ -47,6 +47,10 @@ def run(model: str) -> dict[str, tuple[list[int], list[int]]]:
                 for i, n in enumerate([40, 7, 90])}
     engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16", attention_backend="kernel", num_kv_blocks=64,
                                     block_size=8, max_num_batched_tokens=48, max_num_seqs=8))
+    # The breakages wrap the Python-visible operator; the one-call layer loop (csrc/llama_layers.cpp)
+    # would reach the real one through the dispatcher, so this run keeps the Python loop.
+    if getattr(engine.runner.forward, "cpp_layers", False):
+        engine.runner.forward.cpp_layers = False
     out = run_to_completion(engine, arrivals)
     return {rid: (prompt, out[rid]) for reqs in arrivals.values() for rid, prompt, _ in reqs}
 
