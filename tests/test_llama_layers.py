@@ -1,6 +1,7 @@
 """The fused forward's layers as one operator call (csrc/llama_layers.cpp) against its Python
 loop: the same logits, bit for bit, on a batch of a chunk over cached context beside a whole
-prompt and decode rows, for Llama and Qwen2 (q/k/v biases), bf16 and int8 weights; the same
+prompt and decode rows, for Llama and Qwen2 (q/k/v biases), bf16 and int8 weights (and the
+int8 KV cache); the same
 greedy tokens; and the call really taken where the forward says it can run. bf16 runs on the
 elastic pool, so that its linears run on the block kernel alone (the operator's condition) on
 any avx512_bf16 build."""
@@ -18,17 +19,20 @@ from engine.kernels import load_kernels
 
 def engine_for(model: str, quantization: str | None) -> LLMEngine:
     """bf16 on the elastic pool (its linears then on the block kernel alone on any avx512_bf16
-    build), or int8 weights (their kernel takes steps of up to 32 rows)."""
+    build), or int8 weights (their kernel takes steps of up to 32 rows), "int8+kv8" with the int8
+    KV cache too."""
+    weights = quantization.split("+")[0] if quantization else None
     eng = LLMEngine(EngineConfig(model=model, dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=16,
                                  max_num_seqs=4, elastic_threads=True if quantization is None else None,
-                                 quantization=quantization, enable_prefix_caching=False))
+                                 quantization=weights, enable_prefix_caching=False,
+                                 kv_cache_dtype="int8" if quantization == "int8+kv8" else None))
     forward = eng.runner.forward
     if not isinstance(forward, FusedLlama) or forward.layer_args is None:
         pytest.skip("no fused forward on the kernels alone here (bf16 needs the avx512_bf16 kernel build)")
     return eng
 
 
-CASES = [("llama", None), ("qwen2", None), ("llama", "int8"), ("qwen2", "int8")]
+CASES = [("llama", None), ("qwen2", None), ("llama", "int8"), ("qwen2", "int8"), ("llama", "int8+kv8")]
 
 
 @pytest.fixture
