@@ -35,6 +35,13 @@ using namespace streamgate::cpu;
 // layer's pool (or int8 [S, H_kv, D + 4]); block_tables [B, W] int64; q_start [B + 1] int64; ctx_lens [B] int64;
 // out [N, H, D] written for every row that some sequence owns. window (0: none), softcap (0:
 // none) and sinks ([H] fp32, or none): the layer's features (Features, attention_tiles.h).
+// Whether bf16 query tiles run on AMX in this call: where this process may, for head_dim % 32 == 0,
+// without soft-capping (the call and attention_work's view of its deal both ask here).
+bool query_tiles_on_amx(const torch::Tensor& q, double softcap) {
+  return kAmxBuilt && q.scalar_type() == at::kBFloat16 && q.size(2) % 32 == 0 && softcap == 0.0 &&
+         amx_switch().load(std::memory_order_relaxed);
+}
+
 void paged_attention_ext(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                          const torch::Tensor& block_tables, const torch::Tensor& q_start, const torch::Tensor& ctx_lens,
                          int64_t block_size, double scale, int64_t window, double softcap,
@@ -47,9 +54,7 @@ void paged_attention_ext(const torch::Tensor& q, const torch::Tensor& k_pool, co
                 sinks->size(0) == q.size(1), "paged_attention: sinks fp32 [num_heads]");
     f.sinks = sinks->data_ptr<float>();
   }
-  // bf16 query tiles run on AMX where this process may, for head_dim % 32 == 0, without soft-capping.
-  const bool use_amx = kAmxBuilt && q.scalar_type() == at::kBFloat16 && q.size(2) % 32 == 0 && softcap == 0.0 &&
-                       amx_switch().load(std::memory_order_relaxed);
+  const bool use_amx = query_tiles_on_amx(q, softcap);
   const std::vector<std::vector<Item>> bins =
       deal_items(q, k_pool, block_tables, q_start, ctx_lens, block_size, use_amx ? kQueryTileAmx : kQueryTile);
   if (k_pool.scalar_type() == torch::kChar) {
@@ -77,8 +82,7 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const 
 torch::Tensor attention_work(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& block_tables,
                              const torch::Tensor& q_start, const torch::Tensor& ctx_lens, int64_t block_size) {
   check_inputs(q, k_pool, k_pool, block_tables, q_start, ctx_lens, q);
-  const bool use_amx = kAmxBuilt && q.scalar_type() == at::kBFloat16 && q.size(2) % 32 == 0 &&
-                       amx_switch().load(std::memory_order_relaxed);
+  const bool use_amx = query_tiles_on_amx(q, 0.0);
   const auto bins = deal_items(q, k_pool, block_tables, q_start, ctx_lens, block_size,
                                use_amx ? kQueryTileAmx : kQueryTile);
   std::vector<int64_t> rows;

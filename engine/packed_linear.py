@@ -101,11 +101,15 @@ class Bf16Weight:
         # AMX tiles (csrc/linear_amx.h) run the block copy in place: SmolLM2's 120 layer linears,
         # Intel AMX host, weights in cache, 5.5 against oneDNN's 6.7 ms at 8 rows, 6.4 against 7.7
         # at 32, 9.8 against 10.2 at 64, 59.5 against 51.5 at 512 (so oneDNN above 64).
-        if self.onednn is None or rows <= BF16_KERNEL_MAX_ROWS or self._on_tiles(x2):
+        if self._on_blocks(x2):
             y = torch.ops.streamgate.linear_bf16(x2, self.blocks, self.bias32, self.out_features)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.onednn, self.bias, "none", [], "")
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def _on_blocks(self, x2: torch.Tensor) -> bool:
+        """Whether linear() runs these rows [M, K] on the block copy (else oneDNN's)."""
+        return self.onednn is None or x2.shape[0] <= BF16_KERNEL_MAX_ROWS or self._on_tiles(x2)
 
     def _on_tiles(self, x2: torch.Tensor) -> bool:
         """Whether linear() runs these rows [M, K] on the block copy's AMX tiles: past 4 rows
@@ -121,9 +125,7 @@ class Bf16Weight:
         (csrc/linear_amx.h on AMX tiles, csrc/linear_dp.h's VDPBF16PS passes), wherever linear()
         would run the block copy on bf16 rows in the avx512_bf16 build; else linear() then
         silu_and_mul(block=16). The same bits either way."""
-        rows = x.shape[0]
-        if (x.dtype == torch.bfloat16 and loaded_variant() == "avx512_bf16"
-                and (self.onednn is None or rows <= BF16_KERNEL_MAX_ROWS or self._on_tiles(x))):
+        if x.dtype == torch.bfloat16 and loaded_variant() == "avx512_bf16" and self._on_blocks(x):
             return torch.ops.streamgate.linear_bf16_silu(x, self.blocks, self.bias32, self.out_features)
         return torch.ops.streamgate.silu_and_mul(self.linear(x), 16)
 

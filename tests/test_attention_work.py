@@ -43,6 +43,11 @@ def cost(item, q_lens, ctx_lens):
     return (item["row_end"] - item["row_begin"]) * (ctx - q_len + item["row_end"]) * heads
 
 
+def every_piece(q_lens):
+    """What a batch of these query lengths must cover, once each."""
+    return sorted((b, h, r) for b, q in enumerate(q_lens) for h in range(KV_HEADS) for r in range(q))
+
+
 def covered(items, q_lens):
     """(sequence, KV head, query row) for every piece of work the items do, with repeats."""
     out = []
@@ -58,8 +63,7 @@ def test_a_prefill_chunk_is_shared_between_threads_beside_decode_rows(two_thread
     q_lens = [1] * decode_rows + [286]
     ctx_lens = [330 + i for i in range(decode_rows)] + [286]
     items = work(q_lens, ctx_lens)
-    assert covered(items, q_lens) == sorted((b, h, r) for b, q in enumerate(q_lens)
-                                            for h in range(KV_HEADS) for r in range(q))
+    assert covered(items, q_lens) == every_piece(q_lens)
     bins = sorted({w["bin"] for w in items})
     assert len(bins) >= 2
     chunk = len(q_lens) - 1
@@ -75,5 +79,4 @@ def test_a_decode_rows_kv_heads_stay_in_one_bin_when_sequences_go_round(two_thre
     items = work(q_lens, ctx_lens)
     for seq in range(16):
         assert len({w["bin"] for w in items if w["seq"] == seq}) == 1, f"decode row {seq} split across bins"
-    assert covered(items, q_lens) == sorted((b, h, r) for b, q in enumerate(q_lens)
-                                            for h in range(KV_HEADS) for r in range(q))
+    assert covered(items, q_lens) == every_piece(q_lens)
