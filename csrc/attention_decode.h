@@ -107,14 +107,17 @@ inline void values_decode(const float* p, const float* alpha, const T* const* vr
   }
 }
 
-// Scratch of one thread for decode_sequence (sized for `heads` query heads of head_dim D).
+// Scratch of one thread for decode_sequence, fit for `heads` query heads of head_dim D.
 template <typename T>
 struct DecodeScratch {
   std::vector<float> qf, acc, m, l, alpha, s;
   std::vector<int64_t> base;
   std::vector<const T*> kin, vin;
-  DecodeScratch(int64_t heads, int64_t D, int64_t kpad)
-      : qf(heads * D), acc(heads * D), m(heads), l(heads), alpha(heads), s(heads * kpad), base(kpad), kin(kpad), vin(kpad) {}
+  void fit(int64_t heads, int64_t D, int64_t kpad) {
+    at_least(qf, heads * D), at_least(acc, heads * D), at_least(s, heads * kpad);
+    at_least(m, heads), at_least(l, heads), at_least(alpha, heads);
+    at_least(base, kpad), at_least(kin, kpad), at_least(vin, kpad);
+  }
 };
 
 // Runs f.template operator()<R>() for R = r in 1..3.
@@ -281,7 +284,7 @@ constexpr bool kDecode512 = false;
 
 template <typename T>
 struct DecodeScratch {
-  DecodeScratch(int64_t, int64_t, int64_t) {}
+  void fit(int64_t, int64_t, int64_t) {}
 };
 
 template <typename T, typename P = T>

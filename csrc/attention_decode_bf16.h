@@ -102,10 +102,13 @@ struct DecodeScratchBf16 {
   std::vector<float> acc, m, l, alpha, s;
   std::vector<int64_t> base;
   std::vector<const c10::BFloat16*> kin, vin;
-  int64_t pstride;
-  DecodeScratchBf16(int64_t heads, int64_t D, int64_t kpad)
-      : qb(heads * D), pb(heads * (kpad + 2)), acc(heads * D), m(heads), l(heads), alpha(heads), s(heads * kpad),
-        base(kpad), kin(kpad), vin(kpad), pstride(kpad + 2) {}
+  int64_t pstride = 0;
+  void fit(int64_t heads, int64_t D, int64_t kpad) {
+    pstride = kpad + 2;
+    at_least(qb, heads * D), at_least(pb, heads * pstride), at_least(acc, heads * D), at_least(s, heads * kpad);
+    at_least(m, heads), at_least(l, heads), at_least(alpha, heads);
+    at_least(base, kpad), at_least(kin, kpad), at_least(vin, kpad);
+  }
 };
 
 // decode_sequence for a bf16 pool and head_dim % 32 == 0 (same arguments, same order of work).
@@ -150,7 +153,7 @@ inline void decode_sequence_bf16(const c10::BFloat16* q, int64_t q_hs, const c10
 constexpr bool kDecodeBf16 = false;
 
 struct DecodeScratchBf16 {
-  DecodeScratchBf16(int64_t, int64_t, int64_t) {}
+  void fit(int64_t, int64_t, int64_t) {}
 };
 
 inline void decode_sequence_bf16(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::BFloat16*, int64_t,

@@ -30,6 +30,28 @@ namespace streamgate::cpu {
 
 constexpr int64_t kSpan = 64;        // keys per online-softmax step (whole blocks, at least one)
 
+// One thread's buffers for run_attention, kept across calls and grown, never shrunk: allocated
+// and zero-filled per call they took as long as a one-row step's attention math (Zen 4 host,
+// 2026-12-06: the vectors' constructors, memset and malloc/free against its scores and values).
+template <typename scalar_t, typename pool_t>
+struct AttentionScratch {
+  std::vector<float> qf, acc, m, l, alpha, s, kT, vb;
+  std::vector<int64_t> qpos;
+  std::vector<const float*> krow, vrow;
+  DecodeScratch<pool_t> decode;
+  DecodeScratchBf16 decode16;
+  std::vector<c10::BFloat16> qb, pb;
+  std::vector<uint32_t> kP, vP;
+  std::vector<const scalar_t*> vsrc;
+  std::vector<scalar_t> kq, vq;
+};
+
+template <typename scalar_t, typename pool_t>
+AttentionScratch<scalar_t, pool_t>& attention_scratch() {
+  thread_local AttentionScratch<scalar_t, pool_t> scratch;
+  return scratch;
+}
+
 template <typename scalar_t, typename pool_t = scalar_t>
 void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                    const torch::Tensor& block_tables, const torch::Tensor& q_start, const torch::Tensor& ctx_lens,
@@ -68,21 +90,27 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const to
     // qf [max_q, D] scaled queries; kT [D, kpad] one span of K transposed; vb [kpad, D] its V;
     // s [max_q, kpad] scores, then probabilities; acc [max_q, D] unnormalized outputs; m, l, alpha
     // the online softmax's running max, running sum and this span's rescale, per query vector.
-    std::vector<float> qf(max_q * D), acc(max_q * D), m(max_q), l(max_q), alpha(max_q), s(max_q * kpad);
-    std::vector<float> kT(D * kpad, 0.0f), vb(kpad * D);                  // kT holds kb [kpad, D] by key
-    std::vector<int64_t> qpos(max_q);
+    // This thread's, reused across calls (attention_scratch); past what a span writes they hold
+    // an earlier span's values, which no score or value reads (the softmax masks them out).
+    auto& b = attention_scratch<scalar_t, pool_t>();
+    auto &qf = b.qf, &acc = b.acc, &m = b.m, &l = b.l, &alpha = b.alpha, &s = b.s, &kT = b.kT, &vb = b.vb;
+    auto &qpos = b.qpos, &krow = b.krow, &vrow = b.vrow;
+    at_least(qf, max_q * D), at_least(acc, max_q * D), at_least(s, max_q * kpad), at_least(qpos, max_q);
+    at_least(m, max_q), at_least(l, max_q), at_least(alpha, max_q);
+    at_least(kT, D * kpad), at_least(vb, kpad * D), at_least(krow, kpad), at_least(vrow, kpad);
     // krow/vrow: where key/value t of the span is read (in the pool, or converted in kT/vb).
-    std::vector<const float*> krow(kpad), vrow(kpad);
     for (int64_t t = 0; t < kpad; ++t) krow[t] = kT.data() + t * D, vrow[t] = vb.data() + t * D;
-    DecodeScratch<pool_t> scratch(kDecode512 && !decode16 ? num_heads : 0, D, kpad);
-    DecodeScratchBf16 scratch16(decode16 ? num_heads : 0, D, kpad);
+    auto &scratch = b.decode, &scratch16 = b.decode16;
+    if (kDecode512 && !decode16) scratch.fit(num_heads, D, kpad);
+    if (decode16) scratch16.fit(num_heads, D, kpad);
     // The bf16 tiles' buffers: qb the tile's queries, kP/vP the span's keys/values packed in
-    // pairs, pb the probabilities in bf16, vsrc where value t of the span is read.
-    std::vector<c10::BFloat16> qb(tile16 ? max_q * D : 0), pb(tile16 ? max_q * kpad16 : 0);
-    std::vector<uint32_t> kP(tile16 ? D / 2 * kpad16 : 0, 0u), vP(tile16 ? kpad16 / 2 * D : 0);
-    std::vector<const scalar_t*> vsrc(kpad);
-    // An int8 pool's span for the bf16 tiles: its keys and values dequantized to bf16 rows.
-    std::vector<scalar_t> kq(int8 && tile16 ? kpad * D : 0), vq(int8 && tile16 ? kpad * D : 0);
+    // pairs, pb the probabilities in bf16, vsrc where value t of the span is read; kq/vq an int8
+    // pool's span for the bf16 tiles, its keys and values dequantized to bf16 rows.
+    auto &qb = b.qb, &pb = b.pb, &vsrc = b.vsrc, &kq = b.kq, &vq = b.vq;
+    auto &kP = b.kP, &vP = b.vP;
+    at_least(vsrc, kpad);
+    if (tile16) at_least(qb, max_q * D), at_least(pb, max_q * kpad16), at_least(kP, D / 2 * kpad16), at_least(vP, kpad16 / 2 * D);
+    if (int8 && tile16) at_least(kq, kpad * D), at_least(vq, kpad * D);
     // A thread's tile configuration and zeroed buffers: made on its first AMX item, if one comes.
     std::optional<AmxScope> amx_scope;
     std::optional<AmxScratch> amx_scratch;

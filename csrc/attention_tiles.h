@@ -50,8 +50,7 @@ inline float span_max(const float* si, int64_t& t, int64_t end, float flo, float
     const V keep = (at < fvis) & (at >= flo) ? x : ninf;
     vmax = keep > vmax ? keep : vmax;
   }
-  for (int l = 0; l < L; ++l) acc = std::max(acc, vmax[l]);
-  return acc;
+  return std::max(acc, hmax_v(vmax));
 }
 
 template <typename V, typename VI>
@@ -66,8 +65,7 @@ inline float span_exp(float* si, int64_t& t, int64_t end, float flo, float fvis,
     store_v(si + t, p);
     vsum += p;
   }
-  for (int l = 0; l < L; ++l) acc += vsum[l];
-  return acc;
+  return acc + hsum_v(vsum);
 }
 
 // One query row's span of scores si[0, n) (n <= kpad, si padded to kpad) under the online
