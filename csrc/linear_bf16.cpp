@@ -38,6 +38,9 @@ using namespace streamgate_linear;
 
 #if defined(__AVX512BF16__)
 constexpr int kPack = 2;         // k per packed row: a VDPBF16PS pair
+// Word i of a packed row of 16 k-pairs from [16 values of k | 16 of k + 1]: n's two adjacent.
+alignas(64) constexpr uint16_t kPairOrder[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 #else
 constexpr int kPack = 1;
 #endif
@@ -189,16 +192,63 @@ torch::Tensor linear_bf16_silu(const torch::Tensor& x, const torch::Tensor& pack
   return y;
 }
 
+// pack_int8's codes [ceil(N/16), K, 16] and their per-output scales -> q * s rounded to bf16
+// (to nearest even, as dequantize_int8 rounds it) in pack_bf16's layout, into `out` (pack_bf16's
+// shape for N x K): int8 prefill steps dequantize a layer this way into a reused buffer and run
+// linear_bf16 on it (engine/quantization.py), not oneDNN on a plain transposed copy.
+void dequantize_int8_bf16(const torch::Tensor& codes, const torch::Tensor& scales, torch::Tensor out) {
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == torch::kChar && codes.dim() == 3 &&
+              codes.size(2) == kBlock && codes.is_contiguous(), "dequantize_int8_bf16: codes must come from pack_int8");
+  const int64_t blocks = codes.size(0), K = codes.size(1), N = scales.numel();
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && (N + kBlock - 1) / kBlock == blocks,
+              "dequantize_int8_bf16: scales must be [out_features] fp32, one per output of the codes' blocks");
+  check_packed(out, N, K, "dequantize_int8_bf16");
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t rows = (K + kPack - 1) / kPack;
+  streamgate::cpu::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      float s[kBlock] = {};                        // 0 past N: those outputs' weights are 0
+      std::memcpy(s, sp + b * kBlock, std::min(kBlock, N - b * kBlock) * sizeof(float));
+      const int8_t* src = cp + b * K * kBlock;
+      uint16_t* dst = op + b * rows * kBlock * kPack;
+      int64_t k = 0;
+#if defined(__AVX512BF16__)
+      // A k-pair: two rows of 16 codes widened and scaled, rounded to bf16 together, the pairs
+      // interleaved (output n's k and k + 1 adjacent) by one word permute.
+      const __m512i pairs = _mm512_loadu_si512(kPairOrder);
+      const __m512 sv = _mm512_loadu_ps(s);
+      auto row = [&](int64_t r) {
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                 reinterpret_cast<const __m128i*>(src + r * kBlock)))), sv);
+      };
+      for (; k + 2 <= K; k += 2) {
+        const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(row(k + 1), row(k)));
+        _mm512_storeu_si512(dst + k / 2 * kBlock * 2, _mm512_permutexvar_epi16(pairs, both));
+      }
+#endif
+      for (; k < K; ++k)
+        for (int64_t n = 0; n < kBlock; ++n)
+          dst[(k / kPack * kBlock + n) * kPack + k % kPack] = c10::BFloat16(src[k * kBlock + n] * s[n]).x;
+      if (kPack == 2 && K % 2)                     // the last pair's second half
+        for (int64_t n = 0; n < kBlock; ++n) dst[((K / 2) * kBlock + n) * 2 + 1] = 0;
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(streamgate, m) {
   m.def("linear_bf16_silu(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("pack_bf16(Tensor weight) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("dequantize_int8_bf16(Tensor codes, Tensor scales, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(streamgate, CPU, m) {
   m.impl("pack_bf16", &pack_bf16);
   m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_bf16_silu", &linear_bf16_silu);
+  m.impl("dequantize_int8_bf16", &dequantize_int8_bf16);
 }

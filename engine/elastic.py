@@ -10,7 +10,8 @@ stepping thread claims chunks of each loop with helper threads and never waits f
 that has not started one; the step's torch operators run on one thread (torch's OpenMP team
 is not used), so the kernels must run every step: the bf16 linears on the block kernel at every
 size (no oneDNN copy; AMX tiles above 4 rows where the CPU has them), which is the
-avx512_bf16 build's, in bf16 (and int8 on AMX, whose prefill also runs on the tiles).
+avx512_bf16 build's, in bf16 (int8 weights too: their prefill steps on AMX tiles, or dequantized
+into the block kernel's layout without AMX, quantization.py).
 
 On by default when served (`EngineConfig.elastic_threads` None: AsyncEngine turns it on), off
 in process. Served beside GuideLLM (bench.peers, 2026-12-05, `afe2f57`): 47.5 / 176.4 / 326.4
@@ -45,7 +46,6 @@ def fits(dtype, quantization: str | None) -> str | None:
     """Why the elastic pool cannot run this engine's steps (None: it can)."""
     import torch
 
-    from .dtypes import cpu_flags
     from .kernels import load_kernels, loaded_variant
 
     if not load_kernels():
@@ -54,8 +54,6 @@ def fits(dtype, quantization: str | None) -> str | None:
         return f"the {loaded_variant()} kernels leave big steps to oneDNN (the avx512_bf16 build runs them all)"
     if dtype != torch.bfloat16:
         return f"{dtype} leaves big steps to oneDNN or MKL (bf16 runs them on the kernels)"
-    if quantization == "int8" and "amx_bf16" not in cpu_flags():
-        return "int8 prefill dequantizes for oneDNN without AMX"
     return None
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import quantization
-from engine.kernels import load_kernels
+from engine.kernels import load_kernels, loaded_variant
 from engine.quantization import Int8Weight, quantize_int8
 from tests.linear_helpers import U, assert_rows_invariant, reference_and_tolerance, weight
 
@@ -45,6 +45,43 @@ def _reference_and_tolerance(x, w, bias, out_dtype):
 
 def _dequantized(codes, scales):
     return codes.float() * scales[:, None]
+
+
+def _on_blocks(x) -> bool:
+    """Whether Int8Weight.linear runs these many rows on the bf16 block kernel (the avx512_bf16
+    build, bf16 rows not on AMX tiles), dequantized into its layout."""
+    amx = x.dtype == torch.bfloat16 and x.shape[1] % 32 == 0 and ops.amx_tiles()
+    return x.dtype == torch.bfloat16 and loaded_variant() == "avx512_bf16" and not amx
+
+
+@pytest.mark.parametrize("n, k", [(37, 70), (16, 64), (50, 33), (3, 1), (200, 576)])
+def test_dequantize_int8_bf16_writes_what_pack_bf16_packs(n, k):
+    """The codes dequantized straight into the block kernel's layout are pack_bf16 of q * s
+    rounded to bf16, bit for bit: odd K (the last pair's zero half), N past a block (zero
+    outputs), whatever the buffer held before."""
+    w, _ = _weight(n, k, seed=n + 7 * k)
+    codes, scales = quantize_int8(w)
+    want = ops.pack_bf16(_dequantized(codes, scales).to(torch.bfloat16))
+    out = torch.full_like(want, float("nan"))
+    ops.dequantize_int8_bf16(ops.pack_int8(codes), scales, out)
+    assert torch.equal(out, want)
+    with pytest.raises(RuntimeError, match="scales"):
+        ops.dequantize_int8_bf16(ops.pack_int8(codes), torch.ones(n + 16), out)     # a block more than the codes
+
+
+@pytest.mark.skipif(load_kernels() and loaded_variant() != "avx512_bf16", reason="the block kernel's bf16 layout only")
+@pytest.mark.parametrize("scratch_elements", [1 << 22, 16 * 70])      # whole, and 16 outputs at a time
+def test_many_bf16_rows_run_the_block_kernel_on_the_dequantized_weight(monkeypatch, scratch_elements):
+    """Past KERNEL_MAX_ROWS, bf16 rows in the avx512_bf16 build give exactly linear_bf16 on
+    pack_bf16 of the bf16-rounded dequantized weight (in slices of the scratch buffer or whole)."""
+    monkeypatch.setattr(quantization, "SCRATCH_ELEMENTS", scratch_elements)
+    w, b = _weight(37, 70, seed=19)
+    weight = Int8Weight(w.to(torch.bfloat16), b.to(torch.bfloat16))
+    codes, scales = quantize_int8(w.to(torch.bfloat16))
+    x = torch.randn(quantization.KERNEL_MAX_ROWS + 40, 70).to(torch.bfloat16)
+    packed = ops.pack_bf16(_dequantized(codes, scales).to(torch.bfloat16))
+    want = ops.linear_bf16(x, packed, b.to(torch.bfloat16).float(), 37)
+    assert torch.equal(weight.linear(x), want)
 
 
 @pytest.mark.parametrize("n, k", [(37, 70), (16, 64), (1, 33), (50, 1), (200, 576), (90, 64)])
@@ -149,7 +186,9 @@ def test_many_rows_dequantize_into_the_scratch_buffer(monkeypatch, scratch_eleme
     ref, tol, mag = _reference_and_tolerance(x, _dequantized(codes, scales).to(dtype), b, dtype)   # the GEMM's weight
     assert ((y.double() - ref).abs() <= tol).all()
     buf = quantization.scratch(dtype, 1)
-    assert buf.untyped_storage().nbytes() == min(37, max(16, scratch_elements // 70 // 16 * 16)) * 70 * buf.element_size()
+    outputs = min(37, max(16, scratch_elements // 70 // 16 * 16))
+    held = -(-outputs // 16) * 16 * 70 if _on_blocks(x) else outputs * 70        # whole blocks of k-pairs
+    assert buf.untyped_storage().nbytes() == held * buf.element_size()
     m = quantization.KERNEL_MAX_ROWS
     few = weight.linear(x[:m])                                  # the kernel, on the same rows
     ref_k, tol_k, _ = _reference_and_tolerance(x[:m], _dequantized(codes, scales), b, dtype)
