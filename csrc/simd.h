@@ -62,41 +62,51 @@ inline void at_least(Vec& v, size_t n) {
 // two reductions a span were a third of its time, Zen 4 host, 2026-12-06).
 typedef float vec4 __attribute__((vector_size(16)));
 
-template <typename H, typename V>
-inline H half_of(V v, int which) {
-  H h;
-  std::memcpy(&h, reinterpret_cast<const char*>(&v) + which * sizeof h, sizeof h);
-  return h;
+// v's low and high halves (vec16 -> vec8, vec8 -> vec4), in registers where the build has the
+// instructions (the generic split goes through memory).
+template <typename V, typename H>
+inline void halves(V v, H& lo, H& hi) {
+  static_assert(sizeof(V) == 2 * sizeof(H));
+#ifdef __AVX512F__
+  if constexpr (sizeof(V) == 64) {
+    const __m512d x = reinterpret_cast<__m512d>(v);
+    lo = reinterpret_cast<H>(_mm512_castpd512_pd256(x)), hi = reinterpret_cast<H>(_mm512_extractf64x4_pd(x, 1));
+    return;
+  }
+#endif
+#ifdef __AVX__
+  if constexpr (sizeof(V) == 32) {
+    const __m256 x = reinterpret_cast<__m256>(v);
+    lo = reinterpret_cast<H>(_mm256_castps256_ps128(x)), hi = reinterpret_cast<H>(_mm256_extractf128_ps(x, 1));
+    return;
+  }
+#endif
+  std::memcpy(&lo, &v, sizeof lo), std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
 }
 
 inline float hsum_v(vec4 v) { return (v[0] + v[2]) + (v[1] + v[3]); }
 inline float hmax_v(vec4 v) { return std::max(std::max(v[0], v[2]), std::max(v[1], v[3])); }
-#ifdef __AVX__                                     // halves in registers (the generic split goes through memory)
-inline float hsum_v(vec8 v) {
-  const __m256 x = reinterpret_cast<__m256>(v);
-  return hsum_v(reinterpret_cast<vec4>(_mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1))));
+inline float hsum_v(vec8 v);                       // the halves of a vec16 reduce through these
+inline float hmax_v(vec8 v);
+
+template <typename V, typename H>
+inline float hsum_halves(V v) {
+  H lo, hi;
+  halves(v, lo, hi);
+  return hsum_v(lo + hi);
 }
-inline float hmax_v(vec8 v) {
-  const __m256 x = reinterpret_cast<__m256>(v);
-  return hmax_v(reinterpret_cast<vec4>(_mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1))));
+
+template <typename V, typename H>
+inline float hmax_halves(V v) {
+  H lo, hi;
+  halves(v, lo, hi);
+  return hmax_v(lo > hi ? lo : hi);
 }
-#else
-inline float hsum_v(vec8 v) { return hsum_v(half_of<vec4>(v, 0) + half_of<vec4>(v, 1)); }
-inline float hmax_v(vec8 v) {
-  const vec4 a = half_of<vec4>(v, 0), b = half_of<vec4>(v, 1);
-  return hmax_v(a > b ? a : b);
-}
-#endif
-#ifdef __AVX512F__
-inline float hsum_v(vec16 v) { return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v)); }
-inline float hmax_v(vec16 v) { return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v)); }
-#else
-inline float hsum_v(vec16 v) { return hsum_v(half_of<vec8>(v, 0) + half_of<vec8>(v, 1)); }
-inline float hmax_v(vec16 v) {
-  const vec8 a = half_of<vec8>(v, 0), b = half_of<vec8>(v, 1);
-  return hmax_v(a > b ? a : b);
-}
-#endif
+
+inline float hsum_v(vec8 v) { return hsum_halves<vec8, vec4>(v); }
+inline float hmax_v(vec8 v) { return hmax_halves<vec8, vec4>(v); }
+inline float hsum_v(vec16 v) { return hsum_halves<vec16, vec8>(v); }
+inline float hmax_v(vec16 v) { return hmax_halves<vec16, vec8>(v); }
 
 template <typename V>
 inline V load_v(const float* p) {

@@ -125,34 +125,42 @@ class Int8Weight:
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def _dequantized_blocks(self, x2: torch.Tensor) -> torch.Tensor:
-        """x2 @ (q s)^T + b on the bf16 block kernel (linear_bf16), SCRATCH_ELEMENTS weights at a
-        time dequantized into its packed layout in the scratch buffer."""
-        N, K = self.out_features, self.in_features
-        step = max(_BLOCK, SCRATCH_ELEMENTS // K // _BLOCK * _BLOCK)
-        pairs = (K + 1) // 2
-        buf = scratch(torch.bfloat16, -(-min(N, step) // _BLOCK) * pairs * _BLOCK * 2)
-        pieces = []
-        for n0 in range(0, N, step):
-            n1 = min(N, n0 + step)
-            nb = -(-(n1 - n0) // _BLOCK)
-            blocks = buf[:nb * pairs * _BLOCK * 2].view(nb, pairs, _BLOCK, 2)
-            torch.ops.streamgate.dequantize_int8_bf16(self.codes[n0 // _BLOCK:n0 // _BLOCK + nb], self.scales[n0:n1],
+        """x2 @ (q s)^T + b on the bf16 block kernel (linear_bf16), each slice dequantized into
+        its packed layout (pack_bf16's) in the scratch buffer."""
+        pairs = (self.in_features + 1) // 2
+
+        def size(n: int) -> int:                 # whole blocks of 16 outputs, k in pairs
+            return -(-n // _BLOCK) * pairs * _BLOCK * 2
+
+        def gemm(n0: int, n1: int, buf: torch.Tensor) -> torch.Tensor:
+            blocks = buf[:size(n1 - n0)].view(-1, pairs, _BLOCK, 2)
+            torch.ops.streamgate.dequantize_int8_bf16(self.codes[n0 // _BLOCK:-(-n1 // _BLOCK)], self.scales[n0:n1],
                                                       blocks)
             bias = None if self.bias32 is None else self.bias32[n0:n1]
-            pieces.append(torch.ops.streamgate.linear_bf16(x2, blocks, bias, n1 - n0))
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+            return torch.ops.streamgate.linear_bf16(x2, blocks, bias, n1 - n0)
+
+        return self._in_slices(x2, size, gemm)
 
     def _dequantized_gemm(self, x2: torch.Tensor) -> torch.Tensor:
-        """x2 @ (q s)^T + b through the scratch buffer, SCRATCH_ELEMENTS weights at a time."""
+        """x2 @ (q s)^T + b through the scratch buffer: each slice dequantized transposed, then
+        the dtype's GEMM."""
+        K = self.in_features
+        bias = None if self.bias is None else self.bias.to(x2.dtype)
+
+        def gemm(n0: int, n1: int, buf: torch.Tensor) -> torch.Tensor:
+            wt = self.dequantized(x2.dtype, (n0, n1), buf[:(n1 - n0) * K].view(K, n1 - n0))    # [K, n]
+            return torch.mm(x2, wt) if bias is None else torch.addmm(bias[n0:n1], x2, wt)
+
+        return self._in_slices(x2, lambda n: n * K, gemm)
+
+    def _in_slices(self, x2: torch.Tensor, elements, gemm) -> torch.Tensor:
+        """gemm(n0, n1, buf) for output slices [n0, n1) of at most SCRATCH_ELEMENTS weights
+        (whole blocks of 16 outputs), buf this thread's scratch buffer of x2's dtype, at least
+        elements(n) for the widest slice; the pieces side by side."""
         N, K = self.out_features, self.in_features
         step = max(_BLOCK, SCRATCH_ELEMENTS // K // _BLOCK * _BLOCK)
-        bias = None if self.bias is None else self.bias.to(x2.dtype)
-        buf = scratch(x2.dtype, min(N, step) * K)
-        pieces = []
-        for n0 in range(0, N, step):
-            n1 = min(N, n0 + step)
-            wt = self.dequantized(x2.dtype, (n0, n1), buf[:(n1 - n0) * K].view(K, n1 - n0))    # [K, n]
-            pieces.append(torch.mm(x2, wt) if bias is None else torch.addmm(bias[n0:n1], x2, wt))
+        buf = scratch(x2.dtype, elements(min(N, step)))
+        pieces = [gemm(n0, min(N, n0 + step), buf) for n0 in range(0, N, step)]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
 
