@@ -118,3 +118,18 @@ def test_served_engines_take_the_pool_by_default_in_process_ones_do_not(tiny_mod
     served = _build_engine(EngineConfig(**cfg))
     assert served.runner.elastic == (BF16_UNFIT is None)
     assert elastic.pool_threads() == (os.cpu_count() if served.runner.elastic else 0)
+
+
+@pytest.mark.skipif(BF16_UNFIT is not None, reason=f"bf16 engines cannot take the pool here: {BF16_UNFIT}")
+def test_int8_engines_take_the_pool_and_their_prefill_steps_keep_openmps_bits(tiny_model, all_threads, pool_off_after):
+    """int8 weights in bf16 take the pool wherever bf16 does (without AMX their prefill steps
+    dequantize into the block kernel's layout, quantization.py): a mixed step of 93 rows (past
+    the int8 kernel's 32) gives the same logits on the pool as on OpenMP's loops."""
+    eng = LLMEngine(EngineConfig(model=tiny_model("llama-slow"), dtype="bfloat16", quantization="int8",
+                                 attention_backend="kernel", num_kv_blocks=64, block_size=8, elastic_threads=True))
+    assert eng.runner.elastic and elastic.fits(torch.bfloat16, "int8") is None
+    prepared = eng.runner._prepare(mixed_batch(eng))
+    on_pool = eng.runner.execute(*prepared).clone()
+    assert torch.ops.streamgate.elastic_threads(0) == 0
+    torch.set_num_threads(os.cpu_count())
+    assert torch.equal(eng.runner.execute(*prepared), on_pool)
