@@ -42,8 +42,9 @@ def pool_threads() -> int:
     return int(torch.ops.streamgate.elastic_threads(-1))
 
 
-def fits(dtype, quantization: str | None) -> str | None:
-    """Why the elastic pool cannot run this engine's steps (None: it can)."""
+def fits(dtype) -> str | None:
+    """Why the elastic pool cannot run this engine's steps in `dtype` (None: it can; int8 weights
+    too, whose steps all run on the kernels in the avx512_bf16 build: quantization.py)."""
     import torch
 
     from .kernels import load_kernels, loaded_variant
@@ -65,7 +66,7 @@ def start(config, dtype) -> bool:
     threads = torch.get_num_threads()
     if threads <= 1:
         return False
-    if (why := fits(dtype, config.quantization)) is not None:
+    if (why := fits(dtype)) is not None:
         log.warning("elastic threads off: %s", why)
         return False
     if pool_threads() != threads:

@@ -21,7 +21,7 @@ pytestmark = [
     pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: no helper thread to share loops with"),
 ]
 # Why an engine in bf16 cannot take the pool on this host (None: it can).
-BF16_UNFIT = elastic.fits(torch.bfloat16, None) if load_kernels() else "the C++ kernels did not build"
+BF16_UNFIT = elastic.fits(torch.bfloat16) if load_kernels() else "the C++ kernels did not build"
 
 
 @pytest.fixture
@@ -103,7 +103,7 @@ def test_elastic_threads_are_refused_where_big_steps_leave_the_kernels(tiny_mode
     engine keeps OpenMP and the pool stays off."""
     eng = LLMEngine(EngineConfig(model=tiny_model("llama"), dtype="float32", num_kv_blocks=32, elastic_threads=True))
     assert not eng.runner.elastic and elastic.pool_threads() == 0
-    assert "float32" in elastic.fits(torch.float32, None)
+    assert "float32" in elastic.fits(torch.float32)
 
 
 def test_served_engines_take_the_pool_by_default_in_process_ones_do_not(tiny_model, all_threads, pool_off_after):
@@ -127,7 +127,7 @@ def test_int8_engines_take_the_pool_and_their_prefill_steps_keep_openmps_bits(ti
     the int8 kernel's 32) gives the same logits on the pool as on OpenMP's loops."""
     eng = LLMEngine(EngineConfig(model=tiny_model("llama-slow"), dtype="bfloat16", quantization="int8",
                                  attention_backend="kernel", num_kv_blocks=64, block_size=8, elastic_threads=True))
-    assert eng.runner.elastic and elastic.fits(torch.bfloat16, "int8") is None
+    assert eng.runner.elastic and elastic.fits(torch.bfloat16) is None
     prepared = eng.runner._prepare(mixed_batch(eng))
     on_pool = eng.runner.execute(*prepared).clone()
     assert torch.ops.streamgate.elastic_threads(0) == 0
