@@ -25,16 +25,29 @@ constexpr int kDpRows = 8;       // rows per pass over a block (8 accumulators i
 // 1-3 rows, whose one chain a block would wait on VDPBF16PS's latency, run kDpBlocks(R) blocks
 // side by side instead: independent chains over other outputs, each still in k order.
 constexpr int kDpBlocks(int R) { return R == 1 ? 4 : R == 2 ? 3 : R == 3 ? 2 : 1; }
-// Software prefetch 4 KB ahead (in packed rows of 64 B) for passes of 4+ rows, whose 8
-// VDPBF16PS a row leave the stream latency-bound (measured: the head at 8-64 rows); not for
-// 1-3 rows, which stream as fast as the memory allows (prefetchnta cost the shift+FMA form's
-// one-row stream ~20 % on the Zen 4 host, 2026-12-02).
-// On Intel's CPUs (stream_prefetch_hint() == kPrefetchT0) passes of 1-3 rows prefetch each of
-// their B streams too: SmolLM2's one-row bf16 decode step on the Intel AMX host 17.9 -> 16.5-16.7
-// ms with this and the block tails below (2 threads, builds alternating, 2026-12-05), most of it
-// the prefetch (switched off alone: +0.8-1.2 ms); the layers' one-row calls then read ~21 GB/s
-// against ~19. Other CPUs keep the hardware prefetchers alone, as measured on Zen 4.
-constexpr int64_t kAhead = 64;
+// Software prefetch of the weight stream, by pass width and CPU (pass_ahead):
+// - Intel's CPUs: prefetcht0 4 KB ahead in every pass, each of a pass's B streams. SmolLM2's
+//   one-row bf16 decode step on the Intel AMX host 17.9 -> 16.5-16.7 ms with this and the block
+//   tails below (2 threads, builds alternating, 2026-12-05), most of it the prefetch (switched
+//   off alone: +0.8-1.2 ms); the layers' one-row calls then read ~21 GB/s against ~19.
+// - Others, passes of 1-3 rows: the hardware prefetchers alone. They stream as fast as the memory
+//   allows (prefetchnta cost the shift+FMA form's one-row stream ~20 % on the Zen 4 host,
+//   2026-12-02; prefetcht1 16 KB ahead was level with none, 2026-12-06).
+// - Others, passes of 4+ rows: prefetcht1 (into L2) 16 KB ahead. Their 8 VDPBF16PS a packed row
+//   keep the core busy ~60 % of the time the memory takes, and an L1 prefetch 4 KB ahead kept too
+//   few lines in flight meanwhile. Zen 4 host, 2026-12-06, variants alternating in one process:
+//   236 MB of 8-row passes on 2 threads read 23.6-26.6 GB/s with prefetcht0 4 KB ahead, 26.0-33.5
+//   with prefetcht1 16-32 KB ahead (one-row passes: 28.7-38.1); SmolLM2 bf16 decode steps
+//   (elastic pool) 18.46 -> 17.07 ms at 8 rows, 15.51 -> 14.94 at 4, 28.43 -> 26.60 at 16; a
+//   prefill step (a 286-token chunk beside 7 decode rows) level (191.0 / 190.3 ms).
+enum class Ahead { kNone, kT0Near, kT1Far };
+constexpr int64_t kAheadNear = 64, kAheadFar = 256;  // packed rows of 64 B: 4 KB, 16 KB
+
+// The prefetch of a pass of R rows on this CPU (above).
+inline Ahead pass_ahead(int R) {
+  if (streamgate::cpu::intel_cpu()) return Ahead::kT0Near;
+  return R >= 4 ? Ahead::kT1Far : Ahead::kNone;
+}
 
 // Rows row..row+R-1 of x as bf16 k-pairs (one 32-bit word each, row stride xs words) against
 // B consecutive blocks of K2 packed pair rows from `block` (outputs n0..n0+16B-1, of N): one
@@ -43,7 +56,7 @@ constexpr int64_t kAhead = 64;
 // silu(gate) * up, each rounded as the two outputs and silu_and_mul(block=16) round them.
 template <int R, int B, bool Silu = false, typename T>
 __attribute__((noinline)) void dp_rows(const uint16_t* x, int64_t xs, const uint16_t* block, int64_t K2,
-                                       const Out<T>& out, int64_t row, int64_t n0, int64_t N, bool ahead) {
+                                       const Out<T>& out, int64_t row, int64_t n0, int64_t N, Ahead ahead) {
   const int64_t stride = K2 * 2 * kBlock;          // codes per block
   __m512 acc[B][R];
   for (int b = 0; b < B; ++b)
@@ -54,9 +67,12 @@ __attribute__((noinline)) void dp_rows(const uint16_t* x, int64_t xs, const uint
     return (__m512bh)_mm512_set1_epi32(v);
   };
   for (int64_t r = 0; r < K2; ++r) {
-    if (R >= 4 || ahead)                          // passes of 4+ rows take one block (B = 1)
+    if (ahead == Ahead::kT0Near)
       for (int b = 0; b < B; ++b)
-        _mm_prefetch(reinterpret_cast<const char*>(block + b * stride + (r + kAhead) * 2 * kBlock), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(block + b * stride + (r + kAheadNear) * 2 * kBlock), _MM_HINT_T0);
+    else if (ahead == Ahead::kT1Far)
+      for (int b = 0; b < B; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(block + b * stride + (r + kAheadFar) * 2 * kBlock), _MM_HINT_T1);
     for (int b = 0; b < B; ++b) {
       const __m512bh w = (__m512bh)_mm512_loadu_si512(block + b * stride + r * 2 * kBlock);
       for (int j = 0; j < R; ++j) acc[b][j] = _mm512_dpbf16_ps(acc[b][j], w, pair(j, r));
@@ -101,9 +117,9 @@ inline void dp_blocks(const uint16_t* xp, int64_t xs, int64_t M, int64_t K2, int
                const Out<T>& out, int64_t blocks) {
   const int64_t block_bytes = std::max<int64_t>(1, K2 * 2 * kBlock * 2);     // K = 0: no division by 0
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / block_bytes);
-  const bool ahead = stream_prefetch_hint() == kPrefetchT0;
   pass_groups<kDpRows>(M, blocks, block_bytes, grain, [&](auto r, int64_t m, int64_t g0, int64_t g1) {
     constexpr int R = decltype(r)::value;
+    const Ahead ahead = pass_ahead(R);
     row_groups<kDpBlocks(R)>(g1 - g0, [&](auto width, int64_t i) {
       const int64_t b = g0 + i;
       dp_rows<R, decltype(width)::value>(xp + m * xs * 2, xs, wp + b * K2 * 2 * kBlock, K2, out, m, b * kBlock, N, ahead);
@@ -118,9 +134,9 @@ inline void dp_blocks_silu(const uint16_t* xp, int64_t xs, int64_t M, int64_t K2
                            const Out<c10::BFloat16>& out) {
   const int64_t pair_bytes = std::max<int64_t>(1, K2 * 2 * kBlock * 2) * 2;
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / pair_bytes);
-  const bool ahead = stream_prefetch_hint() == kPrefetchT0;
   pass_groups<kDpRows>(M, N / (2 * kBlock), pair_bytes, grain, [&](auto r, int64_t m, int64_t p0, int64_t p1) {
     constexpr int R = decltype(r)::value;
+    const Ahead ahead = pass_ahead(R);
     row_groups<R <= 2 ? 2 : 1>(p1 - p0, [&](auto width, int64_t i) {
       const int64_t b = 2 * (p0 + i);
       dp_rows<R, 2 * decltype(width)::value, true>(xp + m * xs * 2, xs, wp + b * K2 * 2 * kBlock, K2, out, m,
