@@ -17,9 +17,11 @@ namespace streamgate::cpu {
 
 constexpr int64_t kLanes = 8;        // fp32 lanes of one vector (AVX2: one register)
 
-// Whether this is an Intel CPU: where software prefetch measured gains (the Intel AMX host) and
-// did nothing measurable (the Zen 4 host) differ, the kernels choose by vendor (linear_blocks.h's
-// weight streams, attention_decode.h's span walk). Probed once.
+// Whether this is an Intel CPU: which software prefetch measured gains differs by vendor (the
+// Intel AMX host: prefetcht0 4 KB ahead in the weight streams and the span walk; the Zen 4 host:
+// none in memory-bound streams, prefetcht1 16 KB ahead where compute shares the stream's time,
+// loads for the span walk), so the kernels choose by vendor (linear_dp.h, linear_vnni.h,
+// linear_blocks.h, attention_decode.h). Probed once.
 inline bool intel_cpu() {
   static const bool intel = [] {
 #if defined(__x86_64__) || defined(__i386__)
