@@ -19,10 +19,11 @@
 // once to the activation's dtype. Blocks are split over the threads.
 //
 // The VDPBF16PS form runs 8 rows a pass, one in-order sum per output at every pass width
-// (row-invariant: a row gets the same bits whatever rows share the call), prefetches 4 KB ahead in passes of 4+ rows (a gain for the 49152x576 head at 8-64
-// rows, whose rows come from memory), and takes each thread's blocks in ~256 KB groups, every pass over a group before
-// the next, so a pass's activations stay in L1 and the weights are read from memory once a
-// call. Measured on the Zen 4 host (shared, load 4-5, one thread; 2026-12-02; python -m
+// (row-invariant: a row gets the same bits whatever rows share the call), prefetches the
+// weight stream by pass width and CPU (linear_dp.h's pass_ahead: off Intel, passes of 4+ rows
+// into L2 16 KB ahead), and takes each thread's blocks in ~256 KB groups, every pass over a
+// group before the next, so a pass's activations stay in L1 and the weights are read from
+// memory once a call. Measured on the Zen 4 host (shared, load 4-5, one thread; 2026-12-02; python -m
 // bench.engine.gemm --crossover --threads 1) against oneDNN's prepacked bf16 matmul at
 // SmolLM2-135M's shapes: 1.75-2.5x at 1 row, 1.2-1.7x at 8, 1.0-1.2x at 32, 0.96-1.05x at
 // 64-512 (~190 GFLOP/s a core, as oneDNN); the head 1.8-2.1x at 1-2 rows, 0.87-1.1x at
