@@ -62,6 +62,10 @@ struct Out {
 // kernel measured a ~20 % loss with prefetchnta (Zen 4) and passes kNoPrefetch.
 constexpr int kNoPrefetch = -1, kPrefetchNta = 0, kPrefetchT0 = 3;
 
+// How far ahead the AVX-512 passes whose compute shares the stream's time (linear_dp.h's 4+-row
+// bf16 passes, linear_vnni.h's 1-3-row int8 ones) prefetch into L2 on CPUs other than Intel's.
+constexpr int64_t kFarAheadBytes = 16 << 10;
+
 // The int8 stream's hint on this CPU: prefetcht0 on Intel's, prefetchnta elsewhere.
 inline int stream_prefetch_hint() { return streamgate::cpu::intel_cpu() ? kPrefetchT0 : kPrefetchNta; }
 

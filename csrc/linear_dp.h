@@ -41,7 +41,7 @@ constexpr int kDpBlocks(int R) { return R == 1 ? 4 : R == 2 ? 3 : R == 3 ? 2 : 1
 //   (elastic pool) 18.46 -> 17.07 ms at 8 rows, 15.51 -> 14.94 at 4, 28.43 -> 26.60 at 16; a
 //   prefill step (a 286-token chunk beside 7 decode rows) level (191.0 / 190.3 ms).
 enum class Ahead { kNone, kT0Near, kT1Far };
-constexpr int64_t kAheadNear = 64, kAheadFar = 256;  // packed rows of 64 B: 4 KB, 16 KB
+constexpr int64_t kAheadNear = 64, kAheadFar = kFarAheadBytes / 64;  // packed rows of 64 B: 4 KB, 16 KB
 
 // The prefetch of a pass of R rows on this CPU (above).
 inline Ahead pass_ahead(int R) {

@@ -83,13 +83,13 @@ inline __m512i bcast4(const uint8_t* p) {
 // locality, or none). B > 1 keeps that many weight streams in flight for passes of one or two
 // rows, which wait on memory alone. Integer sums: exact, the same bits whatever B.
 // Where Hint is prefetchnta (CPUs other than Intel's), passes of 1-3 rows prefetch into L2 16 KB
-// ahead instead (kFarRows): their VPDPBUSDs keep the core busy about a third of the time the
-// stream takes, and prefetchnta 4 KB ahead left too few lines in flight. Zen 4 host, 2026-12-06:
+// ahead instead (kFarRows, linear_blocks.h's kFarAheadBytes): their VPDPBUSDs keep the core busy
+// about a third of the time the stream takes, and prefetchnta 4 KB ahead left too few lines in
+// flight. Zen 4 host, 2026-12-06:
 // this loop alone (4 blocks side by side, 236 MB of codes, 2 threads, variants alternating)
 // 24.2-28.7 -> 27.8-35.7 GB/s; SmolLM2's int8 decode step (elastic pool, switched every 10
 // steps) 9.82 / 10.12 -> 9.31 / 9.74 ms at one row, 9.22 / 10.40 -> 8.32 / 8.89 at two. Passes of
 // 8 rows, bound by their VPDPBUSDs, were slower with it (22.4 -> 23.4 ms) and keep prefetchnta.
-constexpr int64_t kFarBytes = 16 << 10;
 constexpr bool kFarRows(int R, int Hint) { return Hint == kPrefetchNta && R < 4; }
 template <int R, int B, int Hint, typename T>
 __attribute__((noinline)) void vnni_block_rows(const SplitRows& xs, int64_t m, int64_t K, const int8_t* block,
@@ -106,7 +106,7 @@ __attribute__((noinline)) void vnni_block_rows(const SplitRows& xs, int64_t m, i
   for (int64_t k = 0; k < K; k += 4) {
     for (int b = 0; b < B; ++b) {
       const int8_t* codes = block + b * stride + k * kBlock;
-      if constexpr (kFarRows(R, Hint)) _mm_prefetch(reinterpret_cast<const char*>(codes + kFarBytes), _MM_HINT_T1);
+      if constexpr (kFarRows(R, Hint)) _mm_prefetch(reinterpret_cast<const char*>(codes + kFarAheadBytes), _MM_HINT_T1);
       else if constexpr (Hint != kNoPrefetch) __builtin_prefetch(codes + 4096, 0, Hint);
       const __m512i w = vnni_order(_mm512_loadu_si512(codes));
       sum[b] = _mm512_dpbusd_epi32(sum[b], ones, w);
