@@ -114,6 +114,18 @@ def test_the_guidellm_command_line_is_logged_without_the_api_key(tmp_path, capsy
     assert "running: false run" in err and "api_key=<key>" in err and key not in err
 
 
+def test_guidellm_prefetches_only_the_prompts_the_level_sends(tmp_path):
+    """GuideLLM's data loader is bounded by the level's request count (its default of 4,096
+    prompts kept a core busy while the server was measured), and its request cap is the same."""
+    from bench.peers.clients import Load, guidellm_command
+
+    cmd = guidellm_command("guidellm", "http://127.0.0.1:9", "m", str(tmp_path), "k", Load(8, 16, 256, 64, 300.0),
+                           tmp_path / "out.json")
+    opts = {cmd[i + 1].split(",")[0]: dict(kv.split("=", 1) for kv in cmd[i + 1].split(","))
+            for i, a in enumerate(cmd) if a in ("--data-loader", "--constraint")}
+    assert opts["kind=pytorch"]["prefetch_factor"] == "16" and opts["kind=max_requests"]["count"] == "16"
+
+
 def test_harness_runs_streamgate_with_its_own_client(tiny_model, tmp_path):
     """`python -m bench.peers --client loadgen` starts streamgate, measures two levels with
     every request producing exactly its output tokens, writes JSON and markdown, records

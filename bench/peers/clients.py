@@ -50,13 +50,19 @@ class Load:
 def guidellm_command(exe: str, url: str, model: str, model_dir: str, api_key: str, load: Load, out: Path) -> list[str]:
     """GuideLLM 0.8.1's CLI (`guidellm run`, options as `kind=...,key=value`) for one
     concurrency level. Its tokenizer is the local model dir, so synthetic prompts are
-    counted in the model's own tokens without a hub."""
+    counted in the model's own tokens without a hub.
+
+    The data loader prefetches only the level's own requests: GuideLLM's default
+    (`prefetch_factor=4096`) has its data worker generate 4,096 synthetic prompts, ~7 s of
+    a whole core, while the level runs, so on a 2-core host the client took a core from a
+    server that uses both (docs/HISTORY.md, "GuideLLM's prompt worker")."""
     return [exe, "run", "--disable-console-interactive",
             "--backend", f"kind=openai_http,target={url},model={model},api_key={api_key},"
                          "request_format=/v1/chat/completions",
             "--tokenizer", f"kind=huggingface_auto,model={model_dir}",
             "--profile", f"kind=concurrent,streams={load.concurrency}",
             "--data", f"kind=synthetic_text,prompt_tokens={load.prompt_tokens},output_tokens={load.output_tokens}",
+            "--data-loader", f"kind=pytorch,prefetch_factor={load.requests}",
             "--constraint", f"kind=max_requests,count={load.requests}",
             "--constraint", f"kind=max_duration,seconds={int(load.max_seconds)}",
             "--output", f"kind=json,path={out}"]
