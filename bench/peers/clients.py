@@ -55,7 +55,7 @@ def guidellm_command(exe: str, url: str, model: str, model_dir: str, api_key: st
     The data loader prefetches only the level's own requests: GuideLLM's default
     (`prefetch_factor=4096`) has its data worker generate 4,096 synthetic prompts, ~7 s of
     a whole core, while the level runs, so on a 2-core host the client took a core from a
-    server that uses both (docs/HISTORY.md, "GuideLLM's prompt worker")."""
+    server that uses both (docs/bench/HISTORY.md, "GuideLLM's prompt worker")."""
     return [exe, "run", "--disable-console-interactive",
             "--backend", f"kind=openai_http,target={url},model={model},api_key={api_key},"
                          "request_format=/v1/chat/completions",
