@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "parallel.h"
@@ -135,14 +137,140 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   return out;
 }
 
+// Plain sampling's draw (engine/sampler.py, rows without a top-k or top-p cut): row r's token for
+// one uniform u[r] in [0, 1) from softmax(logits[r] / temps[r]), the first column whose running
+// sum of exp(y - max) exceeds u[r] times their total, without the [K, V] distribution and its
+// cumulative sums: torch's softmax and cumsum on one thread took ~80 us a row over SmolLM2's
+// vocabulary, and served at temperature 1 (the API's default) the sampling frames were ~4 % of
+// the engine thread (py-spy, one GuideLLM stream, Zen 4 host, 2026-12-06).
+// The columns go in spans the pool's threads take: each span's max, then the sum of its exps,
+// lanes reduced in a fixed order, so a row's token does not depend on which thread ran which
+// span or on the rows beside it. Then, on the calling thread, the span where the running sum of
+// span sums (column order) first exceeds u * total, its exps made again the same way, and the
+// first of its columns whose running sum does; where rounding leaves that scan short, the span's
+// last column with a non-zero exp: never a column of zero probability. A row whose max is not
+// finite (a NaN, +inf, or every column -inf) takes its argmax as argmax_rows gives it.
+struct DrawRow {
+  const float* x;
+  float t;                                                  // temperature; 1: x as it is
+  vec16 y16(int64_t i) const { const vec16 v = load16(x + i); return t == 1.0f ? v : v / t; }
+  float y1(int64_t i) const { return t == 1.0f ? x[i] : x[i] / t; }   // as torch's division gives it
+
+  float span_max(int64_t lo, int64_t hi) const {
+    vec16 m = vec16{} - std::numeric_limits<float>::infinity();
+    int64_t i = lo;
+    for (; i + 16 <= hi; i += 16) {
+      const vec16 v = y16(i);
+      m = (v > m) | (v != v) ? v : m;                       // a NaN sticks
+    }
+    float best = -std::numeric_limits<float>::infinity();
+    for (int l = 0; l < 16; ++l) best = std::isnan(m[l]) || m[l] > best ? m[l] : best;
+    for (; i < hi; ++i) best = std::isnan(y1(i)) || y1(i) > best ? y1(i) : best;
+    return best;
+  }
+
+  // exp(y - max) of columns [lo, hi) into e[0, hi - lo) (zero below 2^-126); returns their sum.
+  float span_exps(int64_t lo, int64_t hi, float max, float* e) const {
+    const vec16 mv = vec16{} + max, floor = vec16{} - 87.0f, zero = {};
+    vec16 acc = {};
+    int64_t i = lo;
+    for (; i + 16 <= hi; i += 16) {
+      const vec16 d = y16(i) - mv;
+      const vec16 v = d < floor ? zero : streamgate::cpu::exp16_nonpositive(d);
+      std::memcpy(e + (i - lo), &v, sizeof v);
+      acc += v;
+    }
+    float sum = 0.0f;
+    for (int l = 0; l < 16; ++l) sum += acc[l];
+    for (; i < hi; ++i) {
+      const float d = y1(i) - max;
+      e[i - lo] = d < -87.0f ? 0.0f : streamgate::cpu::exp16_nonpositive(vec16{} + d)[0];
+      sum += e[i - lo];
+    }
+    return sum;
+  }
+};
+
+torch::Tensor draw_rows(const torch::Tensor& logits, const torch::Tensor& temps, const torch::Tensor& u) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1 &&
+              logits.scalar_type() == torch::kFloat && logits.size(1) > 0,
+              "draw_rows: logits must be [K, V] fp32 on the CPU, unit stride over V, V > 0");
+  const int64_t rows = logits.size(0), cols = logits.size(1), spans = (cols + kSpan - 1) / kSpan;
+  for (const auto* t : {&temps, &u})
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 1 && t->size(0) == rows && t->scalar_type() == torch::kFloat &&
+                t->is_contiguous(), "draw_rows: temps and u must be [K] fp32, one per row");
+  const float *x = logits.data_ptr<float>(), *tp = temps.data_ptr<float>(), *up = u.data_ptr<float>();
+  const int64_t stride = logits.stride(0);
+  auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
+  int64_t* tokens = out.data_ptr<int64_t>();
+  std::vector<float> top(rows * spans), sums(rows * spans), row_max(rows);
+  auto row = [&](int64_t r) { return DrawRow{x + r * stride, tp[r]}; };
+  streamgate::cpu::parallel_for(0, rows * spans, 1, [&](int64_t a, int64_t b) {
+    for (int64_t w = a; w < b; ++w) {
+      const int64_t lo = (w % spans) * kSpan;
+      top[w] = row(w / spans).span_max(lo, std::min(cols, lo + kSpan));
+    }
+  });
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = top[r * spans];
+    for (int64_t s = 1; s < spans; ++s) m = std::isnan(top[r * spans + s]) || top[r * spans + s] > m ? top[r * spans + s] : m;
+    row_max[r] = m;
+  }
+  streamgate::cpu::parallel_for(0, rows * spans, 1, [&](int64_t a, int64_t b) {
+    float e[kSpan];
+    for (int64_t w = a; w < b; ++w) {
+      const int64_t r = w / spans, lo = (w % spans) * kSpan;
+      if (std::isfinite(row_max[r])) sums[w] = row(r).span_exps(lo, std::min(cols, lo + kSpan), row_max[r], e);
+    }
+  });
+  std::vector<float> e(kSpan);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!std::isfinite(row_max[r])) {
+      argmax_rows_impl(x + r * stride, 1, cols, stride, tokens + r);
+      continue;
+    }
+    float total = 0.0f;
+    for (int64_t s = 0; s < spans; ++s) total += sums[r * spans + s];
+    const float target = up[r] * total;
+    int64_t s = 0;
+    float run = 0.0f;
+    for (; s + 1 < spans && run + sums[r * spans + s] <= target; ++s) run += sums[r * spans + s];
+    auto exps = [&](int64_t span) {
+      const int64_t lo = span * kSpan, hi = std::min(cols, lo + kSpan);
+      row(r).span_exps(lo, hi, row_max[r], e.data());
+      return std::pair<int64_t, int64_t>{lo, hi};
+    };
+    auto [lo, hi] = exps(s);
+    int64_t pick = -1, last = -1;
+    for (int64_t i = lo; i < hi; ++i) {
+      if (e[i - lo] == 0.0f) continue;
+      last = i;
+      run += e[i - lo];
+      if (run > target) {
+        pick = i;
+        break;
+      }
+    }
+    while (pick < 0 && last < 0 && s > 0) {      // a last span of zero exps (u * total rounded up to the total)
+      std::tie(lo, hi) = exps(--s);
+      for (int64_t i = hi - 1; i >= lo && last < 0; --i)
+        if (e[i - lo] > 0.0f) last = i;
+    }
+    tokens[r] = pick >= 0 ? pick : std::max<int64_t>(last, 0);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(streamgate, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("logits_fp32(Tensor x) -> Tensor");
+  m.def("draw_rows(Tensor logits, Tensor temps, Tensor u) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(streamgate, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("logits_fp32", &logits_fp32);
+  m.impl("draw_rows", &draw_rows);
 }

@@ -29,19 +29,22 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-_ARGMAX = None
+_OPS: dict[str, object] = {}
+
+
+def _op(name: str):
+    """torch.ops.streamgate.<name> once the kernels are loaded, else None (asked again next
+    time: an engine may load them after the first step of another)."""
+    if name not in _OPS:
+        try:
+            _OPS[name] = getattr(torch.ops.streamgate, name)
+        except (AttributeError, RuntimeError):
+            return None
+    return _OPS[name]
 
 
 def _argmax_op():
-    """torch.ops.streamgate.argmax_rows once the kernels are loaded, else None (asked again
-    next time: an engine may load them after the first step of another)."""
-    global _ARGMAX
-    if _ARGMAX is None:
-        try:
-            _ARGMAX = torch.ops.streamgate.argmax_rows
-        except (AttributeError, RuntimeError):
-            return None
-    return _ARGMAX
+    return _op("argmax_rows")
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -87,13 +90,34 @@ def _plain(logits: torch.Tensor, seqs: list[Sequence], skip: set[int] = frozense
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in skip]
     if len(rows) == len(seqs):          # every row draws: no greedy pass, no copy of the rows
         tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
-        _draw(plain_probs(logits, seqs), seqs, tokens, rows)
-        return tokens.tolist()
-    tokens = greedy(logits)                                          # [K] greedy for all
-    if rows:
-        probs = plain_probs(logits[torch.tensor(rows, device=logits.device)], [seqs[i] for i in rows])
-        _draw(probs, [seqs[i] for i in rows], tokens, rows)
+    else:
+        tokens = greedy(logits)                                      # [K] greedy for all
+    fast = [i for i in rows if drawn_in_kernel(logits, seqs[i].params)]
+    if fast:
+        tokens[fast] = draw_rows(logits if len(fast) == len(seqs) else logits[fast], [seqs[i] for i in fast])
+    if slow := [i for i in rows if i not in set(fast)]:
+        sub = logits if len(slow) == len(seqs) else logits[torch.tensor(slow, device=logits.device)]
+        _draw(plain_probs(sub, [seqs[i] for i in slow]), [seqs[i] for i in slow], tokens, slow)
     return tokens.tolist()
+
+
+def drawn_in_kernel(logits: torch.Tensor, params) -> bool:
+    """Whether a plain row with these params draws through csrc/logits.cpp's draw_rows (fp32
+    logits on the CPU, the kernels loaded, no top-k or top-p cut) rather than torch's softmax and
+    cumsum. The same for every row of a sequence, whatever its batch: plain decode rows and
+    speculative verification (spec_decode.py) decide alike, so a seed gives the same tokens."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and not params.greedy
+            and (params.top_k <= 0 or params.top_k >= logits.shape[-1]) and params.top_p >= 1.0
+            and _op("draw_rows") is not None)
+
+
+def draw_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Row j's token from softmax(logits[j] / temperature) for one uniform from seqs[j]'s
+    generator, as `draw` takes it: [R, V] fp32 -> [R] (rows drawn_in_kernel)."""
+    dev = logits.device
+    u = torch.stack([torch.rand((), generator=_generator(s, dev), device=dev) for s in seqs])
+    temps = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32)
+    return _op("draw_rows")(logits if logits.stride(-1) == 1 else logits.contiguous(), temps, u)
 
 
 def plain_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -3,7 +3,7 @@
 An entry with drafts d1..dk computed [last token, d1..dk]; the runner returns the logits at
 those k+1 positions. Row j's token t_j is drawn exactly as a plain decode row draws it
 (greedy: argmax; otherwise inverse CDF of the row's distribution p_j with one uniform from
-the sequence's generator, sampler.draw). The run keeps t_0, t_1, ... while each equals the
+the sequence's generator: sampler.draw_rows, or sampler.draw where a top-k or top-p cut applies). The run keeps t_0, t_1, ... while each equals the
 draft it was computed after (t_j == d_{j+1}) and ends with the first that does not (the
 correction) or with t_k (the bonus token): 1 to k+1 tokens.
 
@@ -32,7 +32,7 @@ import torch
 
 from .prompt_logprobs import record as record_prompt_logprobs
 from .prompt_logprobs import rows as prompt_logprob_rows
-from .sampler import draw, plain_probs, sample_step
+from .sampler import draw, draw_rows, drawn_in_kernel, plain_probs, sample_step
 from .sampler import greedy as greedy_tokens
 from .sequence import RequestOutput, Sequence
 
@@ -50,17 +50,23 @@ def verify(logits: torch.Tensor, drafted: list[tuple[Sequence, list[int]]]) -> l
         starts.append(len(rows))
         rows.extend([seq] * (len(drafts) + 1))
         sampled.append(not seq.params.greedy)
-    cdf = None
-    if any(sampled):
-        keep = [r for r, seq in enumerate(rows) if not seq.params.greedy]
+    cdf, at = None, {}
+    if any(sampled):                  # rows drawn with torch's cumulative sums (a top-k or top-p cut)
+        keep = [r for r, seq in enumerate(rows) if not seq.params.greedy and not drawn_in_kernel(logits, seq.params)]
         at = {r: j for j, r in enumerate(keep)}
-        cdf = plain_probs(logits[keep], [rows[r] for r in keep]).cumsum(dim=-1)       # [R', V]
+        cdf = plain_probs(logits[keep], [rows[r] for r in keep]).cumsum(dim=-1) if keep else None   # [R', V]
+
+    def drawn(r: int, seq: Sequence) -> int:      # as a plain decode row draws it (sampler._plain)
+        if r in at:
+            return int(draw(cdf[at[r]], seq))
+        return int(draw_rows(logits[r:r + 1], [seq])[0])
+
     runs = []
-    for (seq, drafts), start, drawn in zip(drafted, starts, sampled):
+    for (seq, drafts), start, is_drawn in zip(drafted, starts, sampled):
         run: list[int] = []
         for j in range(len(drafts) + 1):
             r = start + j
-            run.append(int(draw(cdf[at[r]], seq)) if drawn else greedy[r])
+            run.append(drawn(r, seq) if is_drawn else greedy[r])
             if j == len(drafts) or run[-1] != drafts[j]:
                 break
         runs.append(run)
