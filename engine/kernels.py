@@ -18,6 +18,8 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -98,11 +100,6 @@ def choose_variant(flags: frozenset[str] | None = None) -> Variant:
     return runnable[0]
 
 
-# A build holds torch's `lock` file for about a minute; one older than this was left by a
-# build that was killed, and would make every later load wait on it forever.
-_STALE_LOCK_S = 900.0
-
-
 def build_dir(variant: Variant | None = None) -> Path:
     """Where a variant is built: beside the interpreter it is built for (the venv's
     `share/streamgate/kernels/<variant>`), so every process of that venv, whatever its
@@ -117,11 +114,26 @@ def build_dir(variant: Variant | None = None) -> Path:
         path = cache_dir() / "kernels"
     path = path / (variant or choose_variant()).name
     path.mkdir(parents=True, exist_ok=True)
-    lock = path / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-        log.warning("removing a stale kernel build lock %s (a build was killed)", lock)
-        lock.unlink(missing_ok=True)
     return path
+
+
+@contextmanager
+def builder(directory: Path) -> Iterator[None]:
+    """Held by a process while it builds or loads the kernels in `directory`: an exclusive
+    flock, which the OS drops when its holder exits or is killed. Its holder knows that no
+    live process is building there, so torch's own `lock` file (the baton `cpp_extension`
+    waits on, with no timeout), if present, was left by a build that was killed: it is
+    removed instead of waited on. Until 2026-12-06 only a baton older than 15 minutes was,
+    and a load after a killed build waited that long."""
+    import fcntl
+
+    with open(directory / "build.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        baton = directory / "lock"
+        if baton.exists():
+            log.warning("removing %s, left by a kernel build that was killed", baton)
+            baton.unlink(missing_ok=True)
+        yield
 
 
 def build(variant: Variant, load_it: bool) -> bool:
@@ -129,42 +141,42 @@ def build(variant: Variant, load_it: bool) -> bool:
     `load_it`, load it as torch operators in the `streamgate` namespace. A process loads one
     variant at most, and never one its CPU cannot run: a library's static initializers are
     compiled for its target too."""
-    from torch.utils import cpp_extension
-
     # cpp_extension runs `ninja` from PATH; the venv's own (the `ninja` package) is there only
     # when the venv is activated, which `make` does not do.
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     # Each variant has its own library name: torch remembers loaded libraries by name.
-    name, directory = f"{NAME}_{variant.name}", str(build_dir(variant))
+    path = build_dir(variant)
+    name, directory = f"{NAME}_{variant.name}", str(path)
     cflags = ["-O3", *variant.cflags, "-fno-math-errno", "-fopenmp", _headers_flag()]
     verbose = os.environ.get("STREAMGATE_VERBOSE_BUILD") == "1"
     start = time.perf_counter()
     try:
-        if load_it:
-            # is_python_module=False: loaded with torch.ops.load_library, so the operators are
-            # called through the dispatcher (a few us) rather than a Python wrapper.
-            cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], build_directory=directory,
-                               extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False,
-                               verbose=verbose)
-        else:
-            # The same ninja file and build that load() makes, without loading the result
-            # (torch has no public build-only entry point).
-            baton = cpp_extension.FileBaton(os.path.join(directory, "lock"))
-            if not baton.try_acquire():
-                baton.wait()                      # another process is building it
-                return True
-            try:
-                cpp_extension._write_ninja_file_and_build_library(
-                    name, [str(p) for p in SOURCES], cflags, None, None, ["-fopenmp"], None, directory, verbose,
-                    with_cuda=False, with_sycl=False)
-            finally:
-                baton.release()
+        with builder(path):
+            _build(name, directory, cflags, verbose, load_it)
     except Exception as e:  # noqa: BLE001 (no compiler, bad toolchain: fall back, say why)
         log.warning("C++ kernels (%s) did not build (%s); using the torch paths", variant.name, e)
         return False
     log.info("C++ kernels (%s) %s in %.1f s", variant.name, "ready" if load_it else "built",
              time.perf_counter() - start)
     return True
+
+
+def _build(name: str, directory: str, cflags: list[str], verbose: bool, load_it: bool) -> None:
+    """build()'s compile (and load), with builder() held."""
+    from torch.utils import cpp_extension
+
+    if load_it:
+        # is_python_module=False: loaded with torch.ops.load_library, so the operators are
+        # called through the dispatcher (a few us) rather than a Python wrapper.
+        cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], build_directory=directory,
+                           extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False,
+                           verbose=verbose)
+        return
+    # The same ninja file and build that load() makes, without loading the result (torch has
+    # no public build-only entry point); builder() already keeps other processes out.
+    cpp_extension._write_ninja_file_and_build_library(
+        name, [str(p) for p in SOURCES], cflags, None, None, ["-fopenmp"], None, directory, verbose,
+        with_cuda=False, with_sycl=False)
 
 
 @cache
