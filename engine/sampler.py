@@ -95,7 +95,8 @@ def _plain(logits: torch.Tensor, seqs: list[Sequence], skip: set[int] = frozense
     fast = [i for i in rows if drawn_in_kernel(logits, seqs[i].params)]
     if fast:
         tokens[fast] = draw_rows(logits if len(fast) == len(seqs) else logits[fast], [seqs[i] for i in fast])
-    if slow := [i for i in rows if i not in set(fast)]:
+    kernel_rows = frozenset(fast)
+    if slow := [i for i in rows if i not in kernel_rows]:
         sub = logits if len(slow) == len(seqs) else logits[torch.tensor(slow, device=logits.device)]
         _draw(plain_probs(sub, [seqs[i] for i in slow]), [seqs[i] for i in slow], tokens, slow)
     return tokens.tolist()
