@@ -156,19 +156,6 @@ struct DrawRow {
   vec16 y16(int64_t i) const { const vec16 v = load16(x + i); return t == 1.0f ? v : v / t; }
   float y1(int64_t i) const { return t == 1.0f ? x[i] : x[i] / t; }   // as torch's division gives it
 
-  float span_max(int64_t lo, int64_t hi) const {
-    vec16 m = vec16{} - std::numeric_limits<float>::infinity();
-    int64_t i = lo;
-    for (; i + 16 <= hi; i += 16) {
-      const vec16 v = y16(i);
-      m = (v > m) | (v != v) ? v : m;                       // a NaN sticks
-    }
-    float best = -std::numeric_limits<float>::infinity();
-    for (int l = 0; l < 16; ++l) best = std::isnan(m[l]) || m[l] > best ? m[l] : best;
-    for (; i < hi; ++i) best = std::isnan(y1(i)) || y1(i) > best ? y1(i) : best;
-    return best;
-  }
-
   // exp(y - max) of columns [lo, hi) into e[0, hi - lo) (zero below 2^-126); returns their sum.
   float span_exps(int64_t lo, int64_t hi, float max, float* e) const {
     const vec16 mv = vec16{} + max, floor = vec16{} - 87.0f, zero = {};
@@ -205,16 +192,19 @@ torch::Tensor draw_rows(const torch::Tensor& logits, const torch::Tensor& temps,
   int64_t* tokens = out.data_ptr<int64_t>();
   std::vector<float> top(rows * spans), sums(rows * spans), row_max(rows);
   auto row = [&](int64_t r) { return DrawRow{x + r * stride, tp[r]}; };
+  // Each span's max of x (argmax_rows' span_best; a NaN wins), then the row's, divided by T: the
+  // division is monotone, so that is the max of y.
   streamgate::cpu::parallel_for(0, rows * spans, 1, [&](int64_t a, int64_t b) {
     for (int64_t w = a; w < b; ++w) {
       const int64_t lo = (w % spans) * kSpan;
-      top[w] = row(w / spans).span_max(lo, std::min(cols, lo + kSpan));
+      const Best best = span_best(x + (w / spans) * stride, lo, std::min(cols, lo + kSpan));
+      top[w] = best.nan ? std::numeric_limits<float>::quiet_NaN() : best.v;
     }
   });
   for (int64_t r = 0; r < rows; ++r) {
     float m = top[r * spans];
     for (int64_t s = 1; s < spans; ++s) m = std::isnan(top[r * spans + s]) || top[r * spans + s] > m ? top[r * spans + s] : m;
-    row_max[r] = m;
+    row_max[r] = tp[r] == 1.0f ? m : m / tp[r];
   }
   streamgate::cpu::parallel_for(0, rows * spans, 1, [&](int64_t a, int64_t b) {
     float e[kSpan];
