@@ -25,6 +25,7 @@
 #include <immintrin.h>
 #endif
 
+#include "attention_parts.h"
 #include "attention_tiles.h"
 #include "kv_int8.h"
 
@@ -111,6 +112,7 @@ inline void values_decode(const float* p, const float* alpha, const T* const* vr
 template <typename T>
 struct DecodeScratch {
   std::vector<float> qf, acc, m, l, alpha, s;
+  std::vector<float> sums;                         // a row's parts' (attention_parts.h)
   std::vector<int64_t> base;
   std::vector<const T*> kin, vin;
   void fit(int64_t heads, int64_t D, int64_t kpad) {
@@ -183,15 +185,17 @@ inline void load_span(const T* kp, const T* vp, int64_t kv_slot, const int64_t* 
 // The span walk of a decode row: for each span of its context, the slots' offsets, the next span's
 // K/V brought into cache (above), then head(h, n) for each KV head h with kin/vin at its n keys and
 // values in place: every slot's heads are read while the span is in cache, once.
-// Keys from `begin` (a sliding window's first key, else 0) to ctx - 1; KV heads [h0, h1) of the
-// kv_heads (a sequence decoded alone is split by head over the threads: attention_items.h).
+// Keys from `begin` (a sliding window's first key, or a part's, else 0) to ctx - 1; KV heads
+// [h0, h1) of the kv_heads (a sequence decoded alone is split by head over the threads:
+// attention_items.h). chain: the row's parts walked one after another (attention_parts.h).
 template <typename T, typename F>
 inline void for_decode_spans(const T* kp, const T* vp, int64_t kv_slot, int64_t kv_hs, const int64_t* table,
                              int64_t block_size, int64_t begin, int64_t ctx, int64_t span, int64_t kv_heads,
-                             int64_t h0, int64_t h1, int64_t* base, const T** kin, const T** vin, F&& head) {
+                             int64_t h0, int64_t h1, int64_t* base, const T** kin, const T** vin, const SpanChain& chain,
+                             F&& head) {
   const bool loads = decode_span_loads().load(std::memory_order_relaxed);
   const int64_t r0 = h0 * kv_hs * sizeof(T), r1 = (h1 == kv_heads ? kv_slot : h1 * kv_hs) * sizeof(T);
-  if (loads) load_span(kp, vp, kv_slot, table, block_size, begin, std::min(ctx, begin + span), r0, r1);
+  if (loads && !chain.loaded) load_span(kp, vp, kv_slot, table, block_size, begin, std::min(ctx, begin + span), r0, r1);
   for (int64_t b0 = begin; b0 < ctx; b0 += span) {
     const int64_t n = std::min(span, ctx - b0);
     for (int64_t t = 0; t < n;) {                        // block by block: one division a block
@@ -199,14 +203,17 @@ inline void for_decode_spans(const T* kp, const T* vp, int64_t kv_slot, int64_t 
       const int64_t first = (table[pos / block_size] * block_size + pos % block_size) * kv_slot;
       for (int64_t e = 0; e < in_block; ++e, ++t) base[t] = first + e * kv_slot;
     }
-    if (loads) load_span(kp, vp, kv_slot, table, block_size, b0 + span, std::min(ctx, b0 + 2 * span), r0, r1);
+    // The next span: this walk's, or after its last the next part's first.
+    const bool last = b0 + span >= ctx;
+    const int64_t next0 = last ? chain.next0 : b0 + span, next1 = last ? chain.next1 : std::min(ctx, b0 + 2 * span);
+    if (loads) load_span(kp, vp, kv_slot, table, block_size, next0, next1, r0, r1);
     const int64_t block_bytes = block_size * kv_slot * sizeof(T);
     const bool all = h0 == 0 && h1 == kv_heads;
     for (int64_t h = h0; h < h1; ++h) {
       // Prefetch: the next span's blocks, a 1/kv_heads share before each head. A range of heads
       // prefetches only its own rows of each slot (the other heads' thread fetches theirs).
       const int64_t from = block_bytes * h / kv_heads, to = block_bytes * (h + 1) / kv_heads;
-      for (int64_t pos = b0 + span; !loads && pos < std::min(ctx, b0 + 2 * span); pos += block_size) {
+      for (int64_t pos = next0; !loads && pos < next1; pos += block_size) {
         const int64_t first = table[pos / block_size] * block_size * kv_slot;
         const char *kb = reinterpret_cast<const char*>(kp + first), *vb = reinterpret_cast<const char*>(vp + first);
         if (all) {
@@ -242,42 +249,57 @@ inline void scale_by_rows(float* s, int64_t kpad, int64_t group, const int8_t* c
   }
 }
 
-// One decode row (the sequence's last position, attending to all ctx keys, or its window's)
-// for KV heads [h0, h1) of its sequence at once (all of them, or a thread's share when the
-// sequence is decoded alone), span by span (for_decode_spans). group <= 3
+// One decode row (the sequence's last position, attending to all ctx keys, or its window's),
+// or one part of its keys (attention_parts.h), for KV heads [h0, h1) of its sequence at once
+// (all of them, or a thread's share when a one-part sequence is decoded alone), span by span
+// (for_decode_spans). group <= 3
 // query heads per KV head; f: the layer's features (window, soft-cap, sinks).
 // q/o: the row's [heads, D] (head strides q_hs, o_hs); pools [slots, kv_heads, D] of P, which
 // is T or int8 (rows of D values and a scale, kv_int8.h).
 template <typename T, typename P = T>
 void decode_sequence(const T* q, int64_t q_hs, const P* kp, const P* vp, int64_t kv_slot, int64_t kv_hs,
-                     const int64_t* table, int64_t block_size, int64_t ctx, int64_t span, int64_t kpad,
+                     const int64_t* table, int64_t block_size, const DecodeKeys& keys, int64_t span, int64_t kpad,
                      int64_t kv_heads, int64_t h0, int64_t h1, int64_t group, int64_t D, float scale, T* o,
                      int64_t o_hs, DecodeScratch<P>& w, const Features& f) {
   const int64_t i_begin = h0 * group, i_end = h1 * group;             // query heads
-  for (int64_t i = i_begin; i < i_end; ++i) {
+  for (int64_t i = i_begin; i < i_end; ++i)
     for (int64_t d = 0; d < D; ++d) w.qf[i * D + d] = static_cast<float>(q[i * q_hs + d]) * scale;
-    f.start(w.m[i], w.l[i], i);
-  }
-  std::fill(w.acc.begin() + i_begin * D, w.acc.begin() + i_end * D, 0.0f);
-  for_decode_spans(kp, vp, kv_slot, kv_hs, table, block_size, f.first_key(ctx - 1), ctx, span, kv_heads, h0, h1,
-                   w.base.data(), w.kin.data(), w.vin.data(), [&](int64_t h, int64_t n) {
-    const int64_t i0 = h * group;
-    with_rows(group, [&]<int R>() { scores_decode<R>(w.qf.data() + i0 * D, w.kin.data(), w.s.data() + i0 * kpad, kpad, n, D); });
-    if constexpr (std::is_same_v<P, int8_t>) scale_by_rows(w.s.data() + i0 * kpad, kpad, group, w.kin.data(), n, D);
-    for (int64_t i = i0; i < i0 + group; ++i) {
-      f.cap(w.s.data() + i * kpad, 0, n);
-      const float sum = softmax_span(w.s.data() + i * kpad, n, n, w.m[i], w.alpha[i]);
-      w.l[i] = w.l[i] * w.alpha[i] + sum;
-    }
-    if constexpr (std::is_same_v<P, int8_t>) scale_by_rows(w.s.data() + i0 * kpad, kpad, group, w.vin.data(), n, D);
-    with_rows(group, [&]<int R>() {
-      values_decode<R>(w.s.data() + i0 * kpad, w.alpha.data() + i0, w.vin.data(), w.acc.data() + i0 * D, kpad, n, D);
+  auto start = [&](bool first) {
+    for (int64_t i = i_begin; i < i_end; ++i) start_part(f, first, w.m[i], w.l[i], i);
+    std::fill(w.acc.begin() + i_begin * D, w.acc.begin() + i_end * D, 0.0f);
+  };
+  auto walk = [&](int64_t k0, int64_t k1, const SpanChain& chain) {
+    for_decode_spans(kp, vp, kv_slot, kv_hs, table, block_size, k0, k1, span, kv_heads, h0, h1, w.base.data(),
+                     w.kin.data(), w.vin.data(), chain, [&](int64_t h, int64_t n) {
+      const int64_t i0 = h * group;
+      with_rows(group, [&]<int R>() { scores_decode<R>(w.qf.data() + i0 * D, w.kin.data(), w.s.data() + i0 * kpad, kpad, n, D); });
+      if constexpr (std::is_same_v<P, int8_t>) scale_by_rows(w.s.data() + i0 * kpad, kpad, group, w.kin.data(), n, D);
+      for (int64_t i = i0; i < i0 + group; ++i) {
+        f.cap(w.s.data() + i * kpad, 0, n);
+        const float sum = softmax_span(w.s.data() + i * kpad, n, n, w.m[i], w.alpha[i]);
+        w.l[i] = w.l[i] * w.alpha[i] + sum;
+      }
+      if constexpr (std::is_same_v<P, int8_t>) scale_by_rows(w.s.data() + i0 * kpad, kpad, group, w.vin.data(), n, D);
+      with_rows(group, [&]<int R>() {
+        values_decode<R>(w.s.data() + i0 * kpad, w.alpha.data() + i0, w.vin.data(), w.acc.data() + i0 * D, kpad, n, D);
+      });
     });
-  });
-  for (int64_t i = i_begin; i < i_end; ++i) {
-    const float inv = 1.0f / w.l[i];
-    for (int64_t d = 0; d < D; ++d) o[i * o_hs + d] = static_cast<T>(w.acc[i * D + d] * inv);
-  }
+  };
+  auto finish = [&](float* sums) {
+    for (int64_t i = i_begin; i < i_end; ++i) {
+      if (sums) {
+        float* h = sums + i * part_floats(D);
+        std::copy(w.acc.begin() + i * D, w.acc.begin() + (i + 1) * D, h);
+        h[D] = w.m[i], h[D + 1] = w.l[i];
+        continue;
+      }
+      const float inv = 1.0f / w.l[i];
+      for (int64_t d = 0; d < D; ++d) o[i * o_hs + d] = static_cast<T>(w.acc[i * D + d] * inv);
+    }
+  };
+  const int64_t heads = kv_heads * group;
+  if (float* sums = for_decode_parts(keys, block_size, heads * part_floats(D), w.sums, start, walk, finish))
+    merge_decode_parts(sums, keys.parts, heads, D, o, o_hs, [](int64_t d) { return d; });
 }
 #else
 constexpr bool kDecode512 = false;
@@ -288,7 +310,7 @@ struct DecodeScratch {
 };
 
 template <typename T, typename P = T>
-void decode_sequence(const T*, int64_t, const P*, const P*, int64_t, int64_t, const int64_t*, int64_t, int64_t, int64_t,
+void decode_sequence(const T*, int64_t, const P*, const P*, int64_t, int64_t, const int64_t*, int64_t, const DecodeKeys&, int64_t,
                      int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, T*, int64_t, DecodeScratch<P>&,
                      const Features&) {}
 #endif

@@ -100,6 +100,7 @@ inline int64_t permuted(int64_t r) {
 struct DecodeScratchBf16 {
   std::vector<c10::BFloat16> qb, pb;
   std::vector<float> acc, m, l, alpha, s;
+  std::vector<float> sums;                         // a row's parts' (attention_parts.h)
   std::vector<int64_t> base;
   std::vector<const c10::BFloat16*> kin, vin;
   int64_t pstride = 0;
@@ -114,50 +115,65 @@ struct DecodeScratchBf16 {
 // decode_sequence for a bf16 pool and head_dim % 32 == 0 (same arguments, same order of work).
 inline void decode_sequence_bf16(const c10::BFloat16* q, int64_t q_hs, const c10::BFloat16* kp,
                                  const c10::BFloat16* vp, int64_t kv_slot, int64_t kv_hs, const int64_t* table,
-                                 int64_t block_size, int64_t ctx, int64_t span, int64_t kpad, int64_t kv_heads,
+                                 int64_t block_size, const DecodeKeys& keys, int64_t span, int64_t kpad, int64_t kv_heads,
                                  int64_t h0, int64_t h1, int64_t group, int64_t D, float scale, c10::BFloat16* o,
                                  int64_t o_hs, DecodeScratchBf16& w, const Features& f) {
   const int64_t i_begin = h0 * group, i_end = h1 * group;             // query heads
-  for (int64_t i = i_begin; i < i_end; ++i) {
-    std::copy(q + i * q_hs, q + i * q_hs + D, w.qb.data() + i * D);
-    f.start(w.m[i], w.l[i], i);
-  }
-  std::fill(w.acc.begin() + i_begin * D, w.acc.begin() + i_end * D, 0.0f);
-  for_decode_spans(kp, vp, kv_slot, kv_hs, table, block_size, f.first_key(ctx - 1), ctx, span, kv_heads, h0, h1,
-                   w.base.data(), w.kin.data(), w.vin.data(), [&](int64_t h, int64_t n) {
-    const int64_t i0 = h * group;
-    with_rows(group, [&]<int R>() {
-      scores_decode_bf16<R>(w.qb.data() + i0 * D, w.kin.data(), w.s.data() + i0 * kpad, kpad, n, D, scale);
+  for (int64_t i = i_begin; i < i_end; ++i) std::copy(q + i * q_hs, q + i * q_hs + D, w.qb.data() + i * D);
+  auto start = [&](bool first) {
+    for (int64_t i = i_begin; i < i_end; ++i) start_part(f, first, w.m[i], w.l[i], i);
+    std::fill(w.acc.begin() + i_begin * D, w.acc.begin() + i_end * D, 0.0f);
+  };
+  auto walk = [&](int64_t k0, int64_t k1, const SpanChain& chain) {
+    for_decode_spans(kp, vp, kv_slot, kv_hs, table, block_size, k0, k1, span, kv_heads, h0, h1, w.base.data(),
+                     w.kin.data(), w.vin.data(), chain, [&](int64_t h, int64_t n) {
+      const int64_t i0 = h * group;
+      with_rows(group, [&]<int R>() {
+        scores_decode_bf16<R>(w.qb.data() + i0 * D, w.kin.data(), w.s.data() + i0 * kpad, kpad, n, D, scale);
+      });
+      for (int64_t i = i0; i < i0 + group; ++i) {
+        f.cap(w.s.data() + i * kpad, 0, n);
+        const float sum = softmax_span(w.s.data() + i * kpad, n, n, w.m[i], w.alpha[i]);
+        w.l[i] = w.l[i] * w.alpha[i] + sum;
+        round_probs_bf16(w.s.data() + i * kpad, w.pb.data() + i * w.pstride, n);
+      }
+      with_rows(group, [&]<int R>() {
+        const c10::BFloat16* pb = w.pb.data() + i0 * w.pstride;
+        int64_t d0 = 0;
+        for (; d0 + 64 <= D; d0 += 64)
+          values_slice_bf16<R, 2>(pb, w.pstride, w.alpha.data() + i0, w.vin.data(), w.acc.data() + i0 * D, n, D, d0);
+        if (d0 < D) values_slice_bf16<R, 1>(pb, w.pstride, w.alpha.data() + i0, w.vin.data(), w.acc.data() + i0 * D, n, D, d0);
+      });
     });
-    for (int64_t i = i0; i < i0 + group; ++i) {
-      f.cap(w.s.data() + i * kpad, 0, n);
-      const float sum = softmax_span(w.s.data() + i * kpad, n, n, w.m[i], w.alpha[i]);
-      w.l[i] = w.l[i] * w.alpha[i] + sum;
-      round_probs_bf16(w.s.data() + i * kpad, w.pb.data() + i * w.pstride, n);
+  };
+  auto finish = [&](float* sums) {
+    for (int64_t i = i_begin; i < i_end; ++i) {
+      const float* acc = w.acc.data() + i * D;
+      if (sums) {                                   // permuted as the accumulators are
+        float* h = sums + i * part_floats(D);
+        std::copy(acc, acc + D, h);
+        h[D] = w.m[i], h[D + 1] = w.l[i];
+        continue;
+      }
+      const float inv = 1.0f / w.l[i];
+      for (int64_t d = 0; d < D; ++d) o[i * o_hs + d] = c10::BFloat16(acc[d / 32 * 32 + permuted(d % 32)] * inv);
     }
-    with_rows(group, [&]<int R>() {
-      const c10::BFloat16* pb = w.pb.data() + i0 * w.pstride;
-      int64_t d0 = 0;
-      for (; d0 + 64 <= D; d0 += 64)
-        values_slice_bf16<R, 2>(pb, w.pstride, w.alpha.data() + i0, w.vin.data(), w.acc.data() + i0 * D, n, D, d0);
-      if (d0 < D) values_slice_bf16<R, 1>(pb, w.pstride, w.alpha.data() + i0, w.vin.data(), w.acc.data() + i0 * D, n, D, d0);
-    });
-  });
-  for (int64_t i = i_begin; i < i_end; ++i) {
-    const float inv = 1.0f / w.l[i];
-    for (int64_t d = 0; d < D; ++d)
-      o[i * o_hs + d] = c10::BFloat16(w.acc[i * D + d / 32 * 32 + permuted(d % 32)] * inv);
-  }
+  };
+  const int64_t heads = kv_heads * group;
+  if (float* sums = for_decode_parts(keys, block_size, heads * part_floats(D), w.sums, start, walk, finish))
+    merge_decode_parts(sums, keys.parts, heads, D, o, o_hs, [](int64_t d) { return d / 32 * 32 + permuted(d % 32); });
 }
 #else
 constexpr bool kDecodeBf16 = false;
+
+inline int64_t permuted(int64_t r) { return r; }
 
 struct DecodeScratchBf16 {
   void fit(int64_t, int64_t, int64_t) {}
 };
 
 inline void decode_sequence_bf16(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::BFloat16*, int64_t,
-                                 int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                 int64_t, const int64_t*, int64_t, const DecodeKeys&, int64_t, int64_t, int64_t, int64_t, int64_t,
                                  int64_t, int64_t, float, c10::BFloat16*, int64_t, DecodeScratchBf16&, const Features&) {}
 #endif
 

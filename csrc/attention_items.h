@@ -26,7 +26,11 @@ constexpr int64_t kQueryTileAmx = 32;   // ... on AMX tiles (attention_amx_item.
 struct Item {
   int64_t seq, kv_head, row_begin, row_end;   // rows counted from the sequence's first row
   int64_t h0 = 0, h1 = 0;                     // kv_head -1: a decode row (decode_sequence) for
-};                                            // KV heads [h0, h1)
+                                              // KV heads [h0, h1) ...
+  int64_t k0 = 0, k1 = 0;                     // ... and the row's keys [k0, k1) cut into `parts`
+  int64_t parts = 1, p0 = 0, p1 = 1;          // (attention_parts.h), of which it runs [p0, p1);
+  int64_t first_part = 0;                     // a part on its own: sums in slot first_part + p0
+};
 
 inline void check_inputs(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                          const torch::Tensor& block_tables, const torch::Tensor& q_start,
@@ -54,30 +58,39 @@ inline void check_inputs(const torch::Tensor& q, const torch::Tensor& k_pool, co
 inline std::vector<std::vector<Item>> deal_items(const torch::Tensor& q, const torch::Tensor& k_pool,
                                                  const torch::Tensor& block_tables, const torch::Tensor& q_start,
                                                  const torch::Tensor& ctx_lens, int64_t block_size,
-                                                 int64_t query_tile = kQueryTile) {
+                                                 int64_t query_tile = kQueryTile, int64_t window = 0) {
   const int64_t num_seqs = ctx_lens.size(0);
   const int64_t* starts = q_start.data_ptr<int64_t>();
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
   const int64_t num_kv_heads = k_pool.size(1), group = q.size(1) / num_kv_heads;
   // With AVX-512, a decode row of few query heads per KV head is one item for all its heads.
   const bool whole_decode = kDecode512 && group < kRows && q.size(2) % 16 == 0 && q.scalar_type() != at::kDouble;
-  // Fewer sequences than threads (one decoded alone): a decode row's KV heads are split over
-  // them, each head the same work as in the whole row (the same bits). SmolLM2's one-row bf16
-  // decode step on the Intel AMX host (three KV heads on two threads): 15.2 -> 14.75 ms, builds
-  // alternating twice (2026-12-05); with the int8 KV cache level.
+  // A decode row of 2 * kPartKeys keys or more is cut into parts (attention_parts.h). With fewer
+  // sequences than threads (one decoded alone) its parts are items of their own; a row in one
+  // part has its KV heads split over them instead, each head the same work as in the whole row
+  // (the same bits). SmolLM2's one-row bf16 decode step on the Intel AMX host (three KV heads on
+  // two threads): 15.2 -> 14.75 ms, builds alternating twice (2026-12-05); with the int8 KV cache
+  // level.
   const int64_t pool = ElasticPool::get().threads();
   const int64_t runners = pool > 0 ? pool : at::get_num_threads();
   const bool split_heads = whole_decode && num_seqs < runners && num_kv_heads > 1;
   std::vector<Item> items;
+  int64_t part_slots = 0;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t q_len = starts[b + 1] - starts[b];
     TORCH_CHECK(q_len >= 0 && q_len <= lens[b] && starts[b + 1] <= q.size(0), "paged_attention: bad q_start/ctx_lens");
     TORCH_CHECK((lens[b] + block_size - 1) / block_size <= block_tables.size(1), "paged_attention: block table too short");
     if (whole_decode && q_len == 1) {
-      if (split_heads)
-        for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({b, -1, 0, 1, h, h + 1});
-      else
-        items.push_back({b, -1, 0, 1, 0, num_kv_heads});
+      const int64_t begin = Features{window}.first_key(lens[b] - 1), end = lens[b];
+      const int64_t parts = decode_parts(end - begin);
+      if (parts > 1 && num_seqs < runners) {
+        for (int64_t p = 0; p < parts; ++p) items.push_back({b, -1, 0, 1, 0, num_kv_heads, begin, end, parts, p, p + 1, part_slots});
+        part_slots += parts;
+      } else if (parts > 1 || !split_heads) {
+        items.push_back({b, -1, 0, 1, 0, num_kv_heads, begin, end, parts, 0, parts});
+      } else {
+        for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({b, -1, 0, 1, h, h + 1, begin, end});
+      }
       continue;
     }
     for (int64_t h = 0; h < num_kv_heads; ++h)
@@ -100,7 +113,9 @@ inline std::vector<std::vector<Item>> deal_items(const torch::Tensor& q, const t
     const Item& w = items[i];
     const int64_t q_len = starts[w.seq + 1] - starts[w.seq];
     const int64_t heads = w.kv_head >= 0 ? 1 : w.h1 - w.h0;
-    const int64_t c = (w.row_end - w.row_begin) * (lens[w.seq] - q_len + w.row_end) * heads;
+    const int64_t c = w.kv_head >= 0 ? (w.row_end - w.row_begin) * (lens[w.seq] - q_len + w.row_end) * heads
+                                     : (part_key(w.k0, w.k1, w.p1, w.parts, block_size) -
+                                        part_key(w.k0, w.k1, w.p0, w.parts, block_size)) * heads;
     if (by_seq && q_len == 1 && !groups.empty() && items[groups.back().first].seq == w.seq) {
       groups.back().second = i + 1;
       cost.back() += c;

@@ -28,7 +28,6 @@
 
 namespace streamgate::cpu {
 
-constexpr int64_t kSpan = 64;        // keys per online-softmax step (whole blocks, at least one)
 
 // One thread's buffers for run_attention, kept across calls and grown, never shrunk: allocated
 // and zero-filled per call they took as long as a one-row step's attention math (Zen 4 host,
@@ -74,7 +73,7 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const to
   const float fscale = static_cast<float>(scale);
   // Keys are taken `span` at a time (whole blocks) so that the softmax bookkeeping per query
   // row is paid once per span, not once per (small) block.
-  const int64_t span = std::max<int64_t>(1, kSpan / block_size) * block_size;
+  const int64_t span = key_span(block_size);
   const int64_t kpad = (span + kLanes - 1) / kLanes * kLanes;             // keys per span, padded
   const int64_t tile_rows = use_amx ? kQueryTileAmx : kQueryTile;      // query rows per item (deal_items)
   // bf16 pools with bf16 dot products: query tiles take the VDPBF16PS tiles (attention_bf16.h).
@@ -85,6 +84,20 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const to
   const bool amx = bf16_tiles && use_amx;                                 // ... or on AMX (attention_amx_item.h)
   // Query vectors per item in the buffers below (AMX items use their own, made on the first).
   const int64_t max_q = (amx ? kQueryTile : tile_rows) * group;
+
+  // Decode rows cut into parts (attention_parts.h): each part's sums, and per row how many of its
+  // parts are done (the thread that finishes the last merges). The calling thread's, reused.
+  int64_t part_slots = 0;
+  for (const auto& bin : bins)
+    for (const Item& w : bin)
+      if (w.p1 - w.p0 < w.parts) part_slots = std::max(part_slots, w.first_part + w.parts);
+  thread_local std::vector<float> part_sums;
+  thread_local std::vector<int> parts_done;
+  const int64_t part_size = num_heads * part_floats(D);
+  at_least(part_sums, part_slots * part_size);
+  parts_done.assign(part_slots, 0);
+  float* const part_base = part_sums.data();      // by pointer: in a helper, the names are its own
+  int* const done_base = parts_done.data();
 
   streamgate::cpu::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t first_bin, int64_t last_bin) {
     // qf [max_q, D] scaled queries; kT [D, kpad] one span of K transposed; vb [kpad, D] its V;
@@ -118,17 +131,26 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const to
     for (const Item& w : bins[bin]) {
       if (w.kv_head < 0) {
         const int64_t row = starts[w.seq];
+        // One part of a row whose parts are items of their own: its sums to the call's buffer.
+        float* sums = w.p1 - w.p0 < w.parts ? part_base + (w.first_part + w.p0) * part_size : nullptr;
+        const DecodeKeys keys{w.k0, w.k1, w.parts, w.p0, w.p1, sums};
+        bool done = false;
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && !int8) {
           if (decode16) {
             decode_sequence_bf16(qp + row * q_row, q_head, kp, vp, kv_slot, kv_head_stride, tables + w.seq * table_width,
-                                 block_size, lens[w.seq], span, kpad, num_kv_heads, w.h0, w.h1, group, D, fscale, op + row * o_row,
+                                 block_size, keys, span, kpad, num_kv_heads, w.h0, w.h1, group, D, fscale, op + row * o_row,
                                  o_head, scratch16, f);
-            continue;
+            done = true;
           }
         }
-        decode_sequence(qp + row * q_row, q_head, kp, vp, kv_slot, kv_head_stride, tables + w.seq * table_width,
-                        block_size, lens[w.seq], span, kpad, num_kv_heads, w.h0, w.h1, group, D, fscale, op + row * o_row, o_head,
-                        scratch, f);
+        if (!done)
+          decode_sequence(qp + row * q_row, q_head, kp, vp, kv_slot, kv_head_stride, tables + w.seq * table_width,
+                          block_size, keys, span, kpad, num_kv_heads, w.h0, w.h1, group, D, fscale, op + row * o_row,
+                          o_head, scratch, f);
+        // The row's last part to finish merges them all (acq_rel: it sees every part's sums).
+        if (sums && std::atomic_ref<int>(done_base[w.first_part]).fetch_add(1, std::memory_order_acq_rel) == w.parts - 1)
+          merge_decode_parts(part_base + w.first_part * part_size, w.parts, num_heads, D, op + row * o_row, o_head,
+                             [bf16 = done](int64_t d) { return bf16 ? d / 32 * 32 + permuted(d % 32) : d; });
         continue;
       }
       const int64_t q_len = starts[w.seq + 1] - starts[w.seq];

@@ -56,7 +56,7 @@ void paged_attention_ext(const torch::Tensor& q, const torch::Tensor& k_pool, co
   }
   const bool use_amx = query_tiles_on_amx(q, softcap);
   const std::vector<std::vector<Item>> bins =
-      deal_items(q, k_pool, block_tables, q_start, ctx_lens, block_size, use_amx ? kQueryTileAmx : kQueryTile);
+      deal_items(q, k_pool, block_tables, q_start, ctx_lens, block_size, use_amx ? kQueryTileAmx : kQueryTile, window);
   if (k_pool.scalar_type() == torch::kChar) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
       if constexpr (!std::is_same_v<scalar_t, double>)     // check_inputs refused fp64 queries
@@ -78,7 +78,8 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const 
 }
 
 // How a call with these inputs deals its work to the threads (deal_items): one row per item,
-// [bin, sequence, KV head (-1: a decode row's heads h0..h1), first row, end row, h0, h1].
+// [bin, sequence, KV head (-1: a decode row's heads h0..h1), first row, end row, h0, h1, and a
+// decode row's keys k0..k1, cut into parts, of which the item runs p0..p1].
 torch::Tensor attention_work(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& block_tables,
                              const torch::Tensor& q_start, const torch::Tensor& ctx_lens, int64_t block_size) {
   check_inputs(q, k_pool, k_pool, block_tables, q_start, ctx_lens, q);
@@ -88,8 +89,9 @@ torch::Tensor attention_work(const torch::Tensor& q, const torch::Tensor& k_pool
   std::vector<int64_t> rows;
   for (size_t b = 0; b < bins.size(); ++b)
     for (const Item& w : bins[b])
-      rows.insert(rows.end(), {static_cast<int64_t>(b), w.seq, w.kv_head, w.row_begin, w.row_end, w.h0, w.h1});
-  return torch::tensor(rows, torch::kLong).view({-1, 7});
+      rows.insert(rows.end(), {static_cast<int64_t>(b), w.seq, w.kv_head, w.row_begin, w.row_end, w.h0, w.h1, w.k0,
+                               w.k1, w.parts, w.p0, w.p1});
+  return torch::tensor(rows, torch::kLong).view({-1, 12});
 }
 
 // Whether this process runs AMX tiles: bf16 pools' query tiles (attention_amx_item.h) and bf16
@@ -111,6 +113,14 @@ bool decode_span_loads_op(std::optional<bool> enable) {
 #endif
 }
 
+// Whether decode rows of 2 * kPartKeys keys or more are cut into parts (attention_parts.h);
+// `enable` sets it for every later call in the process (benchmarks compare the two; the outputs
+// differ in rounding).
+bool decode_parts_op(std::optional<bool> enable) {
+  if (enable.has_value()) decode_parts_switch().store(*enable);
+  return decode_parts_switch().load();
+}
+
 }  // namespace
 
 // Registered as a torch operator (not a Python binding) so that a call costs the dispatcher's
@@ -124,6 +134,7 @@ TORCH_LIBRARY_FRAGMENT(streamgate, m) {
   m.def("attention_work(Tensor q, Tensor k_pool, Tensor block_tables, Tensor q_start, Tensor ctx_lens, "
         "int block_size) -> Tensor", &attention_work);
   m.def("decode_span_loads(bool? enable=None) -> bool", &decode_span_loads_op);
+  m.def("decode_parts(bool? enable=None) -> bool", &decode_parts_op);
 }
 
 TORCH_LIBRARY_IMPL(streamgate, CPU, m) {

@@ -69,6 +69,8 @@ def test_attention_benchmark_runs_both_backends(capsys, tmp_path):
     assert decode["span_loads"] is loads and decode["kernel_other_walk_ms"] > 0  # the other walk, timed beside
     assert "kernel_other_walk_ms" not in chunk                                  # decode rows only
     assert torch.ops.streamgate.decode_span_loads() is loads                    # and the switch left as it was
+    assert decode["kernel_one_part_ms"] > 0 and "kernel_one_part_ms" not in chunk   # rows whole, timed beside
+    assert torch.ops.streamgate.decode_parts() is True                          # parts back on
 
 
 def _amx_tiles() -> bool:

@@ -125,6 +125,11 @@ def test_attention_and_gemm_speed_ups():
     assert "| kernel, next span prefetched | loads speed-up |" in md
     assert "(`32x200-1000/1`) | 30.0 ms | 60.0 ms | 0.50× | 90.0 ms | 1.50× |" in md
     assert "(`4x600-600/128`) | 50.0 ms | 40.0 ms | 1.25× | — | — |" in md
+    parts = {**walk, "rows": [walk["rows"][0], {**walk["rows"][1], "kernel_one_part_ms": 120.0}]}
+    md = render_attention(parts, "a")                    # decode rows in parts, and whole beside them
+    assert "| kernel, rows in one part | parts speed-up |" in md
+    assert "(`32x200-1000/1`) | 30.0 ms | 60.0 ms | 0.50× | 90.0 ms | 1.50× | 120.0 ms | 2.00× |" in md
+    assert "(`4x600-600/128`) | 50.0 ms | 40.0 ms | 1.25× | — | — | — | — |" in md
     gemm = {"provenance": {**PROV, "benchmark": "engine.gemm"}, "args": {"reps": 50}, "threads": 2,
             "native_bf16": True, "kernel": True,
             "rows": [{"layer": "o", "out": 500, "in": 1000, "rows": 8, "kernel_fp32_ms": 0.4, "mkl_fp32_ms": 0.5,

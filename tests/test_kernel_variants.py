@@ -57,6 +57,7 @@ RUNNABLE = [v.name for v in kernels.variants() if v.runs_here(cpu_flags()) and v
 
 
 VARIANT_TESTS = ["tests/test_paged_kernel.py", "tests/test_decode_walk.py", "tests/test_attention_work.py",
+                 "tests/test_decode_parts.py",
                  *[f"tests/test_fused_llama.py::{name}" for name in OPERATOR_TESTS],
                  "tests/test_packed_linear.py::test_packed_linear_matches_nn_linear_for_any_row_count",
                  "tests/test_linear_int8.py", "tests/test_linear_bf16.py", "tests/test_logits_kernel.py",

@@ -75,6 +75,7 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
     other_walk = "prefetch" if loads else "loads"                   # the other way, timed beside it
     switchable = ops.decode_span_loads(not loads) is not loads      # builds without AVX-512 have neither
     ops.decode_span_loads(loads)
+    parts = hasattr(ops, "decode_parts") and ops.decode_parts()     # decode rows in parts: timed whole beside
 
     def step(meta, query, key, switch=None) -> float:
         """One step's attention over every layer; `switch` (op, value): a kernel switch set for
@@ -96,7 +97,8 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
           f"30 layers, median of {reps} (ms per step):")
     print(f"  {'query tokens':>12} {'torch':>9} {'kernel':>9} {'speed-up':>9}  max |diff|"
           + (f"  {'no AMX':>9} {'AMX speed-up':>12}" if amx else "")
-          + (f"  {other_walk:>9} {'walk speed-up':>13}" if switchable and 1 in chunks else ""))
+          + (f"  {other_walk:>9} {'walk speed-up':>13}" if switchable and 1 in chunks else "")
+          + (f"  {'one part':>9} {'parts speed-up':>14}" if parts and 1 in chunks else ""))
     out = []
     for n in chunks:
         rows = seqs * n
@@ -113,7 +115,8 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
         with torch.inference_mode():
             step(torch_meta, query, key), step(kernel_meta, query, key)
             times = {"torch": [], "kernel": [], **({"kernel_no_amx": []} if amx else {}),
-                     **({"kernel_other_walk": []} if switchable and n == 1 else {})}
+                     **({"kernel_other_walk": []} if switchable and n == 1 else {}),
+                     **({"kernel_one_part": []} if parts and n == 1 else {})}
             for _ in range(reps):
                 times["torch"].append(step(torch_meta, query, key))
                 times["kernel"].append(step(kernel_meta, query, key))
@@ -121,6 +124,8 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
                     times["kernel_no_amx"].append(step(kernel_meta, query, key, (ops.amx_tiles, False)))
                 if switchable and n == 1:
                     times["kernel_other_walk"].append(step(kernel_meta, query, key, (ops.decode_span_loads, not loads)))
+                if parts and n == 1:
+                    times["kernel_one_part"].append(step(kernel_meta, query, key, (ops.decode_parts, False)))
             ref = paged_attention(Layer, query, key, key, None, scaling=dim ** -0.5, paged=torch_meta)[0]
             got = paged_attention(Layer, query, key, key, None, scaling=dim ** -0.5, paged=kernel_meta)[0]
         med = {k: statistics.median(v) * 1000 for k, v in times.items()}
@@ -131,13 +136,16 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
               f"{'not comparable' if diff is None else f'{diff:.1e}'}"
               + (f"  {med['kernel_no_amx']:>9.1f} {med['kernel_no_amx'] / med['kernel']:>11.2f}x" if amx else "")
               + (f"  {med['kernel_other_walk']:>9.1f} {med['kernel_other_walk'] / med['kernel']:>12.2f}x"
-                 if switchable and n == 1 else ""),
+                 if switchable and n == 1 else "")
+              + (f"  {med['kernel_one_part']:>9.1f} {med['kernel_one_part'] / med['kernel']:>13.2f}x"
+                 if parts and n == 1 else ""),
               flush=True)
         out.append({"seqs": seqs, "min_ctx": min_ctx, "max_ctx": max_ctx, "context_tokens": sum(lens), "chunk": n,
                     "torch_ms": med["torch"], "kernel_ms": med["kernel"], "max_abs_diff": diff,
                     **({"kernel_no_amx_ms": med["kernel_no_amx"]} if amx else {}),
                     **({"span_loads": loads, "kernel_other_walk_ms": med["kernel_other_walk"]}
-                       if switchable and n == 1 else {})})
+                       if switchable and n == 1 else {}),
+                    **({"kernel_one_part_ms": med["kernel_one_part"]} if parts and n == 1 else {})})
     return out
 
 

@@ -27,11 +27,15 @@ def render_attention(data: dict, name: str) -> str:
     # Decode rows also ran the other way of bringing the next span into cache (csrc/attention_decode.h).
     walk = next((r for r in data["rows"] if "kernel_other_walk_ms" in r), None)
     other = walk and ("prefetched" if walk["span_loads"] else "loaded")
+    # ... and whole, in one part (csrc/attention_parts.h), where the build cuts them.
+    parts = any("kernel_one_part_ms" in r for r in data["rows"])
     head = "| batch (`--case`) | gather + SDPA | kernel | kernel speed-up |"
     lines = [caption(data, name, extra), "",
              head + (" kernel, no AMX | AMX speed-up |" if amx else "")
-             + (f" kernel, next span {other} | {'loads' if walk['span_loads'] else 'prefetch'} speed-up |" if walk else ""),
-             "|---|---:|---:|---:|" + ("---:|---:|" if amx else "") + ("---:|---:|" if walk else "")]
+             + (f" kernel, next span {other} | {'loads' if walk['span_loads'] else 'prefetch'} speed-up |" if walk else "")
+             + (" kernel, rows in one part | parts speed-up |" if parts else ""),
+             "|---|---:|---:|---:|" + ("---:|---:|" if amx else "") + ("---:|---:|" if walk else "")
+             + ("---:|---:|" if parts else "")]
     for r in data["rows"]:
         case = f"{r['seqs']}x{r['min_ctx']}-{r['max_ctx']}/{r['chunk']}"
         row = (f"| {_batch(r)} (`{case}`) | {r['torch_ms']:,.1f} ms | {r['kernel_ms']:,.1f} ms | "
@@ -43,6 +47,9 @@ def render_attention(data: dict, name: str) -> str:
         if walk:
             row += (f" {r['kernel_other_walk_ms']:,.1f} ms | {r['kernel_other_walk_ms'] / r['kernel_ms']:.2f}× |"
                     if "kernel_other_walk_ms" in r else " — | — |")
+        if parts:
+            row += (f" {r['kernel_one_part_ms']:,.1f} ms | {r['kernel_one_part_ms'] / r['kernel_ms']:.2f}× |"
+                    if "kernel_one_part_ms" in r else " — | — |")
         lines.append(row)
     return "\n".join(lines)
 
