@@ -65,7 +65,7 @@ inline std::vector<std::vector<Item>> deal_items(const torch::Tensor& q, const t
   const int64_t num_kv_heads = k_pool.size(1), group = q.size(1) / num_kv_heads;
   // With AVX-512, a decode row of few query heads per KV head is one item for all its heads.
   const bool whole_decode = kDecode512 && group < kRows && q.size(2) % 16 == 0 && q.scalar_type() != at::kDouble;
-  // A decode row of 2 * kPartKeys keys or more is cut into parts (attention_parts.h). With fewer
+  // A decode row of 256 keys or more is cut into parts (attention_parts.h). With fewer
   // sequences than threads (one decoded alone) its parts are items of their own; a row in one
   // part has its KV heads split over them instead, each head the same work as in the whole row
   // (the same bits). SmolLM2's one-row bf16 decode step on the Intel AMX host (three KV heads on

@@ -14,8 +14,8 @@
 //
 // The parts depend only on how many keys the row attends to, never on the batch, the threads or
 // how the parts are run: a row gets the same bits alone, beside other sequences, or verified
-// among its drafts (each draft attends as a decode row). Rows of fewer than 2 * kPartKeys keys
-// are one part, as before parts.
+// among its drafts (each draft attends as a decode row). Rows of fewer than 4 * kPartKeys (256)
+// keys are one part, as before parts.
 #pragma once
 
 #include <algorithm>
@@ -30,7 +30,7 @@
 
 namespace streamgate::cpu {
 
-constexpr int64_t kPartKeys = 64;   // keys a part of two holds at least (below)
+constexpr int64_t kPartKeys = 64;   // P parts take P * P * kPartKeys keys (decode_parts)
 constexpr int64_t kMaxParts = 8;    // a power of two: parts share out evenly over 2, 4 or 8 threads
 
 // Whether decode rows are cut into parts (torch.ops.streamgate.decode_parts; benchmarks compare).
@@ -41,7 +41,7 @@ inline std::atomic<bool>& decode_parts_switch() {
 }
 
 // The parts of a decode row attending to `keys` keys: the largest power of two P up to kMaxParts
-// with P * P * kPartKeys <= keys (2 parts from 128 keys, 4 from 1,024, 8 from 4,096). A part
+// with P * P * kPartKeys <= keys (2 parts from 256 keys, 4 from 1,024, 8 from 4,096). A part
 // costs a row the same beside other sequences, where its parts run one after another (its sums
 // stored and merged: 32 rows of 256 keys, Zen 4 host, 2026-12-06, attention alone 2 % slower in 2
 // parts, 9 % in 4), so the parts grow slower than the keys.

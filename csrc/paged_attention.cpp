@@ -113,7 +113,7 @@ bool decode_span_loads_op(std::optional<bool> enable) {
 #endif
 }
 
-// Whether decode rows of 2 * kPartKeys keys or more are cut into parts (attention_parts.h);
+// Whether decode rows of 4 * kPartKeys (256) keys or more are cut into parts (attention_parts.h);
 // `enable` sets it for every later call in the process (benchmarks compare the two; the outputs
 // differ in rounding).
 bool decode_parts_op(std::optional<bool> enable) {

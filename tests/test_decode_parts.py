@@ -1,4 +1,4 @@
-"""Decode rows cut into parts (csrc/attention_parts.h): a row of 128 keys or more attends in 2, 4
+"""Decode rows cut into parts (csrc/attention_parts.h): a row of 256 keys or more attends in 2, 4
 or 8 parts by its key count alone; decoded beside fewer sequences than threads its parts are work
 items of their own, beside more they run one after another in one item. Either way, and on one
 thread, the row gets the same bits, equal to the eager math within the dtype's tolerance.
@@ -51,7 +51,7 @@ def decode_rows_on_all_heads(found) -> bool:
     return any(w["kv_head"] == -1 for w in found)
 
 
-@pytest.mark.parametrize("ctx", [127, 128, 320, 1023, 1024, 4096, 5000])
+@pytest.mark.parametrize("ctx", [127, 255, 256, 320, 1023, 1024, 4095, 4096, 5000])
 def test_a_row_alone_is_cut_by_its_keys_into_parts_that_are_items_of_their_own(two_threads, ctx):
     found = items([ctx])
     if not decode_rows_on_all_heads(found):
@@ -85,7 +85,7 @@ def test_parts_switched_off_leave_a_row_whole(two_threads, parts_off):
     assert len(found) == KV_HEADS, "a row alone in one part is split by KV head"
 
 
-FEATURES = {"plain": (0, 0.0, False), "window": (200, 0.0, False), "sinks+softcap": (0, 3.0, True)}
+FEATURES = {"plain": (0, 0.0, False), "window": (300, 0.0, False), "sinks+softcap": (0, 3.0, True)}
 
 
 def attend(q, k_pool, v_pool, tables, ctx_lens, dtype, features):
@@ -99,7 +99,7 @@ def attend(q, k_pool, v_pool, tables, ctx_lens, dtype, features):
 @pytest.mark.parametrize("pool", ["model dtype", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("feature", FEATURES)
-@pytest.mark.parametrize("ctx", [100, 128, 333, 1100])
+@pytest.mark.parametrize("ctx", [100, 255, 256, 333, 1100, 4200])
 def test_a_row_gets_the_same_bits_alone_beside_others_and_on_one_thread(ctx, feature, dtype, pool, all_threads):
     from engine.kv_cache import dequantize_rows, quantize_rows
 
