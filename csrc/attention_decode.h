@@ -213,10 +213,7 @@ void decode_sequence(const T* q, int64_t q_hs, const P* kp, const P* vp, int64_t
   const int64_t i_begin = h0 * group, i_end = h1 * group;             // query heads
   for (int64_t i = i_begin; i < i_end; ++i)
     for (int64_t d = 0; d < D; ++d) w.qf[i * D + d] = static_cast<float>(q[i * q_hs + d]) * scale;
-  auto start = [&](bool first) {
-    for (int64_t i = i_begin; i < i_end; ++i) start_part(f, first, w.m[i], w.l[i], i);
-    std::fill(w.acc.begin() + i_begin * D, w.acc.begin() + i_end * D, 0.0f);
-  };
+  auto start = [&](bool first) { start_heads(f, first, w, i_begin, i_end, D); };
   auto walk = [&](int64_t k0, int64_t k1, const SpanChain& chain) {
     for_decode_spans(kp, vp, kv_slot, kv_hs, table, block_size, k0, k1, span, kv_heads, h0, h1, w.base.data(),
                      w.kin.data(), w.vin.data(), chain, [&](int64_t h, int64_t n) {

@@ -97,6 +97,9 @@ inline int64_t permuted(int64_t r) {
   return w < 4 ? 4 * k + w : 16 + 4 * k + (w - 4);
 }
 
+// Where head_dim offset d sits in a head's accumulators (each 32-wide slice permuted).
+inline int64_t slot_of(int64_t d) { return d / 32 * 32 + permuted(d % 32); }
+
 struct DecodeScratchBf16 {
   std::vector<c10::BFloat16> qb, pb;
   std::vector<float> acc, m, l, alpha, s;
@@ -120,10 +123,7 @@ inline void decode_sequence_bf16(const c10::BFloat16* q, int64_t q_hs, const c10
                                  int64_t o_hs, DecodeScratchBf16& w, const Features& f) {
   const int64_t i_begin = h0 * group, i_end = h1 * group;             // query heads
   for (int64_t i = i_begin; i < i_end; ++i) std::copy(q + i * q_hs, q + i * q_hs + D, w.qb.data() + i * D);
-  auto start = [&](bool first) {
-    for (int64_t i = i_begin; i < i_end; ++i) start_part(f, first, w.m[i], w.l[i], i);
-    std::fill(w.acc.begin() + i_begin * D, w.acc.begin() + i_end * D, 0.0f);
-  };
+  auto start = [&](bool first) { start_heads(f, first, w, i_begin, i_end, D); };
   auto walk = [&](int64_t k0, int64_t k1, const SpanChain& chain) {
     for_decode_spans(kp, vp, kv_slot, kv_hs, table, block_size, k0, k1, span, kv_heads, h0, h1, w.base.data(),
                      w.kin.data(), w.vin.data(), chain, [&](int64_t h, int64_t n) {
@@ -156,17 +156,17 @@ inline void decode_sequence_bf16(const c10::BFloat16* q, int64_t q_hs, const c10
         continue;
       }
       const float inv = 1.0f / w.l[i];
-      for (int64_t d = 0; d < D; ++d) o[i * o_hs + d] = c10::BFloat16(acc[d / 32 * 32 + permuted(d % 32)] * inv);
+      for (int64_t d = 0; d < D; ++d) o[i * o_hs + d] = c10::BFloat16(acc[slot_of(d)] * inv);
     }
   };
   const int64_t heads = kv_heads * group;
   if (float* sums = for_decode_parts(keys, block_size, heads * part_floats(D), w.sums, start, walk, finish))
-    merge_decode_parts(sums, keys.parts, heads, D, o, o_hs, [](int64_t d) { return d / 32 * 32 + permuted(d % 32); });
+    merge_decode_parts(sums, keys.parts, heads, D, o, o_hs, slot_of);
 }
 #else
 constexpr bool kDecodeBf16 = false;
 
-inline int64_t permuted(int64_t r) { return r; }
+inline int64_t slot_of(int64_t d) { return d; }
 
 struct DecodeScratchBf16 {
   void fit(int64_t, int64_t, int64_t) {}

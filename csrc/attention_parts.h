@@ -89,6 +89,13 @@ inline void start_part(const Features& f, bool first, float& m, float& l, int64_
   else m = -std::numeric_limits<float>::infinity(), l = 0.0f;
 }
 
+// A part's start for query heads [i0, i1) of a decode scratch `w` (its m, l and acc of D a head).
+template <class Scratch>
+inline void start_heads(const Features& f, bool first, Scratch& w, int64_t i0, int64_t i1, int64_t D) {
+  for (int64_t i = i0; i < i1; ++i) start_part(f, first, w.m[i], w.l[i], i);
+  std::fill(w.acc.begin() + i0 * D, w.acc.begin() + i1 * D, 0.0f);
+}
+
 // A part's floats per query head: the D unnormalized outputs (in the decode's accumulator order),
 // the max, the sum.
 inline int64_t part_floats(int64_t D) { return D + 2; }

@@ -150,7 +150,7 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const to
         // The row's last part to finish merges them all (acq_rel: it sees every part's sums).
         if (sums && std::atomic_ref<int>(done_base[w.first_part]).fetch_add(1, std::memory_order_acq_rel) == w.parts - 1)
           merge_decode_parts(part_base + w.first_part * part_size, w.parts, num_heads, D, op + row * o_row, o_head,
-                             [bf16 = done](int64_t d) { return bf16 ? d / 32 * 32 + permuted(d % 32) : d; });
+                             [bf16 = done](int64_t d) { return bf16 ? slot_of(d) : d; });
         continue;
       }
       const int64_t q_len = starts[w.seq + 1] - starts[w.seq];
