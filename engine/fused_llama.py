@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .attention import kernel_layers, paged_attention
-from .packed_linear import BF16_BLOCK_COPY_MAX_BYTES, PackedLinear, available, bf16_kernel_only
+from .packed_linear import BF16_BLOCK_COPY_MAX_BYTES, PackedLinear, arrange, available, bf16_kernel_only
 from .quantization import KERNEL_MAX_ROWS as INT8_KERNEL_MAX_ROWS
 from .quantization import Int8Weight
 
@@ -69,7 +69,7 @@ def maybe_fuse(model: nn.Module, config, device: torch.device, dtype: torch.dtyp
         return None
     if kind == "onednn" and (bf16_kernel_only() or bf16_block_copy_fits(model)):
         kind = "bf16"           # the block kernel alone, or for few rows beside oneDNN (packed_linear.Bf16Weight)
-    return FusedLlama(model, kind, family)
+    return FusedLlama(model, kind, family, huge_pages=config.huge_pages)
 
 
 def bf16_block_copy_fits(model: nn.Module) -> bool:
@@ -168,7 +168,7 @@ class _Layer:
 class FusedLlama:
     """Callable like the transformers model as the runner calls it; returns `.logits` [1, K, V]."""
 
-    def __init__(self, model: nn.Module, kind: str = "streamgate", family=None):
+    def __init__(self, model: nn.Module, kind: str = "streamgate", family=None, huge_pages: bool = False):
         cfg, body = model.config, model.model
         self.kind = kind                                # how the linears are packed (packed_linear.py)
         windows = [layer.window for layer in family.layers] if family is not None else [None] * len(body.layers)
@@ -179,6 +179,8 @@ class FusedLlama:
         self.layers = [_Layer(layer, kind, w) for layer, w in zip(body.layers, windows)]
         self.norm, self.eps = body.norm.weight.detach(), body.norm.variance_epsilon
         self.lm_head = model.lm_head = PackedLinear(model.lm_head, kind)   # a tied one: its own copy
+        if huge_pages:                  # in the order a step reads them (weight_arena.py)
+            arrange([m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head])
         self.layer_args = self._cpp_layer_args()
         self.cpp_layers = self.layer_args is not None     # tests and benchmarks turn it off to compare
         log.info("fused Llama-shaped forward (%s): %d layers, q/k/v and gate/up packed as one GEMM each (%s)",

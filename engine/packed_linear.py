@@ -37,7 +37,8 @@ from torch import nn
 from . import elastic
 from .dtypes import cpu_flags, cpu_vendor
 from .kernels import amx_linear_rows, load_kernels, loaded_variant
-from .quantization import Int8Weight, quantize_linears
+from .quantization import Int8Linear, Int8Weight, quantize_linears
+from .weight_arena import place
 
 log = logging.getLogger("streamgate.engine")
 
@@ -193,14 +194,41 @@ def pack_linears(model: nn.Module, kind: str) -> int:
     return len(targets)
 
 
+def _stream(module: nn.Module) -> tuple[object, str] | None:
+    """(holder, attribute) of the packed tensor a linear's kernel streams at each step, or None
+    (not a packed linear, or oneDNN's opaque copy)."""
+    weight = module.weight_int8 if isinstance(module, Int8Linear) else getattr(module, "packed", None)
+    if isinstance(weight, Int8Weight):
+        return weight, "codes"
+    if isinstance(weight, Bf16Weight):
+        return weight, "blocks"
+    if isinstance(module, PackedLinear) and module.kind == "streamgate":
+        return module, "packed"
+    return None
+
+
+def arrange(modules) -> int:
+    """Move the packed weights of `modules` (in the order a step calls them; others skipped)
+    into one huge-page region in that order (weight_arena.py); returns the bytes moved."""
+    holders = [s for s in dict.fromkeys(_stream(m) for m in modules) if s is not None]
+    moved = place([getattr(holder, name) for holder, name in holders])
+    for (holder, name), tensor in zip(holders, moved):
+        setattr(holder, name, tensor)
+    return sum(t.numel() * t.element_size() for t in moved)
+
+
 def maybe_pack(model: nn.Module, config, device: torch.device, dtype: torch.dtype) -> bool:
     """Pack for eager fp32 on CPU in one process, unless `config.packed_linear` is False
     (a compiled model is left to inductor; tensor-parallel shards are DTensors). With
     `config.quantization` "int8" every linear becomes int8 weight-only, whatever the dtype."""
     if getattr(config, "quantization", None) == "int8":
-        return quantize_linears(model) > 0
-    if config.packed_linear is False or config.compile or config.tensor_parallel_size > 1:
+        packed = quantize_linears(model) > 0
+    elif config.packed_linear is False or config.compile or config.tensor_parallel_size > 1:
         return False
-    if not (device.type == "cpu" and dtype == torch.float32 and (kind := available())):
+    elif not (device.type == "cpu" and dtype == torch.float32 and (kind := available())):
         return False
-    return pack_linears(model, kind) > 0
+    else:
+        packed = pack_linears(model, kind) > 0
+    if packed and config.huge_pages:
+        arrange(model.modules())        # module order: a decoder layer's linears, layer by layer
+    return packed

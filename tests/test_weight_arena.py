@@ -1,0 +1,103 @@
+"""engine/weight_arena.py: the packed linear weights copied into one region advised for huge
+pages, side by side in the order a step reads them; and the engine's use of it
+(EngineConfig.huge_pages), which must not change a token."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.kernels import load_kernels
+from engine.packed_linear import _stream
+from engine.weight_arena import ALIGN, HUGE_PAGE, huge_bytes, place
+
+
+def thp_mode() -> str | None:
+    """The host's transparent huge page mode (always, madvise, never), None where unknown."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def assert_side_by_side(tensors: list[torch.Tensor]) -> None:
+    """Each tensor starts on a 4 KiB boundary at the first one after the one before it."""
+    for a, b in zip(tensors, tensors[1:]):
+        size = a.numel() * a.element_size()
+        assert b.data_ptr() == a.data_ptr() + -(-size // ALIGN) * ALIGN, (a.shape, b.shape)
+    assert all(t.data_ptr() % ALIGN == 0 for t in tensors)
+
+
+def test_place_copies_in_order_aligned_in_one_region():
+    torch.manual_seed(0)
+    tensors = [torch.randn(3, 5), torch.randint(-127, 128, (7, 9, 16), dtype=torch.int8),
+               torch.randn(5000).to(torch.bfloat16), torch.randn(1), torch.randn(40, 1024)]
+    placed = place(tensors)
+    for t, p in zip(tensors, placed):
+        assert (p.shape, p.dtype) == (t.shape, t.dtype) and p.is_contiguous() and torch.equal(p, t)
+        assert p.data_ptr() != t.data_ptr()
+    assert_side_by_side(placed)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert placed[0].data_ptr() % HUGE_PAGE == 0
+    tensors[4].zero_()                                          # copies, not views of the originals
+    assert placed[4].abs().sum() > 0
+
+
+@pytest.mark.skipif(thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off on this host")
+def test_place_gets_huge_pages_where_the_host_has_them():
+    big = place([torch.ones(8 << 20, dtype=torch.uint8)])[0]
+    assert huge_bytes(big) >= HUGE_PAGE
+    assert huge_bytes(torch.ones(4)) is not None                  # smaps read for ordinary memory too
+
+
+def streamed(eng: LLMEngine) -> list[torch.Tensor]:
+    """The packed tensors the engine's linears stream, in the order a step calls them (the fused
+    forward's) or the model's module order (the transformers forward's)."""
+    forward = eng.runner.forward
+    if hasattr(forward, "layers"):
+        modules = [m for layer in forward.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        modules.append(forward.lm_head)
+    else:
+        modules = list(eng.runner.model.modules())
+    holders = [s for s in (_stream(m) for m in modules) if s is not None]
+    return [getattr(holder, name) for holder, name in holders]
+
+
+def greedy(eng: LLMEngine) -> dict[str, list[int]]:
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eng.add_request("a", list(range(100, 140)), params)          # chunked prefill, then decode
+    eng.add_request("b", list(range(300, 306)), params)
+    tokens: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+@pytest.mark.skipif(not load_kernels(), reason="the C++ kernels did not build (see the log)")
+@pytest.mark.parametrize("case", [
+    {"quantization": "int8"},                                   # fused, int8 codes
+    {"dtype": "bfloat16"},                                      # fused, bf16 blocks
+    {},                                                         # fused, fp32 packed blocks
+    {"quantization": "int8", "fused_layers": False},            # transformers' forward, int8 linears
+], ids=["fused-int8", "fused-bf16", "fused-fp32", "hf-int8"])
+def test_engine_streams_weights_side_by_side_and_makes_the_same_tokens(tiny_model, case):
+    tokens = {}
+    for huge in (True, False):
+        eng = LLMEngine(EngineConfig(model=tiny_model("llama"), num_kv_blocks=64, max_num_batched_tokens=16,
+                                     max_num_seqs=4, huge_pages=huge, **case))
+        weights = streamed(eng)
+        assert len(weights) >= 2 * 4
+        if huge:
+            assert_side_by_side(weights)
+            if thp_mode() in ("madvise", "always"):
+                assert huge_bytes(weights[0]) >= HUGE_PAGE
+        else:
+            assert any(b.data_ptr() != a.data_ptr() + -(-a.numel() * a.element_size() // ALIGN) * ALIGN
+                       for a, b in zip(weights, weights[1:]))
+        tokens[huge] = greedy(eng)
+    assert tokens[True] == tokens[False] and all(len(t) == 8 for t in tokens[True].values())
