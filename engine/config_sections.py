@@ -120,7 +120,7 @@ class ForwardConfig(Section):
     fused_layers: bool | None = knob(None, "the fused Llama forward (engine/fused_llama.py)",
                                      none="auto: on where packed linears are")
     huge_pages: bool = knob(True, "CPU: the packed linear weights side by side in the order a step reads them, "
-                            "in one region advised for transparent huge pages (engine/weight_arena.py)")
+                            "in one region advised for transparent huge pages (engine/huge_pages.py)")
     compile: bool = knob(False, "torch.compile the model (start-up takes minutes)")
     cuda_graphs: bool = knob(True, "with compile on CUDA: decode steps replay CUDA graphs per batch bucket")
     adaptive_threads: bool = knob(True, "CPU eager: steps of <= 4 tokens on 1 thread or all, whichever "

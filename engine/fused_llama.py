@@ -179,7 +179,7 @@ class FusedLlama:
         self.layers = [_Layer(layer, kind, w) for layer, w in zip(body.layers, windows)]
         self.norm, self.eps = body.norm.weight.detach(), body.norm.variance_epsilon
         self.lm_head = model.lm_head = PackedLinear(model.lm_head, kind)   # a tied one: its own copy
-        if huge_pages:                  # in the order a step reads them (weight_arena.py)
+        if huge_pages:                  # in the order a step reads them (huge_pages.py)
             arrange([m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head])
         self.layer_args = self._cpp_layer_args()
         self.cpp_layers = self.layer_args is not None     # tests and benchmarks turn it off to compare

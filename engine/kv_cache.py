@@ -18,9 +18,10 @@ returns rows dequantized to the model's dtype.
 from __future__ import annotations
 
 import math
-import mmap
 
 import torch
+
+from .huge_pages import region
 
 KV_SCALE_BYTES = 4          # an int8 row's fp32 scale, after its head_dim values (csrc/kv_int8.h)
 
@@ -42,19 +43,17 @@ def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, pin: bool = False) -> torch.Tensor:
-    """A tensor of zeros. On the CPU it is anonymous memory from mmap, which the OS hands out as
-    zero pages when first touched: the pool costs start-up nothing and holds resident only the
-    blocks used so far (torch.zeros writes every byte: ~0.4 s and all of it resident for the
-    1 GiB CPU default). Page-aligned, so every kernel's vector loads stay aligned. A shared
-    mapping on purpose: its pages count as the process's RssShmem, apart from the heap, so a
-    memory check (bench/isolation/victim.py) can tell the pool filling up from a leak. The
-    engine never forks after this (tensor-parallel ranks are spawned). `pin`: page-locked host
-    memory for CUDA transfers, from torch."""
+    """A tensor of zeros. On the CPU it is anonymous memory from mmap, advised for huge pages
+    (huge_pages.region), which the OS hands out as zero pages when first touched: the pool
+    costs start-up nothing and holds resident only the blocks used so far (torch.zeros writes
+    every byte: ~0.4 s and all of it resident for the 1 GiB CPU default). Aligned to 2 MiB, so
+    every kernel's vector loads stay aligned. The engine never forks after this
+    (tensor-parallel ranks are spawned). `pin`: page-locked host memory for CUDA transfers,
+    from torch."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or nbytes == 0 or pin:
         return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
-    pool = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(pool, dtype=dtype).view(shape)   # the tensor keeps the map
+    return region(nbytes).view(dtype).view(shape)
 
 
 class PagedKVCache:

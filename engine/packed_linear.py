@@ -38,7 +38,7 @@ from . import elastic
 from .dtypes import cpu_flags, cpu_vendor
 from .kernels import amx_linear_rows, load_kernels, loaded_variant
 from .quantization import Int8Linear, Int8Weight, quantize_linears
-from .weight_arena import place
+from .huge_pages import place
 
 log = logging.getLogger("streamgate.engine")
 
@@ -209,7 +209,7 @@ def _stream(module: nn.Module) -> tuple[object, str] | None:
 
 def arrange(modules) -> int:
     """Move the packed weights of `modules` (in the order a step calls them; others skipped)
-    into one huge-page region in that order (weight_arena.py); returns the bytes moved."""
+    into one huge-page region in that order (huge_pages.py); returns the bytes moved."""
     holders = [s for s in dict.fromkeys(_stream(m) for m in modules) if s is not None]
     moved = place([getattr(holder, name) for holder, name in holders])
     for (holder, name), tensor in zip(holders, moved):

@@ -31,14 +31,22 @@ def main_thread_cpu_s(pid: int) -> float | None:
 
 
 def rss_bytes(pid: int) -> int | None:
-    """VmRSS of process `pid` less its RssShmem, from /proc/<pid>/status: the engine's CPU KV
-    pool is a shared mapping whose pages become resident as blocks are first used (engine/
-    kv_cache.py), which is the pool filling up to its configured size, not growth an attack
-    causes."""
+    """VmRSS of process `pid` less its RssShmem and the Rss of its mappings advised for huge
+    pages (VmFlags `hg` in /proc/<pid>/smaps): engine/huge_pages.py's packed weights and CPU KV
+    pool, whose pages become resident as blocks are first used, which is the pool filling up
+    to its configured size, not growth an attack causes."""
     try:
         fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                       if ":" in line)
-        return (int(fields["VmRSS"].split()[0]) - int(fields.get("RssShmem", "0 kB").split()[0])) * 1024
+        rss = int(fields["VmRSS"].split()[0]) - int(fields.get("RssShmem", "0 kB").split()[0])
+        advised = mapping_rss = 0
+        for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key == "Rss":
+                mapping_rss = int(rest.split()[0])
+            elif key == "VmFlags" and "hg" in rest.split():
+                advised += mapping_rss
+        return (rss - advised) * 1024
     except (OSError, KeyError, ValueError):
         return None
 

@@ -1,4 +1,4 @@
-"""engine/weight_arena.py: the packed linear weights copied into one region advised for huge
+"""engine/huge_pages.py: the packed linear weights copied into one region advised for huge
 pages, side by side in the order a step reads them; and the engine's use of it
 (EngineConfig.huge_pages), which must not change a token."""
 
@@ -12,7 +12,7 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kernels import load_kernels
 from engine.packed_linear import _stream
-from engine.weight_arena import ALIGN, HUGE_PAGE, huge_bytes, place
+from engine.huge_pages import ALIGN, HUGE_PAGE, huge_bytes, place
 
 
 def thp_mode() -> str | None:
@@ -101,3 +101,26 @@ def test_engine_streams_weights_side_by_side_and_makes_the_same_tokens(tiny_mode
                        for a, b in zip(weights, weights[1:]))
         tokens[huge] = greedy(eng)
     assert tokens[True] == tokens[False] and all(len(t) == 8 for t in tokens[True].values())
+
+
+@pytest.mark.skipif(thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off on this host")
+def test_the_cpu_kv_pool_is_in_huge_pages_and_left_out_of_the_isolation_bench_rss():
+    """The pool (kv_cache.zeroed) takes huge pages as blocks are written; bench/isolation's RSS
+    leaves it out, as it leaves out what the weights set aside, and counts the heap."""
+    import os
+
+    from bench.isolation.victim import rss_bytes
+    from engine.kv_cache import PagedKVCache
+
+    cache = PagedKVCache(num_layers=2, num_blocks=2048, block_size=16, num_kv_heads=4, head_dim=64,
+                         dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert huge_bytes(cache.k) == 0 and cache.k.data_ptr() % HUGE_PAGE == 0
+    before = rss_bytes(os.getpid())
+    cache.k.view(-1)[: 16 << 20].fill_(1.0)                     # 32 MiB of the pool written
+    assert huge_bytes(cache.k) >= 16 << 20
+    # 32 MiB of fresh memory not advised (the allocator might hand out pages already resident)
+    heap = torch.frombuffer(mmap.mmap(-1, 32 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
+    heap.fill_(1)
+    grown = rss_bytes(os.getpid()) - before
+    assert 30 << 20 <= grown <= 44 << 20, grown                 # the fresh 32 MiB, not the pool's
+    assert heap.sum() == 32 << 20
