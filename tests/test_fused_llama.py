@@ -222,3 +222,33 @@ def test_fused_forward_calls_the_kernel_directly_only_where_every_layer_is_plain
                 layers = len(eng.runner.forward.layers)
                 assert (len(calls) == 0) if direct else (len(calls) >= layers), (model, len(calls))
         assert tokens[True] == tokens[False], model
+
+
+@pytest.mark.parametrize("family, table", [("llama", True), ("llama-rope-llama3", True), ("qwen3-rope-yarn", True),
+                                           ("llama-rope-dynamic", False)])
+def test_rotary_rows_come_from_a_table_equal_to_the_module(family, table):
+    """Where the rope type depends on the position alone the fused forward reads cos/sin rows
+    from a table the model's rotary module computed once (grown past the largest position
+    seen): the same values as the module's per step, for a batch's scattered positions, past
+    the first 4,096 rows too. Dynamic scaling (which looks at the length) keeps the module."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.families import _BASE, FAMILIES
+
+    model_type, extra = FAMILIES.get(family, ("llama", {}))
+    if family == "llama-rope-dynamic":
+        extra = dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, vocab_size=256, **{**_BASE, **extra})
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    fused = FusedLlama(model, "bf16")
+    assert (fused.rope_table is not None) == table
+    residual = torch.randn(4, config.hidden_size).to(torch.bfloat16)
+    for positions in ([0, 17, 5, 4095], [4096, 9000, 3, 12]):
+        pos = torch.tensor([positions])
+        expected = [t[0].float() for t in model.model.rotary_emb(residual[None], pos)]
+        got = fused._cos_sin(residual, pos)
+        for g, e in zip(got, expected):
+            assert g.dtype == torch.float32 and torch.equal(g, e)
+    if table:
+        assert fused.rope_table[0].shape[0] == 16384
