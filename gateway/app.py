@@ -38,6 +38,7 @@ from .live import StatsHub, interval_class
 from .logs import RequestContext
 from .metrics import GatewayMetrics, metrics_allowed
 from .responses import responses
+from .server import freeze_heap
 from .sse import ClosingEventStream, chat_completions, error_response, list_models
 from .streaming import ChatService
 from .vllm_metrics import register_vllm_metrics
@@ -101,6 +102,7 @@ class GatewaySettings:
     tool_parser: str | None = None          # hermes | llama3_json | mistral | harmony; None: from the chat template
     metrics_token: str | None = None        # /metrics for callers presenting it; None: loopback clients only
     allowed_hosts: tuple[str, ...] = ()     # Host names answered (DNS rebinding); (): any (serve sets loopback's)
+    freeze_gc: bool = False                 # once loaded, start-up's objects leave the GC's scans (serve sets it)
 
 
 class Gateway:
@@ -177,8 +179,9 @@ class Gateway:
                 await self.engine.start()
             await asyncio.to_thread(self.chat.on_engine_started)
             self.chat.admitter.keep_special_tokens = tool_parser(self) == "harmony"
+            frozen = freeze_heap() if self.settings.freeze_gc else 0
             self.chat.ready = True
-            log.info("engine.ready", model=self.chat.model_name, max_model_len=self.chat.max_model_len)
+            log.info("engine.ready", model=self.chat.model_name, max_model_len=self.chat.max_model_len, gc_frozen=frozen)
         except Exception as exc:
             self.load_error = exc
             log.exception("engine.load_failed")

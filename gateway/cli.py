@@ -82,7 +82,7 @@ def serve(args: argparse.Namespace) -> int:
         settings = GatewaySettings(engine=engine, tenants_file=args.tenants, ledger_path=args.ledger,
                                    redis_url=args.redis or None, redis_lease_ttl_s=args.redis_lease_ttl,
                                    allowed_origins=tuple(args.allow_origin), drain_grace_s=args.drain_grace,
-                                   **settings_limits(args))
+                                   freeze_gc=True, **settings_limits(args))
         app = create_app(settings)
     except (ValueError, TenantConfigError) as exc:
         print(f"streamgate: {exc}", file=sys.stderr)

@@ -10,6 +10,7 @@ once (still each with its final event); a third exits immediately.
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 
 import structlog
@@ -21,6 +22,20 @@ from .protocols import protocol_class
 log = structlog.get_logger("streamgate.server")
 
 CLOSE_ECHO_WAIT_S = 5.0      # draining: at most this long for closed WebSockets' echoes
+
+
+def freeze_heap() -> int:
+    """Collect, then move every object alive into the GC's permanent generation, which its
+    collections skip (vLLM's engine does the same once started: `freeze_gc_heap`); returns how
+    many. Why: a served process holds ~400,000 objects once the model and the libraries are
+    loaded, and a full collection scans them all, holding the GIL, so the event loop and the
+    engine thread wait it out. 40 s of 8 streams (Zen 4 host, 2026-12-06) ran one full
+    collection: 310 ms, against 1.6 ms frozen (244 ms against 0.01 ms in a loaded process, by
+    hand). For the process that serves: objects frozen are never collected, so not for a
+    process that builds engines and drops them (tests)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 class DrainingServer(uvicorn.Server):

@@ -84,3 +84,6 @@ def test_serve_streams_logs_json_and_drains_on_a_real_sigterm(tiny_model, tmp_pa
     http = [h for h in records if h.get("event") == "http.request" and h.get("path") == "/v1/chat/completions"]
     assert len(http) == 1 and http[0]["request_id"] == rec["request_id"] == r.headers["x-request-id"]
     assert any(rec.get("event") == "drain.done" for rec in records)
+    # once loaded, start-up's objects were frozen out of the GC's scans (gateway/server.freeze_heap)
+    ready = [rec for rec in records if rec.get("event") == "engine.ready"]
+    assert len(ready) == 1 and ready[0]["gc_frozen"] > 50_000, ready
