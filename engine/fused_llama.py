@@ -176,7 +176,7 @@ class FusedLlama:
         cfg, body = model.config, model.model
         self.kind = kind                                # how the linears are packed (packed_linear.py)
         windows = [layer.window for layer in family.layers] if family is not None else [None] * len(body.layers)
-        self.embed, self.rotary_emb = body.embed_tokens, body.rotary_emb
+        self.embed, self.rotary_emb = body.embed_tokens.weight.detach(), body.rotary_emb   # rows gathered directly
         # cos/sin rows by position, computed once by the model's rotary module where they depend
         # on the position alone (not dynamic or longrope scaling, which look at the length)
         static = getattr(self.rotary_emb, "rope_type", None) in STATIC_ROPE
@@ -236,7 +236,7 @@ class FusedLlama:
 
     def __call__(self, input_ids, position_ids, cache, paged, logits_to_keep, **_):
         ops = torch.ops.streamgate
-        residual = self.embed(input_ids[0])             # [N, C], a new tensor: updated in place below
+        residual = torch.index_select(self.embed, 0, input_ids[0])   # [N, C], a new tensor: updated in place below
         cos, sin = self._cos_sin(residual, position_ids)                                    # [N, D] fp32
         n, hd = residual.shape[0], self.head_dim
         q_end = self.heads * hd
