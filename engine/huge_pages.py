@@ -50,22 +50,30 @@ def region(nbytes: int) -> torch.Tensor:
     return whole[start:start + nbytes]
 
 
+class Arena:
+    """One region() holding tensors of the given byte sizes side by side, each starting on a
+    4 KiB boundary; `copy(i, t)` puts the i-th in place."""
+
+    def __init__(self, sizes: list[int]):
+        self.starts, end = [], 0
+        for size in sizes:
+            self.starts.append(end)
+            end += -(-size // ALIGN) * ALIGN
+        self.whole = region(end)
+
+    def copy(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """A copy of `t` (its shape and dtype, contiguous) in the i-th place."""
+        start = self.starts[i]
+        placed = self.whole[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        with torch.no_grad():
+            placed.copy_(t)
+        return placed
+
+
 def place(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of `tensors` side by side in one region(), in this order, each starting on a
-    4 KiB boundary, with their shapes and dtypes (contiguous)."""
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    starts, end = [], 0
-    for size in sizes:
-        starts.append(end)
-        end += -(-size // ALIGN) * ALIGN
-    whole = region(end)
-    out = []
-    with torch.no_grad():
-        for t, start, size in zip(tensors, starts, sizes):
-            copy = whole[start:start + size].view(t.dtype).view(t.shape)
-            copy.copy_(t)
-            out.append(copy)
-    return out
+    """Copies of `tensors` side by side in one region(), in this order (Arena)."""
+    arena = Arena([t.numel() * t.element_size() for t in tensors])
+    return [arena.copy(i, t) for i, t in enumerate(tensors)]
 
 
 def huge_bytes(t: torch.Tensor) -> int | None:

@@ -36,9 +36,9 @@ from torch import nn
 
 from . import elastic
 from .dtypes import cpu_flags, cpu_vendor
+from .huge_pages import Arena
 from .kernels import amx_linear_rows, load_kernels, loaded_variant
 from .quantization import Int8Linear, Int8Weight, quantize_linears
-from .huge_pages import place
 
 log = logging.getLogger("streamgate.engine")
 
@@ -209,12 +209,14 @@ def _stream(module: nn.Module) -> tuple[object, str] | None:
 
 def arrange(modules) -> int:
     """Move the packed weights of `modules` (in the order a step calls them; others skipped)
-    into one huge-page region in that order (huge_pages.py); returns the bytes moved."""
+    into one huge-page region in that order (huge_pages.py); returns the bytes moved. Each is
+    let go as soon as it is copied, so loading holds one weight twice at most, not all of them."""
     holders = [s for s in dict.fromkeys(_stream(m) for m in modules) if s is not None]
-    moved = place([getattr(holder, name) for holder, name in holders])
-    for (holder, name), tensor in zip(holders, moved):
-        setattr(holder, name, tensor)
-    return sum(t.numel() * t.element_size() for t in moved)
+    sizes = [getattr(holder, name).numel() * getattr(holder, name).element_size() for holder, name in holders]
+    arena = Arena(sizes)
+    for i, (holder, name) in enumerate(holders):
+        setattr(holder, name, arena.copy(i, getattr(holder, name)))
+    return sum(sizes)
 
 
 def maybe_pack(model: nn.Module, config, device: torch.device, dtype: torch.dtype) -> bool:

@@ -124,3 +124,35 @@ def test_the_cpu_kv_pool_is_in_huge_pages_and_left_out_of_the_isolation_bench_rs
     grown = rss_bytes(os.getpid()) - before
     assert 30 << 20 <= grown <= 44 << 20, grown                 # the fresh 32 MiB, not the pool's
     assert heap.sum() == 32 << 20
+
+
+def test_arrange_lets_each_weight_go_once_copied(monkeypatch):
+    """Loading holds one weight twice at most: when the i-th packed tensor is copied into the
+    arena, the ones before it are already freed (and after arrange, all of them)."""
+    import gc
+    import weakref
+
+    from torch import nn
+
+    import engine.huge_pages as huge_pages
+    from engine.packed_linear import arrange
+    from engine.quantization import Int8Linear
+
+    torch.manual_seed(0)
+    modules = [Int8Linear(nn.Linear(64, 48 + 16 * i)) for i in range(4)]
+    originals = [weakref.ref(m.weight_int8.codes) for m in modules]
+    alive_at_copy = []
+    copy = huge_pages.Arena.copy
+
+    def recording(self, i, t):
+        gc.collect()
+        alive_at_copy.append([r() is not None for r in originals[:i]])
+        return copy(self, i, t)
+
+    monkeypatch.setattr(huge_pages.Arena, "copy", recording)
+    moved = arrange(modules)
+    gc.collect()
+    assert alive_at_copy == [[False] * i for i in range(4)]
+    assert all(r() is None for r in originals)
+    assert moved == sum(m.weight_int8.codes.numel() for m in modules)
+    assert_side_by_side([m.weight_int8.codes for m in modules])
