@@ -10,6 +10,7 @@ once (still each with its final event); a third exits immediately.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import sys
 
@@ -26,15 +27,21 @@ CLOSE_ECHO_WAIT_S = 5.0      # draining: at most this long for closed WebSockets
 
 def freeze_heap() -> int:
     """Collect, then move every object alive into the GC's permanent generation, which its
-    collections skip (vLLM's engine does the same once started: `freeze_gc_heap`); returns how
-    many. Why: a served process holds ~400,000 objects once the model and the libraries are
-    loaded, and a full collection scans them all, holding the GIL, so the event loop and the
+    collections skip (vLLM's engine does the same once started: `freeze_gc_heap`), and hand the
+    memory loading freed back to the OS (glibc's malloc_trim); returns how many objects froze.
+    Why: a served process holds ~400,000 objects once the model and the libraries are loaded,
+    and a full collection scans them all, holding the GIL, so the event loop and the
     engine thread wait it out. 40 s of 8 streams (Zen 4 host, 2026-12-06) ran one full
     collection: 310 ms, against 1.6 ms frozen (244 ms against 0.01 ms in a loaded process, by
     hand). For the process that serves: objects frozen are never collected, so not for a
-    process that builds engines and drops them (tests)."""
+    process that builds engines and drops them (tests). The trim: loading frees the packing's
+    first copies and the checkpoint's tensors, and glibc keeps most of it; a served SmolLM2 held
+    1,233 MB after start-up without it and 771 MB with it (int8 weights: 1,198 against 626)."""
     gc.collect()
     gc.freeze()
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)     # glibc: hand loading's freed heap back
+    if trim is not None:
+        trim(0)
     return gc.get_freeze_count()
 
 
