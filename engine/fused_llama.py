@@ -8,7 +8,8 @@ layer: q/k/v as one packed GEMM and gate/up as another (vLLM's QKV and merged ga
 layers), and the C++ operators of csrc/layers.cpp for the residual add + RMSNorm, the
 rotary embedding (in place) and SiLU(gate) * up. Attention and the KV cache are the engine's
 own (attention.py), as on the transformers path. Rotary cos/sin come from the model's own
-rotary module (so every rope scaling transformers knows is honoured), once per step.
+rotary module (so every rope scaling transformers knows is honoured): once into a table where
+the rope type depends on the position alone (`_cos_sin`), else once per step.
 
 Used where `supports()` holds: a family the description marks fused (families.py: Llama,
 Mistral, Qwen2, Qwen3: pre-norm RMSNorm layers, SiLU gate/up MLP, full rotary; Qwen2's q/k/v
