@@ -88,39 +88,60 @@ class AdaptiveBudget(FixedBudget):
 def _fit(samples) -> tuple[float, float, float] | None:
     """Least squares for t = a + b·D + c·P with a small ridge pull towards one shared
     per-token cost, so a window of decode-only steps (P always 0, c unidentifiable) still
-    gives a cautious c instead of nothing. Costs are kept non-negative; c strictly positive."""
+    gives a cautious c instead of nothing; c is at least a tenth of that per-token cost.
+
+    Non-negative: where the unconstrained optimum has a negative cost, the best fit with that
+    cost held at 0 (every subset of held costs tried: three unknowns). Clamping the optimum
+    instead leaves the others fitted to a negative partner: four start-up steps (a 256-token
+    prefill slowed by first touches, 306 ms; 8 decodes + 248 tokens, 155 ms; 15 + 8, 40 ms;
+    16 decodes, 19 ms) solved to a = 0.31 s, b = -0.018, c = -2e-5, clamped to c = 9e-5 s a
+    token, against ~8e-4 measured, and the next step carried 2,000 prompt tokens (1.9 s,
+    Zen 4, 2026-12-06, bench.engine.scheduling smoothness)."""
     n = len(samples)
     per_token = sum(t for _, _, t in samples) / max(1, sum(d + p for d, p, _ in samples))
     prior = (0.0, per_token, per_token)
     rows = [(1.0, float(d), float(p), t) for d, p, t in samples]
     scale = [1.0, max(1.0, sum(r[1] for r in rows) / n), max(1.0, sum(r[2] for r in rows) / n)]
-    ridge = 1e-3 * n
-    # Normal equations (X'X + ridge·S) θ = X'y + ridge·S·prior, S = diag(scale²).
-    m = [[sum(r[i] * r[j] for r in rows) + (ridge * scale[i] ** 2 if i == j else 0.0) for j in range(3)]
-         for i in range(3)]
-    v = [sum(r[i] * r[3] for r in rows) + ridge * scale[i] ** 2 * prior[i] for i in range(3)]
-    theta = _solve(m, v)
-    if theta is None:
+    ridge = [1e-3 * n * scale[i] ** 2 for i in range(3)]
+    best, best_cost = None, None
+    for free in ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,)):
+        # Normal equations over the free costs (X'X + ridge·S) θ = X'y + ridge·S·prior; the rest 0.
+        m = [[sum(r[i] * r[j] for r in rows) + (ridge[i] if i == j else 0.0) for j in free] for i in free]
+        v = [sum(r[i] * r[3] for r in rows) + ridge[i] * prior[i] for i in free]
+        sol = _solve(m, v)
+        if sol is None or min(sol) < 0.0:
+            continue
+        theta = [0.0, 0.0, 0.0]
+        for i, x in zip(free, sol):
+            theta[i] = x
+        cost = (sum((r[3] - sum(theta[i] * r[i] for i in range(3))) ** 2 for r in rows)
+                + sum(ridge[i] * (theta[i] - prior[i]) ** 2 for i in range(3)))
+        if best_cost is None or cost < best_cost:
+            best, best_cost = theta, cost
+        if len(free) == 3:
+            break                                   # the unconstrained optimum is feasible
+    if best is None:
         return None
-    a, b, c = theta
-    return max(0.0, a), max(0.0, b), max(c, 0.1 * per_token, 1e-7)
+    a, b, c = best
+    return a, b, max(c, 0.1 * per_token, 1e-7)
 
 
 def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting for a 3x3 system."""
+    """Gaussian elimination with partial pivoting for a small square system."""
+    k = len(v)
     m = [row[:] + [x] for row, x in zip(m, v)]
-    for col in range(3):
-        piv = max(range(col, 3), key=lambda r: abs(m[r][col]))
+    for col in range(k):
+        piv = max(range(col, k), key=lambda r: abs(m[r][col]))
         if abs(m[piv][col]) < 1e-12:
             return None
         m[col], m[piv] = m[piv], m[col]
-        for r in range(col + 1, 3):
+        for r in range(col + 1, k):
             f = m[r][col] / m[col][col]
-            for k in range(col, 4):
-                m[r][k] -= f * m[col][k]
-    out = [0.0, 0.0, 0.0]
-    for r in (2, 1, 0):
-        out[r] = (m[r][3] - sum(m[r][k] * out[k] for k in range(r + 1, 3))) / m[r][r]
+            for j in range(col, k + 1):
+                m[r][j] -= f * m[col][j]
+    out = [0.0] * k
+    for r in reversed(range(k)):
+        out[r] = (m[r][k] - sum(m[r][j] * out[j] for j in range(r + 1, k))) / m[r][r]
     return out
 
 

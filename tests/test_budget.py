@@ -32,6 +32,26 @@ def test_fit_recovers_the_step_cost():
     assert c == pytest.approx(0.002, rel=0.05)
 
 
+def test_fit_keeps_costs_non_negative_by_refitting_not_clamping():
+    """Four start-up steps whose unconstrained fit has negative decode and prompt costs (a
+    first prefill slowed by first touches; bench.engine.scheduling smoothness, Zen 4): the
+    fit holds the negative costs at 0 and refits the rest, so a prompt token costs ~0.8 ms
+    as measured (clamped: 0.09 ms, and the next step took 2,000 tokens, 1.9 s), and with
+    16 decoding streams the budget stays near what two of their steps allow."""
+    from engine.budget import _fit
+
+    steps = [(0, 256, 0.306), (8, 248, 0.1549), (15, 8, 0.0403), (16, 0, 0.0192)]
+    a, b, c = _fit(steps)
+    assert min(a, b, c) >= 0.0 and 0.0005 <= c <= 0.0012 and a <= 0.05
+    budget = AdaptiveBudget(16, 2.0, 8192)
+    for d, p, t in steps:
+        budget.observe(d, p, t)
+    assert 16 <= budget.tokens(16) <= 64
+    # on data an unconstrained fit explains, nothing is held: the same costs as before
+    exact = [(d, p, cost(d, p)) for d, p in ((0, 100), (4, 0), (8, 30), (32, 0), (1, 500), (16, 16))]
+    assert _fit(exact) == pytest.approx((0.050, 0.005, 0.002), rel=0.02)
+
+
 def test_budget_grows_when_few_decode_and_shrinks_when_many_do():
     """Target 1.5 s, floor 16: with no decodes the step fills the target (725 tokens: 1.45 s
     / 2 ms, nobody's next token waits on it); while 32 streams decode a step may cost at
