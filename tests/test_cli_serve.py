@@ -3,6 +3,7 @@ SIGTERM, JSON logs that never contain prompts or keys, tenant-file errors at sta
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from tenants import Registry
 
@@ -89,15 +91,12 @@ def test_serve_streams_logs_json_and_drains_on_a_real_sigterm(tiny_model, tmp_pa
     assert len(ready) == 1 and ready[0]["gc_frozen"] > 50_000, ready
 
 
+@pytest.mark.skipif(getattr(ctypes.CDLL(None), "malloc_trim", None) is None,
+                    reason="not glibc: this C library has no malloc_trim, so freeze_heap only freezes")
 def test_freeze_heap_freezes_and_hands_freed_memory_back():
     """gateway.server.freeze_heap, in a fresh process: start-up's objects leave the GC's scans,
     and memory that loading freed but glibc kept (mid-size tensors copied, the first copies
     dropped, as packing weights does) goes back to the OS."""
-    import ctypes
-
-    if getattr(ctypes.CDLL(None), "malloc_trim", None) is None:
-        import pytest
-        pytest.skip("not glibc: no malloc_trim")
     code = (
         "import gc, torch\n"
         "from gateway.server import freeze_heap\n"

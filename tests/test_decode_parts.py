@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import paged_attention_ops
+from engine.kernels import loaded_variant, paged_attention_ops
 from tests.test_attention_work import two_threads  # noqa: F401 (a fixture)
-from tests.test_paged_kernel import random_batch, reference_ext
+from tests.test_paged_kernel import pools_as, random_batch, reference_ext
 
 ops = paged_attention_ops()
 pytestmark = pytest.mark.skipif(ops is None or not hasattr(ops, "decode_parts"),
@@ -46,16 +46,18 @@ def items(ctx_lens, dtype=torch.bfloat16):
     return [dict(zip(keys, r)) for r in rows.tolist()]
 
 
-def decode_rows_on_all_heads(found) -> bool:
-    """Whether this build takes decode rows as one item for all heads (AVX-512): only those have parts."""
-    return any(w["kv_head"] == -1 for w in found)
+# Builds with AVX-512 (the avx512 and avx512_bf16 variants, engine/kernels.py) take a decode row
+# as one item for all heads, and only they cut it in parts; the others' decode rows are query
+# tiles. Named by the build, not asked of its work list, so a build that lost its parts fails.
+PARTS_BUILT = ops is not None and loaded_variant() in ("avx512", "avx512_bf16")
+needs_parts = pytest.mark.skipif(not PARTS_BUILT, reason="this build has no AVX-512 (decode rows are query "
+                                                         "tiles): no parts")
 
 
+@needs_parts
 @pytest.mark.parametrize("ctx", [127, 255, 256, 320, 1023, 1024, 4095, 4096, 5000])
 def test_a_row_alone_is_cut_by_its_keys_into_parts_that_are_items_of_their_own(two_threads, ctx):
     found = items([ctx])
-    if not decode_rows_on_all_heads(found):
-        pytest.skip("this build's decode rows are query tiles (no AVX-512): no parts")
     parts = expected_parts(ctx)
     assert {(w["k0"], w["k1"], w["parts"]) for w in found} == {(0, ctx, parts)}
     if parts == 1:
@@ -66,21 +68,19 @@ def test_a_row_alone_is_cut_by_its_keys_into_parts_that_are_items_of_their_own(t
     assert len({w["bin"] for w in found}) >= 2, "the parts are shared between the threads"
 
 
+@needs_parts
 def test_beside_enough_sequences_a_row_runs_its_parts_in_one_item(two_threads):
     ctx_lens = [100, 130, 320, 1100, 4200, 64, 700, 2000]
     found = items(ctx_lens)
-    if not decode_rows_on_all_heads(found):
-        pytest.skip("this build's decode rows are query tiles (no AVX-512): no parts")
     assert len(found) == len(ctx_lens)
     for w in found:
         assert (w["k0"], w["k1"], w["parts"], w["p0"], w["p1"]) == \
             (0, ctx_lens[w["seq"]], expected_parts(ctx_lens[w["seq"]]), 0, expected_parts(ctx_lens[w["seq"]]))
 
 
+@needs_parts
 def test_parts_switched_off_leave_a_row_whole(two_threads, parts_off):
     found = items([1100])
-    if not decode_rows_on_all_heads(found):
-        pytest.skip("this build's decode rows are query tiles (no AVX-512): no parts")
     assert {w["parts"] for w in found} == {1}
     assert len(found) == KV_HEADS, "a row alone in one part is split by KV head"
 
@@ -101,18 +101,12 @@ def attend(q, k_pool, v_pool, tables, ctx_lens, dtype, features):
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("ctx", [100, 255, 256, 333, 1100, 4200])
 def test_a_row_gets_the_same_bits_alone_beside_others_and_on_one_thread(ctx, feature, dtype, pool, all_threads):
-    from engine.kv_cache import dequantize_rows, quantize_rows
-
     window, softcap, with_sinks = FEATURES[feature]
     ctx_lens = [ctx, 40, 500, 129, 900, 260]                      # the row, then five others
     q, k_pool, v_pool, tables = random_batch([1] * len(ctx_lens), ctx_lens, HEADS, KV_HEADS, DIM, BLOCK, dtype,
                                              seed=ctx)
     sinks = torch.randn(HEADS, generator=torch.Generator().manual_seed(9)) * 2 if with_sinks else None
-    if pool == "int8":
-        k_pool, v_pool = quantize_rows(k_pool.float()), quantize_rows(v_pool.float())
-        kd, vd = dequantize_rows(k_pool, torch.float32), dequantize_rows(v_pool, torch.float32)
-    else:
-        kd, vd = k_pool, v_pool
+    k_pool, v_pool, kd, vd = pools_as(pool, k_pool, v_pool)
     features = (window, softcap, sinks)
     alone = attend(q[:1], k_pool, v_pool, tables[:1], ctx_lens[:1], dtype, features)
     beside = attend(q, k_pool, v_pool, tables, ctx_lens, dtype, features)

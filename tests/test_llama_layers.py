@@ -13,8 +13,20 @@ import torch
 
 from engine import LLMEngine, SamplingParams
 from engine.config import EngineConfig
+from engine.dtypes import cpu_flags
 from engine.fused_llama import FusedLlama
-from engine.kernels import load_kernels
+from engine.kernels import load_kernels, loaded_variant
+
+pytestmark = pytest.mark.skipif(not load_kernels(), reason="the C++ kernels did not build (see the log)")
+
+# bf16 runs the one call only where every linear is on the block kernel alone: the avx512_bf16
+# build, without AMX or with the elastic pool's helpers (packed_linear.bf16_kernel_only). The
+# pool needs a second thread.
+BF16_ON_KERNELS = load_kernels() and loaded_variant() == "avx512_bf16" and (
+    "amx_bf16" not in cpu_flags() or torch.get_num_threads() > 1)
+bf16_only_on_kernels = pytest.mark.skipif(
+    not BF16_ON_KERNELS, reason="bf16 linears leave steps to oneDNN here (not the avx512_bf16 build, or AMX on "
+                                "one thread): the layers cannot be one call")
 
 
 def engine_for(model: str, quantization: str | None) -> LLMEngine:
@@ -27,19 +39,17 @@ def engine_for(model: str, quantization: str | None) -> LLMEngine:
                                  quantization=weights, enable_prefix_caching=False,
                                  kv_cache_dtype="int8" if quantization == "int8+kv8" else None))
     forward = eng.runner.forward
-    if not isinstance(forward, FusedLlama) or forward.layer_args is None:
-        pytest.skip("no fused forward on the kernels alone here (bf16 needs the avx512_bf16 kernel build)")
+    assert isinstance(forward, FusedLlama) and forward.layer_args is not None, "the one-call forward is off"
     return eng
 
 
-CASES = [("llama", None), ("qwen2", None), ("llama", "int8"), ("qwen2", "int8"), ("llama", "int8+kv8")]
+CASES = [pytest.param("llama", None, marks=bf16_only_on_kernels), pytest.param("qwen2", None, marks=bf16_only_on_kernels),
+         ("llama", "int8"), ("qwen2", "int8"), ("llama", "int8+kv8")]
 
 
 @pytest.fixture
 def counted(monkeypatch):
     """Counts calls of torch.ops.streamgate.llama_layers (the forward looks it up each step)."""
-    if not load_kernels():
-        pytest.skip("the C++ kernels did not build (see the log)")
     calls = []
     real = torch.ops.streamgate.llama_layers
     monkeypatch.setattr(torch.ops.streamgate, "llama_layers", lambda *a: calls.append(1) or real(*a))

@@ -48,6 +48,17 @@ def reference(q, k_pool, v_pool, tables, q_lens, ctx_lens, block_size, scale, dt
     return out
 
 
+def pools_as(kind: str, k_pool, v_pool):
+    """(k, v, k_ref, v_ref): the pools the kernel reads ("int8": quantized rows, csrc/kv_int8.h;
+    else as given) and the fp32 K/V the reference reads (the int8 rows dequantized)."""
+    from engine.kv_cache import dequantize_rows, quantize_rows
+
+    if kind != "int8":
+        return k_pool, v_pool, k_pool, v_pool
+    k8, v8 = quantize_rows(k_pool.float()), quantize_rows(v_pool.float())
+    return k8, v8, dequantize_rows(k8, torch.float32), dequantize_rows(v8, torch.float32)
+
+
 def random_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype, seed):
     """A shuffled pool with a random block table per sequence (blocks never shared)."""
     g = torch.Generator().manual_seed(seed)
@@ -237,17 +248,11 @@ def test_a_sequence_decoded_alone_is_split_by_kv_head_with_the_same_bits(feature
     (csrc/attention_items.h), each with its own sink and window; the output equals the eager
     math and, bit for bit, the whole row computed on one thread. (On a one-core host both runs
     take the whole row.)"""
-    from engine.kv_cache import dequantize_rows, quantize_rows
-
     window, softcap, with_sinks = FEATURES[feature]
     q_lens, ctx_lens, heads, kv_heads, head_dim = [1], [150], 9, 3, 64
     q, k_pool, v_pool, tables = random_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, 16, dtype, seed=6)
     sinks = torch.randn(heads, generator=torch.Generator().manual_seed(9)) * 2 if with_sinks else None
-    if pool == "int8":
-        k_pool, v_pool = quantize_rows(k_pool.float()), quantize_rows(v_pool.float())
-        kd, vd = dequantize_rows(k_pool, torch.float32), dequantize_rows(v_pool, torch.float32)
-    else:
-        kd, vd = k_pool, v_pool
+    k_pool, v_pool, kd, vd = pools_as(pool, k_pool, v_pool)
     want = reference_ext(q, kd, vd, tables, q_lens, ctx_lens, 16, 0.3, window, softcap, sinks)
     outs = []
     for threads in (torch.get_num_threads(), 1):
