@@ -103,18 +103,22 @@ def _fit(samples) -> tuple[float, float, float] | None:
     rows = [(1.0, float(d), float(p), t) for d, p, t in samples]
     scale = [1.0, max(1.0, sum(r[1] for r in rows) / n), max(1.0, sum(r[2] for r in rows) / n)]
     ridge = [1e-3 * n * scale[i] ** 2 for i in range(3)]
+    gram = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]      # X'X, once
+    xty = [sum(r[i] * r[3] for r in rows) for i in range(3)]                           # X'y
+    yty = sum(r[3] * r[3] for r in rows)
     best, best_cost = None, None
     for free in ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,)):
         # Normal equations over the free costs (X'X + ridge·S) θ = X'y + ridge·S·prior; the rest 0.
-        m = [[sum(r[i] * r[j] for r in rows) + (ridge[i] if i == j else 0.0) for j in free] for i in free]
-        v = [sum(r[i] * r[3] for r in rows) + ridge[i] * prior[i] for i in free]
-        sol = _solve(m, v)
+        m = [[gram[i][j] + (ridge[i] if i == j else 0.0) for j in free] for i in free]
+        sol = _solve(m, [xty[i] + ridge[i] * prior[i] for i in free])
         if sol is None or min(sol) < 0.0:
             continue
         theta = [0.0, 0.0, 0.0]
         for i, x in zip(free, sol):
             theta[i] = x
-        cost = (sum((r[3] - sum(theta[i] * r[i] for i in range(3))) ** 2 for r in rows)
+        # |y - Xθ|² + Σ ridge_i (θ_i - prior_i)², from X'X and X'y
+        cost = (yty - 2 * sum(theta[i] * xty[i] for i in range(3))
+                + sum(theta[i] * gram[i][j] * theta[j] for i in range(3) for j in range(3))
                 + sum(ridge[i] * (theta[i] - prior[i]) ** 2 for i in range(3)))
         if best_cost is None or cost < best_cost:
             best, best_cost = theta, cost
