@@ -126,21 +126,24 @@ def fractions(serving_bound: dict[str, float], measured: dict[str, float]) -> di
     return {n: tok / serving_bound[n] for n, tok in measured.items() if n in serving_bound}
 
 
-def load_roofline(path: str, model_dir: str) -> dict:
-    """What a run embeds of a roofline JSON written on THIS host for the same model (its rates
-    and shapes, and where they came from), so its renderer can print speeds as fractions of
-    the bound. A roofline from another host or model is refused: such a fraction is meaningless."""
-    from bench.provenance import _cpu, provenance
+def load_roofline(path: str, model_dir: str, run: dict | None = None) -> dict:
+    """What a run embeds of a roofline JSON written on THIS host (or on the host of `run`, a
+    finished run's provenance) for the same model (its rates and shapes, and where they came
+    from), so its renderer can print speeds as fractions of the bound. A roofline from another
+    host or model is refused: such a fraction is meaningless."""
+    from bench.provenance import provenance
 
     data = json.loads(Path(path).read_text())
-    theirs, ours = data.get("provenance") or {}, provenance("engine.roofline", [])
-    if (theirs.get("host"), theirs.get("cpu")) != (ours["host"], ours["cpu"]):
+    theirs, ours = data.get("provenance") or {}, run or provenance("engine.roofline", [])
+    if (theirs.get("host"), theirs.get("cpu")) != (ours.get("host"), ours.get("cpu")):
+        where = "the run's host" if run else "this host"
         raise SystemExit(f"--roofline {path}: measured on {theirs.get('host')!r} ({theirs.get('cpu')}), "
-                         f"not this host {ours['host']!r} ({_cpu()}): its bounds do not apply here")
+                         f"not {where} {ours.get('host')!r} ({ours.get('cpu')}): its bounds do not apply there")
     if Path(data["model_dir"]).resolve() != Path(model_dir).resolve():
         raise SystemExit(f"--roofline {path}: computed for {data['model_dir']}, not {model_dir}")
     return {"source": str(path), "provenance": theirs, "shapes": data["shapes"], "threads": data.get("threads"),
-            "matmul_flops": data["matmul_flops"], "read_bandwidth": data["read_bandwidth"]}
+            "matmul_flops": data["matmul_flops"], "read_bandwidth": data["read_bandwidth"],
+            "workload": data.get("workload")}
 
 
 def embedded_rates(roof: dict, dtype: str) -> tuple[Shapes, Rates]:

@@ -18,6 +18,10 @@ table on stdout with ratios against `--peer`, and JSON + markdown in `--out-dir`
 machine should be otherwise idle: the 1-minute load average is recorded before each
 server and a warning is printed when it is above `--max-load`.
 
+`--roofline PATH` embeds a roofline of this host and model (bench.engine.roofline): the report then
+gives each level's bound (bf16 weights) and each server's share of it; `--attach PEERS_JSON
+--roofline PATH` adds one measured beside a run already written, without running anything.
+
 `--workload grounded` sends, instead of synthetic prompts, bench.engine.speculative's
 input-grounded messages (`grounded_messages`: edit a ~1.6k-token document with one word
 replaced, summarize it), where n-gram speculation drafts from the prompt: at each
@@ -38,6 +42,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from bench.engine.roofline import load_roofline
 from bench.engine.speculative import grounded_messages
 from bench.peers import clients as peers_clients
 from bench.peers import report as peers_report
@@ -144,7 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer", default="vllm-bf16", help="server the ratios are against")
     p.add_argument("--max-load", type=float, default=0.5, help="warn when the 1-min load average is above this")
     p.add_argument("--out-dir", default="bench/results")
+    p.add_argument("--roofline", default=None,
+                   help="a roofline JSON of this host and model (bench.engine.roofline, measured beside the run): "
+                        "the report then gives each level's share of the bound")
+    p.add_argument("--attach", default=None, metavar="PEERS_JSON",
+                   help="with --roofline: add it to this peers.json (a run it was measured beside) and exit")
     args = p.parse_args(argv)
+    if args.attach:
+        if not args.roofline:
+            p.error("--attach needs --roofline")
+        return attach(args.attach, args.roofline, argv)
     if args.workload == "grounded" and args.client == "guidellm":
         p.error("--workload grounded needs --client loadgen: GuideLLM sends only its own synthetic prompts")
     args.client = args.client or ("loadgen" if args.workload == "grounded" else "guidellm")
@@ -161,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.models import resolve_model
 
     model_dir = str(resolve_model(args.model))
+    roof = load_roofline(args.roofline, model_dir) if args.roofline else None     # refuses another host's
     prompt_tokens = args.prompt_tokens if args.workload == "synthetic" else 0
     loads = [Load(c, requests_for(c, args.requests_per_stream, args.min_requests), prompt_tokens,
                   args.output_tokens, args.max_seconds) for c in map(int, args.concurrency.split(","))]
@@ -176,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"args": vars(args), "model_dir": model_dir, "cpus": os.cpu_count(), "loads": [asdict(ld) for ld in loads],
               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "servers": {}, "skipped": [],
               "env": {k: v for k, v in os.environ.items() if k in VLLM_LAYOUT_ENV}}   # vLLM's thread layout
+    if roof is not None:
+        report["roofline"] = roof
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for spec in specs:
@@ -196,6 +213,20 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(notes))
     print(f"wrote {out / 'peers.json'} and {out / 'peers.md'}")
     return 0 if all(s["rows"] for s in report["servers"].values()) and report["servers"] else 1
+
+
+def attach(peers_json: str, roofline: str, argv: list[str] | None) -> int:
+    """Adds a roofline measured beside a finished run to its peers.json (which keeps its own
+    provenance; the roofline's says when and where it was measured, and `attached` by which
+    command), so the report gives that run's fractions of the bound too."""
+    path = Path(peers_json)
+    data = json.loads(path.read_text())
+    roof = load_roofline(roofline, data["model_dir"], run=data.get("provenance") or {})
+    roof["attached"] = {"command": "python -m bench.peers " + " ".join(argv or sys.argv[1:]),
+                        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path.write_text(json.dumps({**data, "roofline": roof}, indent=2, default=str) + "\n")
+    print(f"{path}: roofline from {roofline} attached")
+    return 0
 
 
 def write(report: dict, out: Path, peer: str, prov: dict) -> tuple[dict, list[str]]:

@@ -4,8 +4,10 @@ grounded run's (`--workload grounded`) by workload and stream count, every serve
 
 from __future__ import annotations
 
+from bench.engine.roofline import WEIGHT_BYTES, serving_tok_s
 from bench.peers.report import level
 from bench.renderers.common import caption
+from bench.renderers.engine_common import rates, roofline_note
 
 
 def _tps(x) -> str:
@@ -42,23 +44,53 @@ def _prompt_tokens(servers: dict) -> str:
     return ", ".join(f"{w} {'/'.join(map(str, sorted(n))) or '?'}" for w, n in counts.items())
 
 
-def table(peer: str, peer_rows: list[dict], name: str, rows: list[dict]) -> list[str]:
+def bounds(data: dict) -> dict[int, float] | None:
+    """Each stream count's bound in output tok/s (bench.engine.roofline's `serving_tok_s`) from the
+    run's embedded roofline of the same host (bench.peers --roofline): bf16 weights, the roofline's
+    prompt (the synthetic prompt with its chat template) and the run's output tokens. None without
+    one, and for grounded runs (their prompts are cached after the first)."""
+    a, got = data["args"], rates(data, "bfloat16")
+    if got is None or a.get("workload") == "grounded":
+        return None
+    shapes, r = got
+    prompt = prompt_in(data)
+    levels = {row["concurrency"] for s in data["servers"].values() for row in s.get("rows", [])}
+    return {c: serving_tok_s(shapes, r, c, prompt, a["output_tokens"], WEIGHT_BYTES["bfloat16"]) for c in levels}
+
+
+def prompt_in(data: dict) -> int | None:
+    """The prompt tokens the bound assumes: the roofline's workload's, else the run's."""
+    return (data["roofline"].get("workload") or {}).get("prompt_tokens") or data["args"].get("prompt_tokens")
+
+
+def _share(tps, bound) -> str:
+    return "—" if tps is None or not bound else f"{100 * tps / bound:.0f} %"
+
+
+def table(peer: str, peer_rows: list[dict], name: str, rows: list[dict],
+          bound: dict[int, float] | None = None) -> list[str]:
     """One line per level either side measured (stream count; workload and stream count for
-    grounded rows): tok/s and its ratio, TTFT p99 and its ratio (lower is better), ITL p50."""
+    grounded rows): tok/s and its ratio, TTFT p99 and its ratio (lower is better), ITL p50, and
+    with `bound` (tok/s by stream count) each side's share of it."""
     grounded = any("workload" in r for r in [*peer_rows, *rows])
     base = {level(r): r for r in peer_rows}
     mine = {level(r): r for r in rows}
     lines = [f"| {'workload | ' if grounded else ''}streams | {peer} tok/s | {name} tok/s | × {peer} "
-             f"| TTFT p99, {peer} / {name} | × {peer} | ITL p50, {peer} / {name} |",
-             f"|{'---|' if grounded else ''}---:|---:|---:|---:|---:|---:|---:|"]
+             f"| TTFT p99, {peer} / {name} | × {peer} | ITL p50, {peer} / {name} |"
+             + (f" bf16 bound tok/s | % of it, {peer} / {name} |" if bound else ""),
+             f"|{'---|' if grounded else ''}---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if bound else "")]
     for k in sorted(base.keys() | mine.keys()):
         b, m = base.get(k, {}), mine.get(k, {})
         lead = " | ".join(map(str, k)) if grounded else str(k)
-        lines.append(f"| {lead} | {_tps(b.get('output_tps'))} | {_tps(m.get('output_tps'))} | "
-                     f"{_ratio(m.get('output_tps'), b.get('output_tps'), bold=True)} | "
-                     f"{_s(b.get('ttft_p99_ms'))} / {_s(m.get('ttft_p99_ms'))} | "
-                     f"{_ratio(m.get('ttft_p99_ms'), b.get('ttft_p99_ms'))} | "
-                     f"{_pair(b.get('itl_p50_ms'), m.get('itl_p50_ms'))} |")
+        line = (f"| {lead} | {_tps(b.get('output_tps'))} | {_tps(m.get('output_tps'))} | "
+                f"{_ratio(m.get('output_tps'), b.get('output_tps'), bold=True)} | "
+                f"{_s(b.get('ttft_p99_ms'))} / {_s(m.get('ttft_p99_ms'))} | "
+                f"{_ratio(m.get('ttft_p99_ms'), b.get('ttft_p99_ms'))} | "
+                f"{_pair(b.get('itl_p50_ms'), m.get('itl_p50_ms'))} |")
+        if bound:
+            c = bound.get(k)
+            line += (f" {_tps(c)} | {_share(b.get('output_tps'), c)} / **{_share(m.get('output_tps'), c)}** |")
+        lines.append(line)
     return lines
 
 
@@ -99,6 +131,12 @@ def render_peers(data: dict, name: str) -> str:
         extra += f"; **{failed} requests failed**"
     for note in data.get("skipped", []):
         extra += f"; {note}"
+    bound = bounds(data)
+    if bound:
+        extra += (f". The bound: output tok/s with bf16 weights at each level ({prompt_in(data)} tokens in, "
+                  f"{a.get('output_tokens')} out, in waves), bench.engine.roofline's model.{roofline_note(data)}")
+    elif data.get("roofline"):
+        extra += "." + roofline_note(data)
     lines = [caption({**data, "loadavg_range": _loads(data)}, name, extra)]
     others = [n for n, s in servers.items() if n != peer and s.get("rows")]
     if a.get("workload") == "grounded":
@@ -108,7 +146,7 @@ def render_peers(data: dict, name: str) -> str:
         lines.append("")
         if len(others) > 1:
             lines += [f"**{other}** against **{peer}**:", ""]
-        lines += table(peer, servers.get(peer, {}).get("rows", []), other, servers[other]["rows"])
+        lines += table(peer, servers.get(peer, {}).get("rows", []), other, servers[other]["rows"], bound)
     errors = [f"{n}: {e.splitlines()[0]}" for n, s in servers.items() for e in s.get("errors", [])]
     if errors:
         lines += ["", "Errors: " + "; ".join(errors)]

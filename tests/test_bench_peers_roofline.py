@@ -1,0 +1,85 @@
+"""§6's tables give each level's share of the roofline (issue 29: every speed number carries its
+fraction of the bound): `bench.peers --roofline` embeds a roofline of the same host, `--attach`
+adds one measured beside a finished run, and the renderer turns it into a bound per stream count
+(bench.engine.roofline's serving model) and each server's percentage of it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.engine.roofline import Rates, Shapes, serving_tok_s
+from bench.provenance import provenance
+from bench.renderers.peers import render_peers
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {"hidden": 576, "intermediate": 1536, "layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64, "vocab": 49152}
+
+
+def _rows(text: str) -> dict[str, list[str]]:
+    return {cells[0]: cells for line in text.splitlines() if line.startswith("| ") and not line.startswith("|---")
+            for cells in [[c.strip() for c in line.strip("|").split(" | ")]]}
+
+
+def _roofline(host: str, cpu: str, model_dir: str) -> dict:
+    """A roofline JSON as bench.engine.roofline writes it (the fields load_roofline reads)."""
+    return {"provenance": {"benchmark": "engine.roofline", "command": "python -m bench.engine.roofline", "host": host,
+                           "cpu": cpu, "commit": "abc1234", "started": "2026-12-06T11:23:00Z"},
+            "model_dir": model_dir, "shapes": SHAPES, "threads": 2,
+            "matmul_flops": {"bfloat16": {"1": 4e10, "512": 4.0e11}, "float32": {"1": 2e10, "512": 1.7e11}},
+            "read_bandwidth": 3.0e10, "workload": {"prompt_tokens": 286, "output_tokens": 64}}
+
+
+def _peers(host: str, cpu: str, model_dir: str) -> dict:
+    rows = lambda tps: [{"concurrency": c, "ok": 8, "failed": 0, "output_tps": t, "ttft_p50_ms": 100.0,  # noqa: E731
+                         "ttft_p99_ms": 200.0, "itl_p50_ms": 10.0} for c, t in zip((1, 8, 32), tps)]
+    return {"provenance": {"benchmark": "peers", "command": "python -m bench.peers", "commit": "abc1234", "host": host,
+                           "cpu": cpu, "started": "2026-12-06T11:17:00Z", "finished": "2026-12-06T11:22:00Z"},
+            "args": {"peer": "vllm", "client": "guidellm", "prompt_tokens": 256, "output_tokens": 64},
+            "model_dir": model_dir, "skipped": [],
+            "servers": {"vllm": {"rows": rows([28.0, 118.0, 124.0]), "errors": []},
+                        "sg": {"rows": rows([65.0, 262.0, 251.0]), "errors": []}}}
+
+
+def test_each_level_gets_its_bound_and_both_servers_share_of_it():
+    data = {**_peers("h", "CPU X", "/m"), "roofline": _roofline("h", "CPU X", "/m")}
+    text = render_peers(data, "peers-x")
+    rates = Rates(flops=4.0e11, bandwidth=3.0e10)
+    rows = _rows(text)
+    for c, vllm, sg in ((1, 28.0, 65.0), (8, 118.0, 262.0), (32, 124.0, 251.0)):
+        bound = serving_tok_s(Shapes(**SHAPES), rates, c, 286, 64, 2)      # bf16 weights, the roofline's prompt
+        assert rows[str(c)][7:9] == [f"{bound:.1f}", f"{100 * vllm / bound:.0f} % / **{100 * sg / bound:.0f} %**"]
+    assert "bf16 bound tok/s" in text and "286 tokens in, 64 out" in text and "read 30.0 GB/s" in text
+
+
+def test_another_hosts_roofline_gives_no_fractions_and_says_why():
+    data = {**_peers("h", "CPU X", "/m"), "roofline": _roofline("other", "CPU Y", "/m")}
+    text = render_peers(data, "peers-x")
+    assert "bf16 bound" not in text and "No fraction of the roofline" in text
+    assert len(_rows(text)["1"]) == 7                                   # the table without the two columns
+    plain = render_peers(_peers("h", "CPU X", "/m"), "peers-x")
+    assert "bound" not in plain and "roofline" not in plain
+
+
+def test_attach_adds_this_hosts_roofline_and_refuses_another_hosts(tmp_path):
+    """`--attach` writes the roofline into a finished run's JSON, its provenance kept and the
+    command recorded; a roofline measured on another host is refused and the JSON left alone."""
+    mine = provenance("engine.roofline", [])
+    peers = tmp_path / "peers.json"
+    peers.write_text(json.dumps(_peers(mine["host"], mine["cpu"], str(tmp_path))))
+    before = peers.read_text()
+    foreign = tmp_path / "roof-other.json"
+    foreign.write_text(json.dumps(_roofline("elsewhere", "CPU Y", str(tmp_path))))
+    cmd = [sys.executable, "-m", "bench.peers", "--attach", str(peers), "--roofline"]
+    refused = subprocess.run([*cmd, str(foreign)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "not the run's host" in refused.stderr and peers.read_text() == before
+    roof = tmp_path / "roof.json"
+    roof.write_text(json.dumps(_roofline(mine["host"], mine["cpu"], str(tmp_path))))
+    done = subprocess.run([*cmd, str(roof)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(peers.read_text())
+    assert data["provenance"] == json.loads(before)["provenance"] and data["roofline"]["read_bandwidth"] == 3.0e10
+    assert data["roofline"]["attached"]["command"].startswith("python -m bench.peers --attach")
+    assert "% of it, vllm / sg" in render_peers(data, "peers")
