@@ -126,6 +126,24 @@ def test_guidellm_prefetches_only_the_prompts_the_level_sends(tmp_path):
     assert opts["kind=pytorch"]["prefetch_factor"] == "16" and opts["kind=max_requests"]["count"] == "16"
 
 
+def test_each_level_sends_prompts_no_earlier_level_sent(tmp_path):
+    """A level re-sending the previous level's synthetic prompts is served by the prefix cache
+    while the roofline's bound assumes them prefilled: GuideLLM gets a seed per level, and the
+    loadgen client the run's prompts after those earlier levels sent."""
+    from bench.peers.clients import Load, guidellm_command, level_prompts
+
+    def seed(load):
+        cmd = guidellm_command("guidellm", "http://127.0.0.1:9", "m", str(tmp_path), "k", load, tmp_path / "o.json")
+        return cmd[cmd.index("--seed") + 1]
+
+    levels = [Load(1, 8, 256, 64, 300.0, first=0), Load(8, 16, 256, 64, 300.0, first=8),
+              Load(32, 64, 256, 64, 300.0, first=24)]
+    assert len({seed(ld) for ld in levels}) == 3 and seed(levels[0]) == "kind=static,value=42"
+    prompts = [f"p{i}" for i in range(88)]
+    sent = [level_prompts(prompts, ld) for ld in levels]
+    assert [len(x) for x in sent] == [8, 16, 64] and len(set().union(*sent)) == 88
+
+
 def test_harness_runs_streamgate_with_its_own_client(tiny_model, tmp_path):
     """`python -m bench.peers --client loadgen` starts streamgate, measures two levels with
     every request producing exactly its output tokens, writes JSON and markdown, records
@@ -139,6 +157,7 @@ def test_harness_runs_streamgate_with_its_own_client(tiny_model, tmp_path):
     report = json.loads((tmp_path / "peers.json").read_text())
     sg = report["servers"]["sg"]
     assert [(r["concurrency"], r["ok"], r["failed"], r["output_tokens"]) for r in sg["rows"]] == [(1, 2, 0, 10), (4, 4, 0, 20)]
+    assert [(ld["requests"], ld["first"]) for ld in report["loads"]] == [(2, 0), (4, 2)]     # level 4's prompts new
     for r in sg["rows"]:
         assert r["output_tps"] > 0 and 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["itl_p50_ms"] > 0
     assert sg["info"]["torch_threads"] >= 1 and sg["load_before"] >= 0

@@ -44,6 +44,7 @@ class Load:
     prompt_tokens: int              # synthetic prompts' length; 0 for grounded ones (counted per row)
     output_tokens: int
     max_seconds: float
+    first: int = 0                  # synthetic prompts the run's earlier levels sent: this level's are new
 
 
 # -- GuideLLM ---------------------------------------------------------------------------------------
@@ -55,7 +56,12 @@ def guidellm_command(exe: str, url: str, model: str, model_dir: str, api_key: st
     The data loader prefetches only the level's own requests: GuideLLM's default
     (`prefetch_factor=4096`) has its data worker generate 4,096 synthetic prompts, ~7 s of
     a whole core, while the level runs, so on a 2-core host the client took a core from a
-    server that uses both (docs/bench/HISTORY.md, "GuideLLM's prompt worker")."""
+    server that uses both (docs/bench/HISTORY.md, "GuideLLM's prompt worker").
+
+    Each level has its own seed (GuideLLM's 42 plus the prompts earlier levels sent): with one
+    seed every run of `guidellm` generates the same prompts in the same order, so until
+    2026-12-06 a level re-sent the previous level's (8 of 16 at 8 streams, 16 of 64 at 32),
+    which every server's prefix cache served while the roofline's bound assumed them prefilled."""
     return [exe, "run", "--disable-console-interactive",
             "--backend", f"kind=openai_http,target={url},model={model},api_key={api_key},"
                          "request_format=/v1/chat/completions",
@@ -63,6 +69,7 @@ def guidellm_command(exe: str, url: str, model: str, model_dir: str, api_key: st
             "--profile", f"kind=concurrent,streams={load.concurrency}",
             "--data", f"kind=synthetic_text,prompt_tokens={load.prompt_tokens},output_tokens={load.output_tokens}",
             "--data-loader", f"kind=pytorch,prefetch_factor={load.requests}",
+            "--seed", f"kind=static,value={42 + load.first}",
             "--constraint", f"kind=max_requests,count={load.requests}",
             "--constraint", f"kind=max_duration,seconds={int(load.max_seconds)}",
             "--output", f"kind=json,path={out}"]
@@ -130,9 +137,15 @@ def loadgen_records(url: str, api_key: str, load: Load, prompts: list[str], tag:
     return asyncio.run(go())
 
 
+def level_prompts(prompts: list[str], load: Load) -> list[str]:
+    """The level's own synthetic prompts: the `load.requests` after those earlier levels sent
+    (`prompts` holds the whole run's), so no level re-sends another's to a prefix cache."""
+    return prompts[load.first:load.first + load.requests]
+
+
 def run_loadgen(url: str, api_key: str, load: Load, prompts: list[str]) -> dict:
-    """One level of synthetic prompts through `loadgen_records`; returns its row."""
-    recs = loadgen_records(url, api_key, load, prompts)
+    """One level of synthetic prompts (`level_prompts`) through `loadgen_records`; returns its row."""
+    recs = loadgen_records(url, api_key, load, level_prompts(prompts, load))
     return peers_report.row_from_summary(servestats.summarize(recs, [], 1e9, 1e9), load.concurrency)
 
 

@@ -177,12 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = str(resolve_model(args.model))
     roof = load_roofline(args.roofline, model_dir) if args.roofline else None     # refuses another host's
     prompt_tokens = args.prompt_tokens if args.workload == "synthetic" else 0
-    loads = [Load(c, requests_for(c, args.requests_per_stream, args.min_requests), prompt_tokens,
-                  args.output_tokens, args.max_seconds) for c in map(int, args.concurrency.split(","))]
+    loads, first = [], 0
+    for c in map(int, args.concurrency.split(",")):       # each level's synthetic prompts new (clients.Load.first)
+        n = requests_for(c, args.requests_per_stream, args.min_requests)
+        loads.append(Load(c, n, prompt_tokens, args.output_tokens, args.max_seconds, first=first))
+        first += n
     if args.workload == "grounded":
         prompts = grounded_messages()
     elif args.client == "loadgen":
-        prompts = peers_clients.token_prompts(model_dir, max(ld.requests for ld in loads), args.prompt_tokens)
+        prompts = peers_clients.token_prompts(model_dir, sum(ld.requests for ld in loads), args.prompt_tokens)
     else:
         prompts = []
     signal.signal(signal.SIGTERM, _terminate)
