@@ -52,6 +52,9 @@ def test_each_level_gets_its_bound_and_both_servers_share_of_it():
         bound = serving_tok_s(Shapes(**SHAPES), rates, c, 286, 64, 2)      # bf16 weights, the roofline's prompt
         assert rows[str(c)][7:9] == [f"{bound:.1f}", f"{100 * vllm / bound:.0f} % / **{100 * sg / bound:.0f} %**"]
     assert "bf16 bound tok/s" in text and "286 tokens in, 64 out" in text and "read 30.0 GB/s" in text
+    longer = {**data, "args": {**data["args"], "prompt_tokens": 1024}}          # not the roofline's workload
+    bound = serving_tok_s(Shapes(**SHAPES), rates, 8, 1024, 64, 2)
+    assert _rows(render_peers(longer, "peers-x"))["8"][7] == f"{bound:.1f}"
 
 
 def test_another_hosts_roofline_gives_no_fractions_and_says_why():
@@ -83,3 +86,7 @@ def test_attach_adds_this_hosts_roofline_and_refuses_another_hosts(tmp_path):
     assert data["provenance"] == json.loads(before)["provenance"] and data["roofline"]["read_bandwidth"] == 3.0e10
     assert data["roofline"]["attached"]["command"].startswith("python -m bench.peers --attach")
     assert "% of it, vllm / sg" in render_peers(data, "peers")
+    bare = tmp_path / "bare.json"                                        # a run that says not where it ran
+    bare.write_text(json.dumps({**_peers("h", "c", str(tmp_path)), "provenance": {}}))
+    cmd[cmd.index(str(peers))] = str(bare)
+    assert subprocess.run([*cmd, str(roof)], cwd=ROOT, capture_output=True, timeout=120).returncode != 0

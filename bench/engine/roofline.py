@@ -134,9 +134,9 @@ def load_roofline(path: str, model_dir: str, run: dict | None = None) -> dict:
     from bench.provenance import provenance
 
     data = json.loads(Path(path).read_text())
-    theirs, ours = data.get("provenance") or {}, run or provenance("engine.roofline", [])
+    theirs, ours = data.get("provenance") or {}, run if run is not None else provenance("engine.roofline", [])
     if (theirs.get("host"), theirs.get("cpu")) != (ours.get("host"), ours.get("cpu")):
-        where = "the run's host" if run else "this host"
+        where = "the run's host" if run is not None else "this host"
         raise SystemExit(f"--roofline {path}: measured on {theirs.get('host')!r} ({theirs.get('cpu')}), "
                          f"not {where} {ours.get('host')!r} ({ours.get('cpu')}): its bounds do not apply there")
     if Path(data["model_dir"]).resolve() != Path(model_dir).resolve():

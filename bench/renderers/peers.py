@@ -59,8 +59,13 @@ def bounds(data: dict) -> dict[int, float] | None:
 
 
 def prompt_in(data: dict) -> int | None:
-    """The prompt tokens the bound assumes: the roofline's workload's, else the run's."""
-    return (data["roofline"].get("workload") or {}).get("prompt_tokens") or data["args"].get("prompt_tokens")
+    """The prompt tokens the bound assumes: the roofline's workload's where it is this run's
+    prompt with a chat template's few dozen tokens (same output length), else the run's own."""
+    mine, work = data["args"].get("prompt_tokens"), data["roofline"].get("workload") or {}
+    theirs = work.get("prompt_tokens")
+    if mine and theirs and mine <= theirs <= mine + 64 and work.get("output_tokens") == data["args"].get("output_tokens"):
+        return theirs
+    return mine
 
 
 def _share(tps, bound) -> str:
