@@ -1,6 +1,6 @@
 """Memory advised for transparent huge pages (2 MiB): the packed linear weights of a model side
-by side in one region, in the order a step reads them (`place`), and the CPU KV pool (`region`,
-kv_cache.zeroed).
+by side in one region, in the order a step reads them (`Arena`, filled by
+`packed_linear.arrange`), and the CPU KV pool (`region`, kv_cache.zeroed).
 
 Why: a decode step of a few rows streams every weight once, so its time is the weights' bytes
 over the memory's bandwidth plus what each call loses getting its stream going. Each packed
@@ -68,12 +68,6 @@ class Arena:
         with torch.no_grad():
             placed.copy_(t)
         return placed
-
-
-def place(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of `tensors` side by side in one region(), in this order (Arena)."""
-    arena = Arena([t.numel() * t.element_size() for t in tensors])
-    return [arena.copy(i, t) for i, t in enumerate(tensors)]
 
 
 def huge_bytes(t: torch.Tensor) -> int | None:

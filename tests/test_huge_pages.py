@@ -12,7 +12,7 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kernels import load_kernels
 from engine.packed_linear import _stream
-from engine.huge_pages import ALIGN, HUGE_PAGE, huge_bytes, place
+from engine.huge_pages import ALIGN, HUGE_PAGE, Arena, huge_bytes
 
 
 def thp_mode() -> str | None:
@@ -22,6 +22,12 @@ def thp_mode() -> str | None:
             return f.read().split("[")[1].split("]")[0]
     except (OSError, IndexError):
         return None
+
+
+def place(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` side by side in one Arena, in this order (as packed_linear.arrange makes them)."""
+    arena = Arena([t.numel() * t.element_size() for t in tensors])
+    return [arena.copy(i, t) for i, t in enumerate(tensors)]
 
 
 def assert_side_by_side(tensors: list[torch.Tensor]) -> None:
