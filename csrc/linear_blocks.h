@@ -123,18 +123,33 @@ inline void row_groups(int64_t M, F&& f) {
   }
 }
 
-// The threads' blocks (at least `grain` a task) for passes of up to Rows rows: f(R, m, g0, g1)
-// runs the pass of rows m..m+R-1 over blocks [g0, g1). A call of one pass takes each thread's
-// blocks as one group; a call of more takes them in groups of ~256 KB (L2-resident), every pass
-// over a group before the next, so later passes read the weights from L2, not memory, and a
-// pass's rows stay in L1 across the group.
+// Where a pass stands in pass_groups: the thread's next group of blocks [b0, b1) (empty in a call
+// of one pass, and after the thread's last group), this pass's index among the group's passes,
+// and whether the group is the thread's first (nothing brought it into cache before its first pass).
+struct NextGroup {
+  int64_t b0 = 0, b1 = 0;
+  int pass = 0, passes = 1;
+  bool cold = true;
+};
+
+// The threads' blocks (at least `grain` a task) for passes of up to Rows rows: f(R, m, g0, g1,
+// next) runs the pass of rows m..m+R-1 over blocks [g0, g1). A call of one pass takes each
+// thread's blocks as one group; a call of more takes them in groups of ~256 KB (L2-resident),
+// every pass over a group before the next, so later passes read the weights from L2, not memory,
+// and a pass's rows stay in L1 across the group; `next` lets those passes bring the following
+// group into L2 meanwhile (linear_dp.h's side_of).
 template <int Rows, class F>
 inline void pass_groups(int64_t M, int64_t blocks, int64_t block_bytes, int64_t grain, F&& f) {
   const int64_t group = M <= Rows ? blocks : std::max<int64_t>(1, (256 << 10) / block_bytes);
+  const int passes = static_cast<int>((M + Rows - 1) / Rows);
   streamgate::cpu::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t g0 = b0; g0 < b1; g0 += group) {
       const int64_t g1 = std::min(b1, g0 + group);
-      row_groups<Rows>(M, [&](auto r, int64_t m) { f(r, m, g0, g1); });
+      NextGroup next{g1, passes > 1 ? std::min(b1, g1 + group) : g1, 0, passes, g0 == b0};
+      row_groups<Rows>(M, [&](auto r, int64_t m) {
+        f(r, m, g0, g1, static_cast<const NextGroup&>(next));
+        ++next.pass;
+      });
     }
   });
 }

@@ -40,23 +40,53 @@ constexpr int kDpBlocks(int R) { return R == 1 ? 4 : R == 2 ? 3 : R == 3 ? 2 : 1
 //   with prefetcht1 16-32 KB ahead (one-row passes: 28.7-38.1); SmolLM2 bf16 decode steps
 //   (elastic pool) 18.46 -> 17.07 ms at 8 rows, 15.51 -> 14.94 at 4, 28.43 -> 26.60 at 16; a
 //   prefill step (a 286-token chunk beside 7 decode rows) level (191.0 / 190.3 ms).
+// - Calls of several passes (9+ rows), off Intel: the passes over a group after its first read it
+//   from L2, and meanwhile bring the thread's next group into L2 (prefetcht1, side_of: the next
+//   group's bytes cut evenly over the passes and the calls), so that group's first pass does not
+//   wait on memory with its compute idle; then only the thread's first group's first pass
+//   prefetches ahead of itself. Zen 4 host, 2026-12-06, variants alternating in one process
+//   (SmolLM2's 120 layer linears, 30 x 4 shapes, weights cold, 2 threads, medians of 12):
+//   16 / 24 / 32 / 48 / 64 rows 15.30 -> 14.68, 20.08 -> 18.54, 22.79 -> 23.25, 32.09 -> 30.36,
+//   42.91 -> 41.16 ms (an earlier build: 14.77 -> 13.51, 19.76 -> 18.47, 24.58 -> 23.30, 33.63 ->
+//   32.67 at 16-48); the bf16 decode step, steps alternating, 23.39 -> 22.93 ms at 16 rows,
+//   42.10 -> 41.33 at 32, 71.79 -> 70.55 at 48. Passes of 16 rows instead of 8 were slower
+//   (16.08 / 24.87 / 47.98 ms at 16 / 32 / 64 rows).
 enum class Ahead { kNone, kT0Near, kT1Far };
 constexpr int64_t kAheadNear = 64, kAheadFar = kFarAheadBytes / 64;  // packed rows of 64 B: 4 KB, 16 KB
 
-// The prefetch of a pass of R rows on this CPU (above).
-inline Ahead pass_ahead(int R) {
+// The prefetch ahead of a pass of R rows on this CPU (above), `next` its place in the call.
+inline Ahead pass_ahead(int R, const NextGroup& next) {
   if (streamgate::cpu::intel_cpu()) return Ahead::kT0Near;
+  if (next.passes > 1 && !(next.cold && next.pass == 0)) return Ahead::kNone;   // side_of's instead
   return R >= 4 ? Ahead::kT1Far : Ahead::kNone;
+}
+
+// The lines of the thread's next group that a pass's call over blocks [b, b + w) of group [g0,
+// g1) prefetches into L2 (above): share `next.pass` of next.passes of that group's bytes, and of
+// it the part that blocks [b, b + w) are of the group. Units: blocks of block_bytes from wp.
+struct Side {
+  const char* p = nullptr;
+  int64_t lines = 0;
+};
+inline Side side_of(const uint16_t* wp, int64_t block_bytes, const NextGroup& next, int64_t g0, int64_t g1,
+                    int64_t b, int64_t w) {
+  if (next.b1 <= next.b0 || streamgate::cpu::intel_cpu()) return {};
+  const int64_t start = next.b0 * block_bytes, len = (next.b1 - next.b0) * block_bytes;
+  const int64_t s0 = start + len * next.pass / next.passes, s1 = start + len * (next.pass + 1) / next.passes;
+  const int64_t a = (s0 + (s1 - s0) * (b - g0) / (g1 - g0)) / 64 * 64, e = s0 + (s1 - s0) * (b + w - g0) / (g1 - g0);
+  return {reinterpret_cast<const char*>(wp) + a, (e - a + 63) / 64};
 }
 
 // Rows row..row+R-1 of x as bf16 k-pairs (one 32-bit word each, row stride xs words) against
 // B consecutive blocks of K2 packed pair rows from `block` (outputs n0..n0+16B-1, of N): one
-// accumulator per row and block, VDPBF16PS with the pair broadcast. Not inlined, as block_rows.
+// accumulator per row and block, VDPBF16PS with the pair broadcast; `side` lines from side_of
+// prefetched into L2 spread over the packed rows. Not inlined, as block_rows.
 // Silu: the blocks are pairs, a gate block then its up block, and out.y [.., N / 2] gets
 // silu(gate) * up, each rounded as the two outputs and silu_and_mul(block=16) round them.
 template <int R, int B, bool Silu = false, typename T>
 __attribute__((noinline)) void dp_rows(const uint16_t* x, int64_t xs, const uint16_t* block, int64_t K2,
-                                       const Out<T>& out, int64_t row, int64_t n0, int64_t N, Ahead ahead) {
+                                       const Out<T>& out, int64_t row, int64_t n0, int64_t N, Ahead ahead,
+                                       Side side = {}) {
   const int64_t stride = K2 * 2 * kBlock;          // codes per block
   __m512 acc[B][R];
   for (int b = 0; b < B; ++b)
@@ -66,7 +96,10 @@ __attribute__((noinline)) void dp_rows(const uint16_t* x, int64_t xs, const uint
     std::memcpy(&v, x + 2 * (j * xs + r), sizeof v);
     return (__m512bh)_mm512_set1_epi32(v);
   };
+  int64_t side_due = 0;                            // side.lines per K2 packed rows
   for (int64_t r = 0; r < K2; ++r) {
+    if (side.lines)
+      for (side_due += side.lines; side_due >= K2; side_due -= K2, side.p += 64) _mm_prefetch(side.p, _MM_HINT_T1);
     if (ahead == Ahead::kT0Near)
       for (int b = 0; b < B; ++b)
         _mm_prefetch(reinterpret_cast<const char*>(block + b * stride + (r + kAheadNear) * 2 * kBlock), _MM_HINT_T0);
@@ -117,12 +150,14 @@ inline void dp_blocks(const uint16_t* xp, int64_t xs, int64_t M, int64_t K2, int
                const Out<T>& out, int64_t blocks) {
   const int64_t block_bytes = std::max<int64_t>(1, K2 * 2 * kBlock * 2);     // K = 0: no division by 0
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / block_bytes);
-  pass_groups<kDpRows>(M, blocks, block_bytes, grain, [&](auto r, int64_t m, int64_t g0, int64_t g1) {
+  pass_groups<kDpRows>(M, blocks, block_bytes, grain, [&](auto r, int64_t m, int64_t g0, int64_t g1, const NextGroup& next) {
     constexpr int R = decltype(r)::value;
-    const Ahead ahead = pass_ahead(R);
+    const Ahead ahead = pass_ahead(R, next);
     row_groups<kDpBlocks(R)>(g1 - g0, [&](auto width, int64_t i) {
+      constexpr int W = decltype(width)::value;
       const int64_t b = g0 + i;
-      dp_rows<R, decltype(width)::value>(xp + m * xs * 2, xs, wp + b * K2 * 2 * kBlock, K2, out, m, b * kBlock, N, ahead);
+      dp_rows<R, W>(xp + m * xs * 2, xs, wp + b * K2 * 2 * kBlock, K2, out, m, b * kBlock, N, ahead,
+                    side_of(wp, block_bytes, next, g0, g1, b, W));
     });
   });
 }
@@ -134,13 +169,15 @@ inline void dp_blocks_silu(const uint16_t* xp, int64_t xs, int64_t M, int64_t K2
                            const Out<c10::BFloat16>& out) {
   const int64_t pair_bytes = std::max<int64_t>(1, K2 * 2 * kBlock * 2) * 2;
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / pair_bytes);
-  pass_groups<kDpRows>(M, N / (2 * kBlock), pair_bytes, grain, [&](auto r, int64_t m, int64_t p0, int64_t p1) {
+  pass_groups<kDpRows>(M, N / (2 * kBlock), pair_bytes, grain, [&](auto r, int64_t m, int64_t p0, int64_t p1,
+                                                                   const NextGroup& next) {
     constexpr int R = decltype(r)::value;
-    const Ahead ahead = pass_ahead(R);
+    const Ahead ahead = pass_ahead(R, next);
     row_groups<R <= 2 ? 2 : 1>(p1 - p0, [&](auto width, int64_t i) {
+      constexpr int W = decltype(width)::value;
       const int64_t b = 2 * (p0 + i);
-      dp_rows<R, 2 * decltype(width)::value, true>(xp + m * xs * 2, xs, wp + b * K2 * 2 * kBlock, K2, out, m,
-                                                   b * kBlock, N, ahead);
+      dp_rows<R, 2 * W, true>(xp + m * xs * 2, xs, wp + b * K2 * 2 * kBlock, K2, out, m, b * kBlock, N, ahead,
+                              side_of(wp, pair_bytes, next, p0, p1, p0 + i, W));
     });
   });
 }

@@ -140,7 +140,7 @@ void vnni_blocks(const SplitRows& xs, int64_t M, int64_t K, int64_t N, const int
                  int64_t blocks, int64_t grain_bytes) {
   const int64_t block_bytes = std::max<int64_t>(1, K * kBlock);
   const int64_t grain = std::max<int64_t>(1, grain_bytes / block_bytes);
-  pass_groups<kVnniRows>(M, blocks, block_bytes, grain, [&](auto r, int64_t m, int64_t g0, int64_t g1) {
+  pass_groups<kVnniRows>(M, blocks, block_bytes, grain, [&](auto r, int64_t m, int64_t g0, int64_t g1, const NextGroup&) {
     constexpr int R = decltype(r)::value;
     row_groups<kVnniBlocks(R)>(g1 - g0, [&](auto width, int64_t i) {
       const int64_t b = g0 + i;
