@@ -66,7 +66,8 @@ struct AmxScratch {
 
 // exp(x) for x <= ~0 on sixteen lanes: 2^(x log2 e) as 2^n (VSCALEFPS) times a degree-6
 // polynomial of 2^f, |f| <= 1/2 (Taylor: relative error ~1.2e-7, as exp_nonpositive's), eleven
-// instructions against exp_nonpositive's seventeen. x below -87 (and -inf) gives 2^-126 or less.
+// instructions, as exp_nonpositive's on AVX-512 registers (seventeen before it took VRNDSCALEPS
+// and VSCALEFPS). x below -87 (and -inf) gives 2^-126 or less.
 inline __m512 exp16(__m512 x) {
   const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

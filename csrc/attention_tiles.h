@@ -1,6 +1,6 @@
 // The inner loops of the paged attention kernel (paged_attention.cpp): scores of a few query
 // vectors against a span of keys, and their probabilities times the values, with the
-// accumulators in registers; and the exp of the online softmax.
+// accumulators in registers (the online softmax between them: attention_softmax.h).
 #pragma once
 
 #include <algorithm>
@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 
+#include "attention_softmax.h"
 #include "simd.h"
 
 namespace streamgate::cpu {
@@ -36,67 +37,6 @@ struct Features {
     l = sinks ? 1.0f : 0.0f;
   }
 };
-
-// The two passes of softmax_span over si[t, end), V's lanes at a time while a whole vector
-// fits before `end`; `t` is left where they stopped (a multiple of kLanes below end at most).
-// Lanes outside [flo, fvis) are ignored by the max and get probability 0.
-template <typename V>
-inline float span_max(const float* si, int64_t& t, int64_t end, float flo, float fvis, float acc) {
-  constexpr int L = lanes_of<V>;
-  const V ninf = V{} - std::numeric_limits<float>::infinity(), lane = iota_v<V>();
-  V vmax = ninf;
-  for (; t + L <= end; t += L) {
-    const V x = load_v<V>(si + t), at = lane + static_cast<float>(t);
-    const V keep = (at < fvis) & (at >= flo) ? x : ninf;
-    vmax = keep > vmax ? keep : vmax;
-  }
-  return std::max(acc, hmax_v(vmax));
-}
-
-template <typename V, typename VI>
-inline float span_exp(float* si, int64_t& t, int64_t end, float flo, float fvis, float new_m, float acc) {
-  constexpr int L = lanes_of<V>;
-  const V zero = {}, lane = iota_v<V>();
-  V vsum = {};
-  for (; t + L <= end; t += L) {
-    const V at = lane + static_cast<float>(t);
-    const V e = exp_nonpositive<V, VI>(load_v<V>(si + t) - new_m);
-    const V p = (at < fvis) & (at >= flo) ? e : zero;
-    store_v(si + t, p);
-    vsum += p;
-  }
-  return acc + hsum_v(vsum);
-}
-
-// One query row's span of scores si[0, n) (n <= kpad, si padded to kpad) under the online
-// softmax: keys outside [lo, visible) (before the window, past the causal cut) get probability
-// 0, the others exp(s - new_m) with new_m = max(m, their max); lo < visible. Returns the
-// probabilities' sum; `m` becomes new_m, and `alpha` the factor exp(m_old - new_m) for what
-// was accumulated before. Sixteen lanes at a time where the build has AVX-512 (the exp is most
-// of a prefill tile's instructions), then eight; the row is padded to a multiple of eight.
-inline float softmax_span(float* si, int64_t n, int64_t visible, float& m, float& alpha, int64_t lo = 0) {
-  const float flo = static_cast<float>(lo), fvis = static_cast<float>(visible);
-  const int64_t t0 = lo / kLanes * kLanes, end = (visible + kLanes - 1) / kLanes * kLanes;
-  float block_max = -std::numeric_limits<float>::infinity();
-  int64_t t = t0;
-#ifdef __AVX512F__
-  block_max = span_max<vec16>(si, t, end, flo, fvis, block_max);
-#endif
-  block_max = span_max<vec8>(si, t, end, flo, fvis, block_max);
-  const float new_m = std::max(m, block_max);
-  alpha = std::exp(m - new_m);                              // 0 on the first span
-  m = new_m;
-  const vec8 zero = {};
-  for (t = 0; t < t0; t += kLanes) store8(si + t, zero);   // before the window
-  float sum = 0.0f;
-  t = t0;
-#ifdef __AVX512F__
-  sum = span_exp<vec16, vec16i>(si, t, end, flo, fvis, new_m, sum);
-#endif
-  sum = span_exp<vec8, vec8i>(si, t, end, flo, fvis, new_m, sum);
-  for (; t < n; t += kLanes) store8(si + t, zero);        // past the cut, to the padded end
-  return sum;
-}
 
 // S[j, t] = q_j . k_t for R query rows j (R <= kRows) and t < kpad (a multiple of kLanes): a few
 // queries times a span of keys as outer products, so that every key vector loaded serves R

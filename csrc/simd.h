@@ -131,13 +131,28 @@ inline V iota_v() {                                        // {0, 1, ..., lanes 
 // lanes): Cephes' expf, 2^n * p(r) with |r| <= ln2 / 2, relative error ~1e-7. Written on whole
 // vectors (GCC/Clang vector extensions) because the scalar form did not vectorize: GCC saw
 // control flow in it, and the softmax then cost more than the scores and the values together.
+// On AVX-512 registers the floor is one VRNDSCALEPS and 2^n * p one VSCALEFPS (in place of two
+// conversions, a compare and a subtract, and a conversion, an add, a shift and a multiply): the
+// same values (floor is exact; p * 2^n is rounded once either way, n >= -126), eleven
+// instructions instead of seventeen. Zen 4 host, 2026-12-06, bits compared equal, with
+// span_max_all / span_exp_all (attention_softmax.h) against neither, alternating in one process:
+// a 512-token first chunk's attention (30 layers) 47.58 -> 44.10 ms, four 256-token chunks over
+// 600 176.5 -> 162.4, 32 decode rows over 300-380 tokens 14.70 -> 13.91 (pool in L3: 8.57 -> 7.90).
 template <typename V, typename VI>
 inline V exp_nonpositive(V x) {
   const V lo = V{} - 87.0f;                                 // 2^-126 is the smallest normal float
   x = x < lo ? lo : x;
   const V fx = x * 1.44269504f + 0.5f;
-  V n = __builtin_convertvector(__builtin_convertvector(fx, VI), V);   // toward zero
-  n = n > fx ? n - 1.0f : n;                                // floor
+  V n;
+#ifdef __AVX512F__
+  if constexpr (sizeof(V) == sizeof(__m512))
+    n = reinterpret_cast<V>(_mm512_roundscale_ps(reinterpret_cast<__m512>(fx), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+  else
+#endif
+  {
+    n = __builtin_convertvector(__builtin_convertvector(fx, VI), V);   // toward zero
+    n = n > fx ? n - 1.0f : n;                                          // floor
+  }
   const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
   V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -146,6 +161,10 @@ inline V exp_nonpositive(V x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
+#ifdef __AVX512F__
+  if constexpr (sizeof(V) == sizeof(__m512))
+    return reinterpret_cast<V>(_mm512_scalef_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(n)));
+#endif
   const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
   V scale;
   std::memcpy(&scale, &bits, sizeof scale);
