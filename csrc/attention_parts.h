@@ -101,10 +101,11 @@ inline void start_heads(const Features& f, bool first, Scratch& w, int64_t i0, i
 inline int64_t part_floats(int64_t D) { return D + 2; }
 
 // The row's output from its `parts` parts' sums (`heads` query heads each, part after part): per
-// head the parts' outputs and sums rescaled to the largest max, added in part order. at(d): where
-// head_dim offset d sits in a part's sums (the bf16 decode keeps its accumulators permuted).
-template <typename T, class At>
-inline void merge_decode_parts(const float* sums, int64_t parts, int64_t heads, int64_t D, T* o, int64_t o_hs, At&& at) {
+// head the parts' outputs and sums rescaled to the largest max, added in part order, then
+// store(dst, a, inv) writes head i's output dst = o + i * o_hs from the merged a (in the decode's
+// accumulator order: the bf16 decode keeps its accumulators permuted) and 1 / the merged sum.
+template <typename T, class Store>
+inline void merge_decode_parts(const float* sums, int64_t parts, int64_t heads, int64_t D, T* o, int64_t o_hs, Store&& store) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t stride = heads * part_floats(D);
   thread_local std::vector<float> acc;
@@ -128,8 +129,7 @@ inline void merge_decode_parts(const float* sums, int64_t parts, int64_t heads, 
       const float w = weight[p];
       for (int64_t d = 0; d < D; ++d) a[d] += hp[d] * w;
     }
-    const float inv = 1.0f / total;
-    for (int64_t d = 0; d < D; ++d) o[i * o_hs + d] = static_cast<T>(a[at(d)] * inv);
+    store(o + i * o_hs, static_cast<const float*>(a), 1.0f / total);
   }
 }
 

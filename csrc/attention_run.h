@@ -28,7 +28,6 @@
 
 namespace streamgate::cpu {
 
-
 // One thread's buffers for run_attention, kept across calls and grown, never shrunk: allocated
 // and zero-filled per call they took as long as a one-row step's attention math (Zen 4 host,
 // 2026-12-06: the vectors' constructors, memset and malloc/free against its scores and values).
@@ -150,7 +149,12 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const to
         // The row's last part to finish merges them all (acq_rel: it sees every part's sums).
         if (sums && std::atomic_ref<int>(done_base[w.first_part]).fetch_add(1, std::memory_order_acq_rel) == w.parts - 1)
           merge_decode_parts(part_base + w.first_part * part_size, w.parts, num_heads, D, op + row * o_row, o_head,
-                             [bf16 = done](int64_t d) { return bf16 ? slot_of(d) : d; });
+                             [bf16 = done, D](scalar_t* dst, const float* a, float inv) {
+                               if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+                                 if (bf16) return store_unpermuted_bf16(dst, a, inv, D);
+                               }
+                               for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(a[d] * inv);
+                             });
         continue;
       }
       const int64_t q_len = starts[w.seq + 1] - starts[w.seq];
