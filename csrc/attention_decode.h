@@ -245,9 +245,8 @@ void decode_sequence(const T* q, int64_t q_hs, const P* kp, const P* vp, int64_t
   };
   const int64_t heads = kv_heads * group;
   if (float* sums = for_decode_parts(keys, block_size, heads * part_floats(D), w.sums, start, walk, finish))
-    merge_decode_parts(sums, keys.parts, heads, D, o, o_hs, [D](T* dst, const float* a, float inv) {
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(a[d] * inv);
-    });
+    merge_decode_parts(sums, keys.parts, heads, D, o, o_hs,
+                       [D](T* dst, const float* a, float inv) { store_scaled(dst, a, inv, D); });
 }
 #else
 constexpr bool kDecode512 = false;

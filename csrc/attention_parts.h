@@ -100,6 +100,13 @@ inline void start_heads(const Features& f, bool first, Scratch& w, int64_t i0, i
 // the max, the sum.
 inline int64_t part_floats(int64_t D) { return D + 2; }
 
+// dst[d] = T(a[d] * inv) for d < D: an output row from its unnormalized sums and 1 / their weight.
+template <typename T>
+inline void store_scaled(T* dst, const float* a, float inv, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(a[d] * inv);
+}
+
 // The row's output from its `parts` parts' sums (`heads` query heads each, part after part): per
 // head the parts' outputs and sums rescaled to the largest max, added in part order, then
 // store(dst, a, inv) writes head i's output dst = o + i * o_hs from the merged a (in the decode's

@@ -153,7 +153,7 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const to
                                if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
                                  if (bf16) return store_unpermuted_bf16(dst, a, inv, D);
                                }
-                               for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(a[d] * inv);
+                               store_scaled(dst, a, inv, D);
                              });
         continue;
       }
@@ -288,8 +288,7 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const to
               continue;
             }
           }
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(ai[d] * inv);
+          store_scaled(dst, ai, inv, D);
         }
       }
     }

@@ -14,58 +14,57 @@ namespace streamgate::cpu {
 
 // The two passes of softmax_span over si[t, end), V's lanes at a time while a whole vector
 // fits before `end`; `t` is left where they stopped (a multiple of kLanes below end at most).
-// Lanes outside [flo, fvis) are ignored by the max and get probability 0.
-template <typename V>
+// Masked: lanes outside [flo, fvis) are ignored by the max and get probability 0; else every
+// lane is visible (a span seen whole) and the same operations run without the mask.
+template <bool Masked, typename V>
 inline float span_max(const float* si, int64_t& t, int64_t end, float flo, float fvis, float acc) {
   constexpr int L = lanes_of<V>;
   const V ninf = V{} - std::numeric_limits<float>::infinity(), lane = iota_v<V>();
   V vmax = ninf;
   for (; t + L <= end; t += L) {
-    const V x = load_v<V>(si + t), at = lane + static_cast<float>(t);
-    const V keep = (at < fvis) & (at >= flo) ? x : ninf;
-    vmax = keep > vmax ? keep : vmax;
-  }
-  return std::max(acc, hmax_v(vmax));
-}
-
-template <typename V, typename VI>
-inline float span_exp(float* si, int64_t& t, int64_t end, float flo, float fvis, float new_m, float acc) {
-  constexpr int L = lanes_of<V>;
-  const V zero = {}, lane = iota_v<V>();
-  V vsum = {};
-  for (; t + L <= end; t += L) {
-    const V at = lane + static_cast<float>(t);
-    const V e = exp_nonpositive<V, VI>(load_v<V>(si + t) - new_m);
-    const V p = (at < fvis) & (at >= flo) ? e : zero;
-    store_v(si + t, p);
-    vsum += p;
-  }
-  return acc + hsum_v(vsum);
-}
-
-// span_max / span_exp where every lane in [t, end) is visible (no window start before t, no
-// causal cut before end): the same operations in the same order, without the lanes' mask.
-template <typename V>
-inline float span_max_all(const float* si, int64_t& t, int64_t end, float acc) {
-  constexpr int L = lanes_of<V>;
-  V vmax = V{} - std::numeric_limits<float>::infinity();
-  for (; t + L <= end; t += L) {
-    const V x = load_v<V>(si + t);
+    V x = load_v<V>(si + t);
+    if constexpr (Masked) {
+      const V at = lane + static_cast<float>(t);
+      x = (at < fvis) & (at >= flo) ? x : ninf;
+    }
     vmax = x > vmax ? x : vmax;
   }
   return std::max(acc, hmax_v(vmax));
 }
 
-template <typename V, typename VI>
-inline float span_exp_all(float* si, int64_t& t, int64_t end, float new_m, float acc) {
+template <bool Masked, typename V, typename VI>
+inline float span_exp(float* si, int64_t& t, int64_t end, float flo, float fvis, float new_m, float acc) {
   constexpr int L = lanes_of<V>;
+  const V zero = {}, lane = iota_v<V>();
   V vsum = {};
   for (; t + L <= end; t += L) {
-    const V p = exp_nonpositive<V, VI>(load_v<V>(si + t) - new_m);
+    V p = exp_nonpositive<V, VI>(load_v<V>(si + t) - new_m);
+    if constexpr (Masked) {
+      const V at = lane + static_cast<float>(t);
+      p = (at < fvis) & (at >= flo) ? p : zero;
+    }
     store_v(si + t, p);
     vsum += p;
   }
   return acc + hsum_v(vsum);
+}
+
+// Both passes over the span, masked or not, sixteen lanes at a time where the build has AVX-512,
+// then eight.
+template <bool Masked>
+inline float span_max_lanes(const float* si, int64_t& t, int64_t end, float flo, float fvis, float acc) {
+#ifdef __AVX512F__
+  acc = span_max<Masked, vec16>(si, t, end, flo, fvis, acc);
+#endif
+  return span_max<Masked, vec8>(si, t, end, flo, fvis, acc);
+}
+
+template <bool Masked>
+inline float span_exp_lanes(float* si, int64_t& t, int64_t end, float flo, float fvis, float new_m, float acc) {
+#ifdef __AVX512F__
+  acc = span_exp<Masked, vec16, vec16i>(si, t, end, flo, fvis, new_m, acc);
+#endif
+  return span_exp<Masked, vec8, vec8i>(si, t, end, flo, fvis, new_m, acc);
 }
 
 // One query row's span of scores si[0, n) (n <= kpad, si padded to kpad) under the online
@@ -75,42 +74,22 @@ inline float span_exp_all(float* si, int64_t& t, int64_t end, float new_m, float
 // was accumulated before. Sixteen lanes at a time where the build has AVX-512 (the exp is most
 // of a prefill tile's instructions), then eight; the row is padded to a multiple of eight. A span
 // seen whole (every decode row's full spans, a query tile's spans below its diagonal) skips the
-// lanes' mask (span_max_all, span_exp_all): the same bits.
+// lanes' mask (span_max / span_exp unmasked): the same bits.
 inline float softmax_span(float* si, int64_t n, int64_t visible, float& m, float& alpha, int64_t lo = 0) {
   const float flo = static_cast<float>(lo), fvis = static_cast<float>(visible);
   const int64_t t0 = lo / kLanes * kLanes, end = (visible + kLanes - 1) / kLanes * kLanes;
-  float block_max = -std::numeric_limits<float>::infinity();
   int64_t t = t0;
   const bool whole = lo == 0 && visible == n && end == n;
-  if (whole) {
-#ifdef __AVX512F__
-    block_max = span_max_all<vec16>(si, t, end, block_max);
-#endif
-    block_max = span_max_all<vec8>(si, t, end, block_max);
-  } else {
-#ifdef __AVX512F__
-    block_max = span_max<vec16>(si, t, end, flo, fvis, block_max);
-#endif
-    block_max = span_max<vec8>(si, t, end, flo, fvis, block_max);
-  }
+  const float block_max = whole ? span_max_lanes<false>(si, t, end, flo, fvis, -std::numeric_limits<float>::infinity())
+                                : span_max_lanes<true>(si, t, end, flo, fvis, -std::numeric_limits<float>::infinity());
   const float new_m = std::max(m, block_max);
   alpha = std::exp(m - new_m);                              // 0 on the first span
   m = new_m;
   const vec8 zero = {};
   for (t = 0; t < t0; t += kLanes) store8(si + t, zero);   // before the window
-  float sum = 0.0f;
   t = t0;
-  if (whole) {
-#ifdef __AVX512F__
-    sum = span_exp_all<vec16, vec16i>(si, t, end, new_m, sum);
-#endif
-    sum = span_exp_all<vec8, vec8i>(si, t, end, new_m, sum);
-  } else {
-#ifdef __AVX512F__
-    sum = span_exp<vec16, vec16i>(si, t, end, flo, fvis, new_m, sum);
-#endif
-    sum = span_exp<vec8, vec8i>(si, t, end, flo, fvis, new_m, sum);
-  }
+  const float sum = whole ? span_exp_lanes<false>(si, t, end, flo, fvis, new_m, 0.0f)
+                          : span_exp_lanes<true>(si, t, end, flo, fvis, new_m, 0.0f);
   for (; t < n; t += kLanes) store8(si + t, zero);        // past the cut, to the padded end
   return sum;
 }
