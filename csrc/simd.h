@@ -135,7 +135,7 @@ inline V iota_v() {                                        // {0, 1, ..., lanes 
 // conversions, a compare and a subtract, and a conversion, an add, a shift and a multiply): the
 // same values (floor is exact; p * 2^n is rounded once either way, n >= -126), eleven
 // instructions instead of seventeen. Zen 4 host, 2026-12-06, bits compared equal, with
-// span_max_all / span_exp_all (attention_softmax.h) against neither, alternating in one process:
+// the unmasked softmax passes (attention_softmax.h) against neither, alternating in one process:
 // a 512-token first chunk's attention (30 layers) 47.58 -> 44.10 ms, four 256-token chunks over
 // 600 176.5 -> 162.4, 32 decode rows over 300-380 tokens 14.70 -> 13.91 (pool in L3: 8.57 -> 7.90).
 template <typename V, typename VI>
