@@ -90,3 +90,74 @@ def test_attach_adds_this_hosts_roofline_and_refuses_another_hosts(tmp_path):
     bare.write_text(json.dumps({**_peers("h", "c", str(tmp_path)), "provenance": {}}))
     cmd[cmd.index(str(peers))] = str(bare)
     assert subprocess.run([*cmd, str(roof)], cwd=ROOT, capture_output=True, timeout=120).returncode != 0
+
+
+def _probe(gbs: float, gflops: float) -> dict:
+    return {"at": "2026-12-06T19:00:00Z", "bf16_flops": gflops * 1e9, "read_bandwidth": gbs * 1e9}
+
+
+def test_each_level_is_measured_against_the_roofline_probed_on_either_side_of_it():
+    """Probed runs (bench/peers/probe.py): each server's level gets the bound of the higher of the
+    probes before and after it, computed per rate (bandwidth and FLOP/s each at their best), so
+    a level between a slow and a fast probe is held to the fast one; both servers' shares are
+    against their own bounds, beside the embedded roofline's columns."""
+    data = {**_peers("h", "CPU X", "/m"), "roofline": _roofline("h", "CPU X", "/m"),
+            "probe": {"shapes": SHAPES, "threads": 2, "reps": 3, "rows": 512, "bandwidth_mb": 512,
+                      "workload": {"prompt_tokens": 286, "output_tokens": 64}}}
+    probes = {"vllm": [_probe(30, 440), _probe(40, 380), _probe(28, 400), _probe(33, 420)],
+              "sg": [_probe(25, 300), _probe(26, 310), _probe(45, 430), _probe(29, 300)]}
+    for name, p in probes.items():
+        for i, row in enumerate(data["servers"][name]["rows"]):
+            row["roofline_probe"] = {"before": p[i], "after": p[i + 1]}
+    text = render_peers(data, "peers-x")
+    rows = _rows(text)
+    assert "level's own bound, vllm / sg" in text and "read 25.0–45.0 GB/s" in text and "300–440 bf16 GFLOP/s" in text
+
+    def bound(p: list[dict], i: int, c: int) -> float:
+        rates = Rates(flops=max(p[i]["bf16_flops"], p[i + 1]["bf16_flops"]),
+                      bandwidth=max(p[i]["read_bandwidth"], p[i + 1]["read_bandwidth"]))
+        return serving_tok_s(Shapes(**SHAPES), rates, c, 286, 64, 2)
+
+    for i, (c, vllm, sg) in enumerate(((1, 28.0, 65.0), (8, 118.0, 262.0), (32, 124.0, 251.0))):
+        bv, bs = bound(probes["vllm"], i, c), bound(probes["sg"], i, c)
+        assert rows[str(c)][9:11] == [f"{bv:.0f} / {bs:.0f}", f"{100 * vllm / bv:.0f} % / **{100 * sg / bs:.0f} %**"]
+    assert bound(probes["vllm"], 0, 1) > serving_tok_s(Shapes(**SHAPES), Rates(4.4e11, 3.0e10), 1, 286, 64, 2)
+    unprobed = {**data, "probe": None}
+    assert "own bound" not in render_peers(unprobed, "peers-x")
+
+
+def test_the_bound_assumes_the_prompt_as_the_chat_template_wraps_it(tiny_model):
+    """The probed bound's prompt is the synthetic prompt plus the model's chat template's own
+    tokens, counted with its tokenizer, not a constant."""
+    from transformers import AutoTokenizer
+
+    from bench.peers.probe import templated_tokens
+
+    model = tiny_model("llama")
+    tok = AutoTokenizer.from_pretrained(model)
+    assert tok.chat_template                                   # SmolLM2's, which adds a system turn
+    wrapped = tok.apply_chat_template([{"role": "user", "content": " hello" * 100}], add_generation_prompt=True,
+                                      tokenize=False)
+    overhead = len(tok(wrapped, add_special_tokens=False)["input_ids"]) - len(
+        tok(" hello" * 100, add_special_tokens=False)["input_ids"])
+    assert overhead > 10 and templated_tokens(model, 100) == 100 + overhead
+
+
+def test_a_probe_waits_while_the_machine_is_busy_and_records_how_busy():
+    """wait_idle (bench/peers/probe.py) does not return while a process spins on a CPU: it waits
+    its whole limit and reports the busy share it last saw (here at least one CPU's worth)."""
+    import os
+    import time
+
+    from bench.peers.probe import IDLE_BUSY, wait_idle
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        busy = wait_idle(limit_s=1.2)
+        waited = time.monotonic() - t0
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert waited >= 1.2 and busy is not None and busy >= max(IDLE_BUSY, 0.9 / os.cpu_count())

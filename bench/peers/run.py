@@ -45,6 +45,7 @@ from pathlib import Path
 from bench.engine.roofline import load_roofline
 from bench.engine.speculative import grounded_messages
 from bench.peers import clients as peers_clients
+from bench.peers import probe as peers_probe
 from bench.peers import report as peers_report
 from bench.peers import servers as peers_servers
 from bench.peers.clients import Load
@@ -100,19 +101,28 @@ def level_rows(args, run: peers_servers.Running, model_dir: str, load: Load, wor
 
 
 def measure(spec: peers_servers.ServerSpec, args, model_dir: str, loads: list[Load], workdir: Path,
-            prompts: list[str] | dict[str, str]) -> dict:
-    """Start one server, warm it up, run every load level, stop it."""
+            prompts: list[str] | dict[str, str], probe_info: dict | None = None) -> dict:
+    """Start one server, warm it up, run every load level, stop it. With `probe_info` the host's
+    roofline is probed (bench/peers/probe.py) before the first level and after each, the server
+    idle, and each level's rows carry the probes on either side."""
     result = {"load_before": load_average(args.max_load), "rows": [], "errors": []}
     run = peers_servers.start(spec, model_dir, workdir, peer_python=peer_python(args), timeout_s=args.start_timeout)
     result["url"] = run.url
     try:
         result["warmup_s"] = peers_clients.warm_up(run.url, run.model, run.api_key)
+        before = peers_probe.probe(probe_info) if probe_info else None
         for load in loads:
             each = f" of each of {', '.join(prompts)}" if args.workload == "grounded" else ""
             print(f"== {spec.name}: {load.concurrency} streams, {load.requests} requests{each} via {args.client}",
                   file=sys.stderr, flush=True)
             try:
-                result["rows"] += level_rows(args, run, model_dir, load, workdir, prompts)
+                rows = level_rows(args, run, model_dir, load, workdir, prompts)
+                if probe_info:
+                    after = peers_probe.probe(probe_info)
+                    for row in rows:
+                        row["roofline_probe"] = {"before": before, "after": after}
+                    before = after
+                result["rows"] += rows
             except Exception as exc:            # recorded; the other levels and servers still run
                 print(f"{spec.name} at {load.concurrency} streams failed: {exc}", file=sys.stderr, flush=True)
                 result["errors"].append(f"{load.concurrency} streams: {str(exc)[:2000]}")
@@ -152,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--roofline", default=None,
                    help="a roofline JSON of this host and model (bench.engine.roofline, measured beside the run): "
                         "the report then gives each level's share of the bound")
+    p.add_argument("--no-probe", action="store_true",
+                   help="do not probe the roofline beside each level (bench/peers/probe.py; never for grounded runs)")
     p.add_argument("--attach", default=None, metavar="PEERS_JSON",
                    help="with --roofline: add it to this peers.json (a run it was measured beside) and exit")
     args = p.parse_args(argv)
@@ -196,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
               "env": {k: v for k, v in os.environ.items() if k in VLLM_LAYOUT_ENV}}   # vLLM's thread layout
     if roof is not None:
         report["roofline"] = roof
+    probe_info = None
+    if not args.no_probe and args.workload == "synthetic":
+        report["probe"] = probe_info = peers_probe.setup(model_dir, args.prompt_tokens, args.output_tokens, reps=5)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for spec in specs:
@@ -206,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = out / "peers" / spec.name             # its log and GuideLLM's reports stay for a look
         workdir.mkdir(parents=True, exist_ok=True)
         try:
-            report["servers"][spec.name] = measure(spec, args, model_dir, loads, workdir, prompts)
+            report["servers"][spec.name] = measure(spec, args, model_dir, loads, workdir, prompts, probe_info)
         except Exception as exc:                # e.g. it did not start: recorded, the next one runs
             report["servers"][spec.name] = {"rows": [], "errors": [f"failed: {str(exc)[:3000]}"]}
             print(f"{spec.name}: {exc}", file=sys.stderr, flush=True)

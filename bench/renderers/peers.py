@@ -5,6 +5,7 @@ grounded run's (`--workload grounded`) by workload and stream count, every serve
 from __future__ import annotations
 
 from bench.engine.roofline import WEIGHT_BYTES, serving_tok_s
+from bench.peers.probe import IDLE_BUSY, level_bound
 from bench.peers.report import level
 from bench.renderers.common import caption
 from bench.renderers.engine_common import rates, roofline_note
@@ -61,11 +62,39 @@ def bounds(data: dict) -> dict[int, float] | None:
 def prompt_in(data: dict) -> int | None:
     """The prompt tokens the bound assumes: the roofline's workload's where it is this run's
     prompt with a chat template's few dozen tokens (same output length), else the run's own."""
-    mine, work = data["args"].get("prompt_tokens"), data["roofline"].get("workload") or {}
+    mine, work = data["args"].get("prompt_tokens"), (data.get("roofline") or {}).get("workload") or {}
     theirs = work.get("prompt_tokens")
     if mine and theirs and mine <= theirs <= mine + 64 and work.get("output_tokens") == data["args"].get("output_tokens"):
         return theirs
     return mine
+
+
+def probed_bounds(data: dict) -> dict[str, dict[int, float]] | None:
+    """Each server's bound at each of its levels from the roofline probed beside that level
+    (bench/peers/probe.py), or None where the run has no probes."""
+    info = data.get("probe")
+    if not info:
+        return None
+    got = {name: {r["concurrency"]: b for r in s.get("rows", []) if (b := level_bound(info, r)) is not None}
+           for name, s in data["servers"].items()}
+    return got if any(got.values()) else None
+
+
+def probe_note(data: dict) -> str:
+    """The caption's words on the probed bounds: what they are and the range the probes spanned."""
+    probes = [p for s in data["servers"].values() for r in s.get("rows", []) if (q := r.get("roofline_probe"))
+              for p in (q["before"], q["after"])]
+    if not probes:
+        return ""
+    info = data["probe"]
+    bw = [p["read_bandwidth"] / 1e9 for p in probes]
+    fl = [p["bf16_flops"] / 1e9 for p in probes]
+    busy = sorted({(p["at"], p["busy"]): p["busy"] for p in probes if (p.get("busy") or 0) >= IDLE_BUSY}.values())
+    return (f" Each level's own bound (bench/peers/probe.py): the roofline probed right before and after that level, "
+            f"once the machine was idle ({info['threads']} threads, best of {info['reps']}), the higher of the two; "
+            f"bf16 weights, {info['workload']['prompt_tokens']} tokens in, {info['workload']['output_tokens']} out; "
+            f"the probes read {min(bw):.1f}–{max(bw):.1f} GB/s and computed {min(fl):.0f}–{max(fl):.0f} bf16 GFLOP/s"
+            + (f"; {len(busy)} began with the CPUs still up to {100 * busy[-1]:.0f} % busy" if busy else ""))
 
 
 def _share(tps, bound) -> str:
@@ -73,17 +102,21 @@ def _share(tps, bound) -> str:
 
 
 def table(peer: str, peer_rows: list[dict], name: str, rows: list[dict],
-          bound: dict[int, float] | None = None) -> list[str]:
+          bound: dict[int, float] | None = None,
+          probed: tuple[dict[int, float], dict[int, float]] | None = None) -> list[str]:
     """One line per level either side measured (stream count; workload and stream count for
-    grounded rows): tok/s and its ratio, TTFT p99 and its ratio (lower is better), ITL p50, and
-    with `bound` (tok/s by stream count) each side's share of it."""
+    grounded rows): tok/s and its ratio, TTFT p99 and its ratio (lower is better), ITL p50, with
+    `bound` (tok/s by stream count) each side's share of it, and with `probed` (each side's bound
+    at each level from its own probes) both bounds and each side's share of its own."""
     grounded = any("workload" in r for r in [*peer_rows, *rows])
     base = {level(r): r for r in peer_rows}
     mine = {level(r): r for r in rows}
     lines = [f"| {'workload | ' if grounded else ''}streams | {peer} tok/s | {name} tok/s | × {peer} "
              f"| TTFT p99, {peer} / {name} | × {peer} | ITL p50, {peer} / {name} |"
-             + (f" bf16 bound tok/s | % of it, {peer} / {name} |" if bound else ""),
-             f"|{'---|' if grounded else ''}---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if bound else "")]
+             + (f" bf16 bound tok/s | % of it, {peer} / {name} |" if bound else "")
+             + (f" level's own bound, {peer} / {name} | % of own, {peer} / {name} |" if probed else ""),
+             f"|{'---|' if grounded else ''}---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if bound else "")
+             + ("---:|---:|" if probed else "")]
     for k in sorted(base.keys() | mine.keys()):
         b, m = base.get(k, {}), mine.get(k, {})
         lead = " | ".join(map(str, k)) if grounded else str(k)
@@ -95,6 +128,10 @@ def table(peer: str, peer_rows: list[dict], name: str, rows: list[dict],
         if bound:
             c = bound.get(k)
             line += (f" {_tps(c)} | {_share(b.get('output_tps'), c)} / **{_share(m.get('output_tps'), c)}** |")
+        if probed:
+            cb, cm = probed[0].get(k), probed[1].get(k)
+            line += (f" {'—' if cb is None else f'{cb:.0f}'} / {'—' if cm is None else f'{cm:.0f}'} | "
+                     f"{_share(b.get('output_tps'), cb)} / **{_share(m.get('output_tps'), cm)}** |")
         lines.append(line)
     return lines
 
@@ -142,6 +179,9 @@ def render_peers(data: dict, name: str) -> str:
                   f"{a.get('output_tokens')} out, in waves), bench.engine.roofline's model.{roofline_note(data)}")
     elif data.get("roofline"):
         extra += "." + roofline_note(data)
+    probed = probed_bounds(data)
+    if probed:
+        extra += "." + probe_note(data)
     lines = [caption({**data, "loadavg_range": _loads(data)}, name, extra)]
     others = [n for n, s in servers.items() if n != peer and s.get("rows")]
     if a.get("workload") == "grounded":
@@ -151,7 +191,8 @@ def render_peers(data: dict, name: str) -> str:
         lines.append("")
         if len(others) > 1:
             lines += [f"**{other}** against **{peer}**:", ""]
-        lines += table(peer, servers.get(peer, {}).get("rows", []), other, servers[other]["rows"], bound)
+        both = (probed.get(peer, {}), probed.get(other, {})) if probed else None
+        lines += table(peer, servers.get(peer, {}).get("rows", []), other, servers[other]["rows"], bound, both)
     errors = [f"{n}: {e.splitlines()[0]}" for n, s in servers.items() for e in s.get("errors", [])]
     if errors:
         lines += ["", "Errors: " + "; ".join(errors)]
