@@ -147,11 +147,12 @@ def test_each_level_sends_prompts_no_earlier_level_sent(tmp_path):
 def test_harness_runs_streamgate_with_its_own_client(tiny_model, tmp_path):
     """`python -m bench.peers --client loadgen` starts streamgate, measures two levels with
     every request producing exactly its output tokens, writes JSON and markdown, records
-    the load average and threads, and stops the server."""
+    the load average and threads, and stops the server; `--no-probe` leaves the roofline
+    probes (bench/peers/probe.py) out."""
     cmd = [sys.executable, "-m", "bench.peers", "--client", "loadgen", "--model", tiny_model("llama"),
            "--server", "sg=streamgate:--max-num-seqs 8", "--peer", "sg", "--concurrency", "1,4",
            "--requests-per-stream", "1", "--min-requests", "2", "--prompt-tokens", "48", "--output-tokens", "5",
-           "--max-seconds", "60", "--start-timeout", "120", "--out-dir", str(tmp_path)]
+           "--max-seconds", "60", "--start-timeout", "120", "--out-dir", str(tmp_path), "--no-probe"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "peers.json").read_text())
@@ -161,6 +162,7 @@ def test_harness_runs_streamgate_with_its_own_client(tiny_model, tmp_path):
     for r in sg["rows"]:
         assert r["output_tps"] > 0 and 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["itl_p50_ms"] > 0
     assert sg["info"]["torch_threads"] >= 1 and sg["load_before"] >= 0
+    assert "probe" not in report and not any("roofline_probe" in r for r in sg["rows"])
     assert "| sg | 4 | 4/0 |" in (tmp_path / "peers.md").read_text()
     with pytest.raises(httpx.TransportError):
         httpx.get(sg["url"] + "/health", timeout=2)

@@ -28,7 +28,7 @@ from pathlib import Path
 from bench.engine.roofline import WEIGHT_BYTES, Rates, Shapes, matmul_flops, read_bandwidth, serving_tok_s
 
 IDLE_BUSY = 0.10    # the machine's CPU share busy below which a probe starts
-IDLE_WAIT_S = 20.0  # the longest a probe waits for that
+IDLE_WAIT_S = 20.0  # the longest a probe waits for that (bench.peers --probe-wait)
 ROWS = 512          # the roofline's bf16 peak is its 512-row GEMM on every host measured so far
 BANDWIDTH_MB = 512  # as bench.engine.roofline
 
@@ -48,13 +48,14 @@ def templated_tokens(model_dir: str, prompt_tokens: int) -> int:
     return prompt_tokens + max(0, wrapped - plain)
 
 
-def setup(model_dir: str, prompt_tokens: int, output_tokens: int, reps: int) -> dict:
-    """What the renderer needs besides the probes: the model's shapes, the bound's workload, the
-    torch threads the probes run on and how many reps each takes."""
+def setup(model_dir: str, prompt_tokens: int, output_tokens: int, reps: int, idle_wait_s: float = IDLE_WAIT_S) -> dict:
+    """What the probes and the renderer need: the model's shapes, the bound's workload, the torch
+    threads the probes run on, how many reps each takes and how long each waits for an idle machine."""
     import torch
 
     shapes = Shapes.from_config(json.loads((Path(model_dir) / "config.json").read_text()))
     return {"shapes": asdict(shapes), "threads": torch.get_num_threads(), "reps": reps, "rows": ROWS,
+            "idle_wait_s": idle_wait_s,
             "bandwidth_mb": BANDWIDTH_MB, "workload": {"prompt_tokens": templated_tokens(model_dir, prompt_tokens),
                                                        "output_tokens": output_tokens}}
 
@@ -90,7 +91,7 @@ def probe(info: dict) -> dict:
     import torch
 
     shapes, reps = Shapes(**info["shapes"]), info["reps"]
-    busy = wait_idle()
+    busy = wait_idle(info.get("idle_wait_s", IDLE_WAIT_S))
     return {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "busy": busy,
             "bf16_flops": matmul_flops(shapes, torch.bfloat16, info["rows"], reps),
             "read_bandwidth": read_bandwidth(info["bandwidth_mb"], reps)}

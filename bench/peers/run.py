@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                         "the report then gives each level's share of the bound")
     p.add_argument("--no-probe", action="store_true",
                    help="do not probe the roofline beside each level (bench/peers/probe.py; never for grounded runs)")
+    p.add_argument("--probe-wait", type=float, default=peers_probe.IDLE_WAIT_S,
+                   help="seconds a probe waits at most for the machine to be idle")
     p.add_argument("--attach", default=None, metavar="PEERS_JSON",
                    help="with --roofline: add it to this peers.json (a run it was measured beside) and exit")
     args = p.parse_args(argv)
@@ -210,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         report["roofline"] = roof
     probe_info = None
     if not args.no_probe and args.workload == "synthetic":
-        report["probe"] = probe_info = peers_probe.setup(model_dir, args.prompt_tokens, args.output_tokens, reps=5)
+        report["probe"] = probe_info = peers_probe.setup(model_dir, args.prompt_tokens, args.output_tokens, reps=5,
+                                                             idle_wait_s=args.probe_wait)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for spec in specs:
