@@ -92,8 +92,8 @@ def test_attach_adds_this_hosts_roofline_and_refuses_another_hosts(tmp_path):
     assert subprocess.run([*cmd, str(roof)], cwd=ROOT, capture_output=True, timeout=120).returncode != 0
 
 
-def _probe(gbs: float, gflops: float) -> dict:
-    return {"at": "2026-12-06T19:00:00Z", "bf16_flops": gflops * 1e9, "read_bandwidth": gbs * 1e9}
+def _probe(gbs: float, gflops: float, busy: float = 0.0) -> dict:
+    return {"at": f"2026-12-06T19:00:{gbs:02.0f}Z", "busy": busy, "bf16_flops": gflops * 1e9, "read_bandwidth": gbs * 1e9}
 
 
 def test_each_level_is_measured_against_the_roofline_probed_on_either_side_of_it():
@@ -105,13 +105,14 @@ def test_each_level_is_measured_against_the_roofline_probed_on_either_side_of_it
             "probe": {"shapes": SHAPES, "threads": 2, "reps": 3, "rows": 512, "bandwidth_mb": 512,
                       "workload": {"prompt_tokens": 286, "output_tokens": 64}}}
     probes = {"vllm": [_probe(30, 440), _probe(40, 380), _probe(28, 400), _probe(33, 420)],
-              "sg": [_probe(25, 300), _probe(26, 310), _probe(45, 430), _probe(29, 300)]}
+              "sg": [_probe(25, 300, busy=0.4), _probe(26, 310), _probe(45, 430), _probe(29, 300)]}
     for name, p in probes.items():
         for i, row in enumerate(data["servers"][name]["rows"]):
             row["roofline_probe"] = {"before": p[i], "after": p[i + 1]}
     text = render_peers(data, "peers-x")
     rows = _rows(text)
     assert "level's own bound, vllm / sg" in text and "read 25.0–45.0 GB/s" in text and "300–440 bf16 GFLOP/s" in text
+    assert "1 began with the CPUs still up to 40 % busy" in text           # a probe that waited its limit
 
     def bound(p: list[dict], i: int, c: int) -> float:
         rates = Rates(flops=max(p[i]["bf16_flops"], p[i + 1]["bf16_flops"]),

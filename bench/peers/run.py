@@ -103,8 +103,8 @@ def level_rows(args, run: peers_servers.Running, model_dir: str, load: Load, wor
 def measure(spec: peers_servers.ServerSpec, args, model_dir: str, loads: list[Load], workdir: Path,
             prompts: list[str] | dict[str, str], probe_info: dict | None = None) -> dict:
     """Start one server, warm it up, run every load level, stop it. With `probe_info` the host's
-    roofline is probed (bench/peers/probe.py) before the first level and after each, the server
-    idle, and each level's rows carry the probes on either side."""
+    roofline is probed (bench/peers/probe.py) before the first level and after each, once the
+    machine is idle, and each level's rows carry the probes on either side."""
     result = {"load_before": load_average(args.max_load), "rows": [], "errors": []}
     run = peers_servers.start(spec, model_dir, workdir, peer_python=peer_python(args), timeout_s=args.start_timeout)
     result["url"] = run.url
