@@ -264,6 +264,7 @@ def test_a_real_peers_run_writes_the_json_its_renderer_reads(tiny_model, tmp_pat
     for name in ("a", "b"):
         probes = [r["roofline_probe"] for r in sorted(data["servers"][name]["rows"], key=lambda r: r["concurrency"])]
         assert probes[0]["after"] == probes[1]["before"] and probes[0]["before"] != probes[0]["after"]
-        assert all(p[k]["read_bandwidth"] > 1e8 and p[k]["bf16_flops"] > 1e8 for p in probes for k in ("before", "after"))
+        assert all(p[k]["read_bandwidth"] > 1e8 and p[k]["fresh_read_bandwidth"] > 1e8 and p[k]["bf16_flops"] > 1e8
+                   for p in probes for k in ("before", "after"))
     assert data["probe"]["workload"]["prompt_tokens"] > 32             # the chat template's tokens counted
     assert "level's own bound, a / b" in render_peers(data, "peers")

@@ -25,7 +25,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.engine.roofline import WEIGHT_BYTES, Rates, Shapes, matmul_flops, read_bandwidth, serving_tok_s
+from bench.engine.roofline import WEIGHT_BYTES, Rates, Shapes, best_s, matmul_flops, serving_tok_s
+from bench.engine.roofline import read_bandwidth as roofline_read_bandwidth
 
 IDLE_BUSY = 0.10    # the machine's CPU share busy below which a probe starts
 IDLE_WAIT_S = 20.0  # the longest a probe waits for that (bench.peers --probe-wait)
@@ -85,16 +86,36 @@ def wait_idle(limit_s: float = IDLE_WAIT_S) -> float | None:
             return busy
 
 
+_buffer: dict[int, object] = {}
+
+
+def read_bandwidth(mb: int, reps: int) -> float:
+    """bench.engine.roofline's read bandwidth (bytes/s of summing `mb` MiB of fp32, best of `reps`),
+    on one tensor kept for the process's probes, so that every probe reads the same pages. In the
+    first three probed runs on the Zen 4 host (2026-12-06) a fresh tensor a probe read 26-31 GB/s
+    beside every streamgate level and 30-62 beside vLLM's, while standalone reads gave 28-33:
+    whether that is where a fresh tensor lands or the host, `probe` records both figures."""
+    import torch
+
+    t = _buffer.get(mb)
+    if t is None:
+        t = _buffer[mb] = torch.ones(mb * 2**20 // 4)
+    with torch.inference_mode():
+        return t.numel() * 4 / best_s(t.sum, reps)
+
+
 def probe(info: dict) -> dict:
     """One probe, once the machine is idle: when, the busy share it waited for, bf16 matmul FLOP/s
-    at ROWS rows and read bandwidth (bytes/s), best of reps."""
+    at ROWS rows and read bandwidth (bytes/s; of the probes' one tensor, and of a fresh one as
+    bench.engine.roofline reads), best of reps."""
     import torch
 
     shapes, reps = Shapes(**info["shapes"]), info["reps"]
     busy = wait_idle(info.get("idle_wait_s", IDLE_WAIT_S))
     return {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "busy": busy,
             "bf16_flops": matmul_flops(shapes, torch.bfloat16, info["rows"], reps),
-            "read_bandwidth": read_bandwidth(info["bandwidth_mb"], reps)}
+            "read_bandwidth": read_bandwidth(info["bandwidth_mb"], reps),
+            "fresh_read_bandwidth": roofline_read_bandwidth(info["bandwidth_mb"], reps)}
 
 
 def level_rates(row: dict) -> Rates | None:
