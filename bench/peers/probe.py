@@ -91,10 +91,12 @@ _buffer: dict[int, object] = {}
 
 def read_bandwidth(mb: int, reps: int) -> float:
     """bench.engine.roofline's read bandwidth (bytes/s of summing `mb` MiB of fp32, best of `reps`),
-    on one tensor kept for the process's probes, so that every probe reads the same pages. In the
-    first three probed runs on the Zen 4 host (2026-12-06) a fresh tensor a probe read 26-31 GB/s
-    beside every streamgate level and 30-62 beside vLLM's, while standalone reads gave 28-33:
-    whether that is where a fresh tensor lands or the host, `probe` records both figures."""
+    on one tensor kept for the process's probes, so that every probe reads the same pages (one
+    variable fewer). In the first three probed runs on the Zen 4 host (2026-12-06) a fresh tensor
+    a probe read 26-31 GB/s beside every streamgate level and 30-62 beside vLLM's. The fourth,
+    recording both: the kept tensor 30.2-35.1 GB/s at most probes and 61-63 at three (after a
+    level of each server), a fresh one 27.9-53.6. So the host's memory itself moves by 2x within
+    minutes, whatever the pages; `probe` records both figures."""
     import torch
 
     t = _buffer.get(mb)
