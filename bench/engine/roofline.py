@@ -189,11 +189,12 @@ def matmul_flops(s: Shapes, dtype, rows: int, reps: int) -> float:
     return flops / seconds
 
 
-def read_bandwidth(mb: int, reps: int) -> float:
-    """Bytes/s of summing an fp32 tensor of `mb` MiB (reads it once), best of `reps`."""
+def read_bandwidth(mb: int, reps: int, tensor=None) -> float:
+    """Bytes/s of summing an fp32 tensor of `mb` MiB (reads it once), best of `reps`: a new one, or
+    `tensor` (of that size) where the caller keeps one to reread the same pages."""
     import torch
 
-    t = torch.ones(mb * 2**20 // 4)
+    t = torch.ones(mb * 2**20 // 4) if tensor is None else tensor
     with torch.inference_mode():
         return t.numel() * 4 / best_s(t.sum, reps)
 

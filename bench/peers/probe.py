@@ -4,18 +4,19 @@ synthetic prompts; `--no-probe` leaves it out).
 Why: the bound a level is measured against moves with the host. On the shared Zen 4 host the
 roofline's read bandwidth measured 49.2, 29.6 and 30.8 GB/s within two minutes (2026-12-06), so a
 roofline taken once, minutes from a level, puts that level anywhere between ~60 and ~90 % of
-it. Here the bench process measures, while the server idles, what bench.engine.roofline does
-(bf16 matmul GFLOP/s over the model's decoder linears at 512 rows, the faster of `F.linear` and
-oneDNN's prepacked weight; a large tensor's read bandwidth; best of a few reps each, about half a
-second) before the first level and after every level: level i lies between probes i and i + 1,
-and its bound takes the higher of the two (so it flatters no one). A probe first waits (up to
-IDLE_WAIT_S) until the machine's CPUs are idle (under IDLE_BUSY busy over half a second): a
-server still finishing a level's last requests, vLLM's workers after its start, or the elastic
-pool's spinning helper would otherwise be measured as a slow host (the first probed run on the
-Zen 4 host, 2026-12-06, saw 97 GFLOP/s right after vLLM's warm-up, 218 right after a 32-stream
-level, against 330-447 elsewhere). The busy share it saw is recorded with the probe. The bound's workload is the
-served one: the prompt with the model's chat template as the servers tokenize it, the run's
-output tokens.
+it. Here the bench process measures what bench.engine.roofline does (bf16 matmul GFLOP/s over
+the model's decoder linears at 512 rows, the faster of `F.linear` and oneDNN's prepacked weight;
+a large tensor's read bandwidth; best of a few reps each, about half a second) before the first
+level and after every level: level i lies between probes i and i + 1, and its bound takes the
+higher of the two (so it flatters no one).
+
+A probe first waits (up to IDLE_WAIT_S) until the machine's CPUs are idle (under IDLE_BUSY busy
+over half a second): a server still finishing a level's last requests, vLLM's workers after its
+start, or the elastic pool's spinning helper would otherwise be measured as a slow host (the
+first probed run on the Zen 4 host, 2026-12-06, saw 97 GFLOP/s right after vLLM's warm-up, 218
+right after a 32-stream level, against 330-447 elsewhere). The busy share it saw is recorded
+with the probe. The bound's workload is the served one: the prompt with the model's chat
+template as the servers tokenize it, the run's output tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.engine.roofline import WEIGHT_BYTES, Rates, Shapes, best_s, matmul_flops, serving_tok_s
+from bench.engine.roofline import WEIGHT_BYTES, Rates, Shapes, matmul_flops, serving_tok_s
 from bench.engine.roofline import read_bandwidth as roofline_read_bandwidth
 
 IDLE_BUSY = 0.10    # the machine's CPU share busy below which a probe starts
@@ -99,11 +100,9 @@ def read_bandwidth(mb: int, reps: int) -> float:
     minutes, whatever the pages; `probe` records both figures."""
     import torch
 
-    t = _buffer.get(mb)
-    if t is None:
-        t = _buffer[mb] = torch.ones(mb * 2**20 // 4)
-    with torch.inference_mode():
-        return t.numel() * 4 / best_s(t.sum, reps)
+    if mb not in _buffer:
+        _buffer[mb] = torch.ones(mb * 2**20 // 4)
+    return roofline_read_bandwidth(mb, reps, tensor=_buffer[mb])
 
 
 def probe(info: dict) -> dict:
@@ -113,7 +112,7 @@ def probe(info: dict) -> dict:
     import torch
 
     shapes, reps = Shapes(**info["shapes"]), info["reps"]
-    busy = wait_idle(info.get("idle_wait_s", IDLE_WAIT_S))
+    busy = wait_idle(info["idle_wait_s"])
     return {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "busy": busy,
             "bf16_flops": matmul_flops(shapes, torch.bfloat16, info["rows"], reps),
             "read_bandwidth": read_bandwidth(info["bandwidth_mb"], reps),
