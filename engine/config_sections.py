@@ -61,8 +61,10 @@ class SchedulerConfig(Section):
     """scheduler: what each step runs, who goes first, who is preempted"""
 
     max_num_seqs: int = knob(64, "sequences running at once", check=POSITIVE_INT)
-    max_num_batched_tokens: int = knob(512, "a step's token budget (>= max_num_seqs: each running "
-                                       "sequence needs its decode token)", check=POSITIVE_INT)
+    max_num_batched_tokens: int | None = knob(512, "a step's token budget (>= max_num_seqs: each running "
+                                              "sequence needs its decode token)", check=POSITIVE_INT,
+                                              none="auto: measured at start, the smallest step whose prompt "
+                                              "tokens cost within 2% of the cheapest step size's (budget_probe.py)")
     chunked_prefill: bool = knob(True, "split long prompts over steps (off: prefill-first, unchunked, "
                                  "for comparison)")
     batching: str = knob("continuous", "static: request-level batches (for comparison)", choices=BATCHING)
@@ -97,6 +99,11 @@ class SchedulerConfig(Section):
                                        "served ahead of one that has) (0: off)", check=NONNEGATIVE_INT)
 
     def check(self) -> None:
+        if self.max_num_batched_tokens is None:
+            self.need(self.chunked_prefill and self.batching == "continuous", "max_num_batched_tokens",
+                      "may be None (auto) only with chunked_prefill and continuous batching, whose "
+                      "budget is not what a whole prompt needs")
+            return
         self.need(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
                   "must be an int >= max_num_seqs (every running sequence needs its decode token)")
         self.need(self.max_step_tokens >= self.max_num_batched_tokens, "max_step_tokens",

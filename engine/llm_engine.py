@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from . import spec_decode
 from .block_manager import BlockManager
+from .budget_probe import LADDER, BudgetProbe, measure
 from .config import EngineConfig, SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .grammar_runtime import GrammarRuntime
@@ -53,16 +55,23 @@ class LLMEngine:
         # One sequence must always fit alone with the watermark left free, or a long
         # preempted sequence could never be readmitted.
         # A hybrid model's prompt takes blocks in every KV-cache group at allocation.
-        groups = self.runner.kv_groups
         usable = self.runner.num_blocks - int(config.watermark * self.runner.num_blocks)
-        capacity = usable // groups.num_groups * config.block_size
+        capacity = usable // self.runner.kv_groups.num_groups * config.block_size
         self.max_model_len = min(config.max_model_len or self.runner.max_position_embeddings or capacity, capacity)
         if not config.chunked_prefill:           # a whole (re)computed prompt must fit one step
             self.max_model_len = min(self.max_model_len, config.max_num_batched_tokens)
+        self.eos_token_ids = _eos_ids(self.tokenizer, self.runner.model)
+        self.grammars = GrammarRuntime(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.budget_probe: BudgetProbe | None = None
+        self._build(config if config.max_num_batched_tokens is not None else self._measure_budget(config))
+
+    def _build(self, config: EngineConfig) -> None:
+        """The scheduler's side of the engine, empty: blocks, queues, limits, metrics."""
+        self.config = config
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           num_host_blocks=config.num_swap_blocks,
-                                          windows=groups.windows)
-        self.scheduler = Scheduler(config, self.block_manager, clock, self.max_model_len)
+                                          windows=self.runner.kv_groups.windows)
+        self.scheduler = Scheduler(config, self.block_manager, self.clock, self.max_model_len)
         self.limits = EngineLimits(
             max_model_len=self.max_model_len, vocab_size=self.vocab_size, block_size=config.block_size,
             num_kv_blocks=self.block_manager.num_blocks,
@@ -72,12 +81,24 @@ class LLMEngine:
             kv_groups=self.block_manager.num_groups)
         self.metrics = EngineMetrics(self.snapshot)
         self.swapped_bytes = 0
-        self.eos_token_ids = _eos_ids(self.tokenizer, self.runner.model)
-        self.grammars = GrammarRuntime(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []       # outputs of requests ended outside a step
         self.step_time_s = self.forward_time_s = 0.0   # the last step's
         self.num_steps = 0
+
+    def _measure_budget(self, config: EngineConfig) -> EngineConfig:
+        """`max_num_batched_tokens` "auto": time the budget ladder (budget_probe.py) on an
+        engine whose budget holds its largest size, and return the config with the budget
+        chosen; `_build` then starts the scheduler afresh."""
+        floor = config.max_num_seqs
+        ceiling = min(LADDER[-1], config.max_step_tokens, self.max_model_len - 1)
+        if ceiling <= floor:
+            self.budget_probe = BudgetProbe(floor)
+        else:
+            self._build(replace(config, max_num_batched_tokens=ceiling))
+            self.budget_probe = measure(self, floor, ceiling)
+        log.info(self.budget_probe.describe())
+        return replace(config, max_num_batched_tokens=self.budget_probe.tokens)
 
     # -- requests ---------------------------------------------------------------------------
     def validate_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -58,7 +58,13 @@ def snapshot(gw, interval_s: float, stats: EngineStats | None) -> dict:
     return {"type": "stats", "time": time.time(), "ready": gw.chat.ready, "draining": gw.chat.draining,
             "engine": engine, "open_streams": len(gw.chat.active), "itl": gw.chat.itl.summary(interval_s),
             "policy": gw.settings.engine.policy, "max_num_seqs": gw.settings.engine.max_num_seqs,
-            "max_num_batched_tokens": gw.settings.engine.max_num_batched_tokens}
+            "max_num_batched_tokens": _budget(gw)}
+
+
+def _budget(gw) -> int | None:
+    """The step's token budget: the configured one, or the one the engine measured ("auto")."""
+    budget = gw.settings.engine.max_num_batched_tokens
+    return gw.engine.limits.max_num_batched_tokens if budget is None and gw.chat.ready else budget
 
 
 INTERVALS_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)     # a requested interval rounds up to one of these

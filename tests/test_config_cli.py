@@ -129,3 +129,10 @@ def test_benchmarks_take_the_generated_engine_flags(name, fields):
     for name in fields:
         words = knobs[name].metadata["help"].split()[:3]
         assert flag(name) in out and " ".join(words) in " ".join(out.split()), name
+
+
+def test_the_token_budget_takes_auto():
+    """`--max-num-batched-tokens auto` is None (measured at start: engine/budget_probe.py)."""
+    args = subparser("serve").parse_args(["--max-num-batched-tokens", "auto"])
+    assert engine_config_from_args(args).max_num_batched_tokens is None
+    assert engine_config_from_args(subparser("serve").parse_args([])).max_num_batched_tokens == 512

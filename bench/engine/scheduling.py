@@ -6,7 +6,8 @@
     python -m bench.engine.scheduling model        # the same two traces on a cost model (no torch, seconds)
 
 `smoothness` runs the same trace, in-process: chunked prefill with decode first (a fixed
-budget of 256, and the adaptive budget at `--itl-target-ms`) and prefill-first unchunked
+budget of 256, the adaptive budget at `--itl-target-ms`, and the budget the engine measures
+at start, `max_num_batched_tokens=None`: engine/budget_probe.py) and prefill-first unchunked
 scheduling (the whole prompt in one step, decodes wait). It reports the inter-token
 latency of the 16 streams while the long prompts are being prefilled: p50 / p99 / max,
 and the time the long prompts took to their first token.
@@ -43,7 +44,7 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def _engine(args, chunked: bool, budget: int, **kw):
+def _engine(args, chunked: bool, budget: int | None, **kw):
     from engine import EngineConfig, LLMEngine
     eng = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_batched_tokens=budget, chunked_prefill=chunked,
                                  max_num_seqs=32, enable_prefix_caching=False, **kw))
@@ -62,6 +63,7 @@ def smoothness(args) -> dict:
     for name, chunked, budget, target in (
             (f"chunked, fixed {args.budget}", True, args.budget, None),
             (f"chunked, target {args.itl_target_ms:g} ms", True, args.budget, args.itl_target_ms),
+            ("chunked, measured (auto)", True, None, None),
             ("prefill-first unchunked", False, args.long_tokens + 64, None)):
         eng = _engine(args, chunked, budget, itl_target_ms=target)
         p = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
@@ -91,7 +93,7 @@ def smoothness(args) -> dict:
         results[name] = {
             "itl_target_ms": target,
             "itl_p50_ms": 1000 * percentile(gaps, 50), "itl_p99_ms": 1000 * percentile(gaps, 99),
-            "itl_max_ms": 1000 * max(gaps), "itl_samples": len(gaps), "budget": budget,
+            "itl_max_ms": 1000 * max(gaps), "itl_samples": len(gaps), "budget": eng.config.max_num_batched_tokens,
             "long_prompt_ttft_s_median": statistics.median(long_first.values()), "long_prompts_served": len(long_first),
         }
         r = results[name]

@@ -1,0 +1,148 @@
+"""`max_num_batched_tokens=None` ("auto"): the budget measured at start (engine/budget_probe.py).
+
+The choice is driven fast through a fake engine whose step costs are known; then a real
+engine on a tiny model measures its own ladder, leaves no trace of the probe, and serves
+HF's greedy tokens with the budget it chose."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.budget_probe import LADDER, MAX_STEP_S, PIECE, TOLERANCE, choose, ladder, measure, pieces
+from tests.models import hf_greedy, load_reference
+
+
+def test_choose_takes_the_smallest_size_within_the_tolerance():
+    per_token = {64: 1.20, 128: 1.04, 256: 1.00, 512: 1.01}
+    assert choose(per_token, 0.05) == 128
+    assert choose(per_token, 0.0) == 256
+    assert choose(per_token, 0.25) == 64
+
+
+def test_ladder_starts_at_the_floor_and_stops_at_the_ceiling():
+    assert ladder(64, 4096) == list(LADDER)
+    assert ladder(100, 600) == [100, 128, 256, 512]
+    assert ladder(64, 300) == [64, 128, 256]
+    assert ladder(8, 40) == [8]
+
+
+@pytest.mark.parametrize("size, max_seqs", [(64, 64), (100, 64), (2048, 64), (2048, 8), (16, 4), (1000, 3)])
+def test_pieces_carry_every_token_in_at_most_max_seqs_prompts(size, max_seqs):
+    got = pieces(size, max_seqs)
+    assert sum(got) == size and 1 <= len(got) <= max_seqs
+    assert min(got) >= min(size, PIECE) and max(got) - min(got) <= 1
+
+
+class FakeEngine:
+    """Steps cost `overhead + per_token x tokens` seconds: per token, overhead / m + per_token,
+    which falls with the size m (as a step's fixed costs spread) towards per_token."""
+
+    vocab_size = 1000
+
+    def __init__(self, overhead: float, per_token: float, max_num_seqs: int = 64):
+        self.overhead, self.per_token = overhead, per_token
+        self.config = EngineConfig(max_num_seqs=max_num_seqs)
+        self.queued: list[int] = []
+        self.steps: list[int] = []          # tokens of each step run
+        self.step_time_s = 0.0
+
+    def add_request(self, request_id, prompt, params) -> None:
+        assert params.max_tokens == 1 and request_id.startswith("budget-probe-")
+        self.queued.append(len(prompt))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.queued)
+
+    def step(self) -> None:
+        tokens, self.queued = sum(self.queued), []
+        self.steps.append(tokens)
+        self.step_time_s = self.overhead + self.per_token * tokens
+
+
+def test_measure_finds_the_knee_of_a_known_cost_curve():
+    """10 ms a step, 1 ms a token: per token 1 + 10/m ms, best at 2,048 (1.0049 ms); within
+    2% of it (1.0250 ms) the smallest is 512 (1.0195 ms; 256 costs 1.039)."""
+    eng = FakeEngine(0.010, 0.001)
+    probe = measure(eng, 64, 2048)
+    assert probe.tokens == 512 and TOLERANCE == 0.02
+    assert probe.per_token_s == pytest.approx({m: 0.001 + 0.010 / m for m in LADDER})
+    assert sorted(set(eng.steps)) == list(LADDER)          # each size as one step of its tokens
+
+
+def test_a_size_slower_than_the_limit_ends_the_ladder():
+    """At 3 ms a token a 1,024-token step takes 3.07 s > MAX_STEP_S: it is the last size timed
+    after the warm round (all 3 rounds), and 2,048 (6.1 s, under the warm round's 4x limit)
+    is not timed again."""
+    eng = FakeEngine(0.010, 0.003)
+    assert 0.010 + 0.003 * 512 < MAX_STEP_S < 0.010 + 0.003 * 1024
+    probe = measure(eng, 64, 2048)
+    assert sorted(probe.per_token_s) == [64, 128, 256, 512, 1024]
+    assert eng.steps.count(2048) == 1 and eng.steps.count(1024) == 4
+
+
+def test_auto_budget_needs_chunked_continuous_batching():
+    for kw in (dict(chunked_prefill=False), dict(batching="static")):
+        with pytest.raises(ValueError, match="max_num_batched_tokens"):
+            EngineConfig(max_num_batched_tokens=None, **kw)
+    assert EngineConfig(max_num_batched_tokens=None).max_num_batched_tokens is None
+
+
+def test_engine_measures_its_budget_and_serves_hf_greedy_with_it(tiny_model):
+    """A real engine on a tiny model: the budget is one the probe's own timings choose, the
+    config and limits carry it, the probe's requests leave no trace (no finished requests,
+    every block free, no cached prefix), and the tokens are HF's."""
+    model = tiny_model("llama")
+    eng = LLMEngine(EngineConfig(model=model, max_num_batched_tokens=None, max_num_seqs=16, max_model_len=600,
+                                 num_kv_blocks=160))
+    probe = eng.budget_probe
+    assert probe is not None and sorted(probe.per_token_s) == ladder(16, 599)
+    assert eng.config.max_num_batched_tokens == probe.tokens == choose(probe.per_token_s)
+    assert eng.limits.max_num_batched_tokens == probe.tokens == eng.scheduler.budget.tokens(0)
+    stats = eng.stats()
+    assert stats["num_steps"] == stats["prompt_tokens"] == stats["generation_tokens"] == 0
+    assert stats["waiting"] == stats["running"] == stats["kv_blocks_used"] == stats["prefix_cache_query_tokens"] == 0
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(40 + 90 * i)] for i in range(4)]
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    got: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    ref = load_reference(model)
+    assert [got[f"r{i}"] for i in range(4)] == [hf_greedy(ref, p, 6) for p in prompts]
+
+
+async def test_a_served_auto_budget_reaches_the_stats_stream(tiny_model, tmp_path):
+    """`--max-num-batched-tokens auto` served on a real uvicorn: the WebSocket stats stream
+    states the budget the engine measured (not the configured None), and a chat streams to
+    its one chat.done."""
+    import json
+
+    import websockets
+
+    from tests.live import KEYS, serve
+
+    with serve(tiny_model("llama"), tmp_path, engine_kw={"max_num_batched_tokens": None}) as live:
+        measured = live.gateway.engine.limits.max_num_batched_tokens
+        assert isinstance(measured, int) and measured >= 8
+        async with websockets.connect(live.ws_url) as ws:
+            await ws.send(json.dumps({"type": "auth", "api_key": KEYS["acme"]}))
+            assert json.loads(await ws.recv())["type"] == "auth.ok"
+            await ws.send(json.dumps({"type": "stats.subscribe", "interval_ms": 100}))
+            await ws.send(json.dumps({"type": "chat.request", "id": "a", "max_tokens": 8,
+                                      "messages": [{"role": "user", "content": "hi"}]}))
+            kinds, budgets = [], set()
+            while "chat.done" not in kinds:
+                msg = json.loads(await asyncio.wait_for(ws.recv(), timeout=30))
+                kinds.append(msg["type"])
+                if msg["type"] == "stats":
+                    budgets.add(msg["max_num_batched_tokens"])
+            assert kinds.count("chat.done") == 1 and "error" not in kinds
+            while not budgets:
+                msg = json.loads(await asyncio.wait_for(ws.recv(), timeout=30))
+                if msg["type"] == "stats":
+                    budgets.add(msg["max_num_batched_tokens"])
+            assert budgets == {measured}
