@@ -15,7 +15,11 @@ import json
 import time
 from collections import deque
 
+import structlog
+
 from engine import EngineStats
+
+log = structlog.get_logger("streamgate.gateway")
 
 _ENGINE_FIELDS = ("waiting", "running", "swapped", "kv_blocks_used", "kv_blocks_total", "kv_cache_usage",
                   "host_blocks_used", "host_blocks_total", "num_batched_tokens", "num_decode_tokens",
@@ -117,18 +121,29 @@ class StatsHub:
         self.subscribers.discard(sub)
 
     async def _run(self) -> None:
+        failing: str | None = None                    # the last tick's error, logged once
         while self.subscribers:
-            now, texts = self.clock(), {}
-            due = [sub for sub in self.subscribers if now + 1e-3 >= sub.due]
-            stats = await self.gw.engine.stats() if due and self.gw.chat.ready else None
-            for sub in due:
-                if sub in self.subscribers:
-                    text = texts.get(sub.interval_s)
-                    if text is None:
-                        text = texts[sub.interval_s] = json.dumps(snapshot(self.gw, sub.interval_s, stats))
-                    sub.offer(text)
-                    sub.due = max(sub.due + sub.interval_s, now)
+            try:
+                await self._tick()
+                failing = None
+            except Exception as exc:                  # a stopped engine, a bug: the next tick tries again
+                if repr(exc) != failing:
+                    log.exception("stats tick failed; subscribers wait for the next one")
+                failing = repr(exc)
             await asyncio.sleep(self.TICK_S)
+
+    async def _tick(self) -> None:
+        """One snapshot if anyone is due, rendered once per interval class."""
+        now, texts = self.clock(), {}
+        due = [sub for sub in self.subscribers if now + 1e-3 >= sub.due]
+        stats = await self.gw.engine.stats() if due and self.gw.chat.ready else None
+        for sub in due:
+            if sub in self.subscribers:
+                text = texts.get(sub.interval_s)
+                if text is None:
+                    text = texts[sub.interval_s] = json.dumps(snapshot(self.gw, sub.interval_s, stats))
+                sub.offer(text)
+                sub.due = max(sub.due + sub.interval_s, now)
 
     def close(self) -> None:
         if self._task is not None:

@@ -43,3 +43,26 @@ def test_requested_intervals_round_up_to_a_few_classes():
     assert interval_class(1) == 0.1 and interval_class(100) == 0.1 and interval_class(101) == 0.25
     assert interval_class(10**6) == 10.0 and interval_class(True) == 0.5 and interval_class("x") == 0.5
     assert {interval_class(ms) for ms in range(1, 20000, 7)} <= set(INTERVALS_S)
+
+
+async def test_a_failing_snapshot_is_logged_once_and_the_stream_goes_on(caplog):
+    """The engine's stats raise for three ticks (a stopped engine): the hub logs the error
+    once, keeps its task, and the subscriber gets the next snapshot once stats answer again."""
+    import logging
+
+    failures = [RuntimeError("engine stopped")] * 3
+
+    async def stats():
+        if failures:
+            raise failures.pop()
+        return EngineStats(running=2)
+
+    gw = fake_gateway([])
+    gw.engine.stats = stats
+    hub = StatsHub(gw)
+    with caplog.at_level(logging.ERROR):
+        sub = hub.subscribe(0.1)
+        text = await asyncio.wait_for(sub.next(), timeout=10)
+    assert json.loads(text)["engine"]["running"] == 2 and not failures
+    assert sum("stats tick failed" in r.getMessage() for r in caplog.records) == 1
+    hub.close()
