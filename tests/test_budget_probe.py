@@ -90,13 +90,23 @@ def test_auto_budget_needs_chunked_continuous_batching():
     assert EngineConfig(max_num_batched_tokens=None).max_num_batched_tokens is None
 
 
-def test_engine_measures_its_budget_and_serves_hf_greedy_with_it(tiny_model):
-    """A real engine on a tiny model: the budget is one the probe's own timings choose, the
-    config and limits carry it, the probe's requests leave no trace (no finished requests,
-    every block free, no cached prefix), and the tokens are HF's."""
+@pytest.mark.parametrize("mode", [{}, dict(tensor_parallel_size=2), dict(num_speculative_tokens=3), dict(compile=True)],
+                         ids=["eager", "tp2", "speculative", "compiled"])
+def test_engine_measures_its_budget_and_serves_hf_greedy_with_it(tiny_model, mode):
+    """A real engine on a tiny model, in each way an engine steps: the budget is one the
+    probe's own timings choose, the config and limits carry it, the probe's requests leave
+    no trace (no finished requests, every block free, no cached prefix), and the tokens are
+    HF's."""
     model = tiny_model("llama")
     eng = LLMEngine(EngineConfig(model=model, max_num_batched_tokens=None, max_num_seqs=16, max_model_len=600,
-                                 num_kv_blocks=160))
+                                 num_kv_blocks=160, **mode))
+    try:
+        _check_probe_and_parity(eng, model)
+    finally:
+        eng.close()
+
+
+def _check_probe_and_parity(eng, model) -> None:
     probe = eng.budget_probe
     assert probe is not None and sorted(probe.per_token_s) == ladder(16, 599)
     assert eng.config.max_num_batched_tokens == probe.tokens == choose(probe.per_token_s)
