@@ -14,7 +14,8 @@ kernel reading the pool in place; in bf16 on a CPU with AMX, "kernel" runs the q
 tiles and "kernel, no AMX" the same build with them off (`torch.ops.streamgate.amx_tiles`: the
 VDPBF16PS tiles an AVX512-BF16 CPU without AMX runs). Decode rows also time the other way to bring
 the next span's K/V into cache ("loads" or "prefetch": `torch.ops.streamgate.decode_span_loads`,
-csrc/attention_decode.h). Writes --json-out
+csrc/attention_decode.h). "int8 KV" is the kernel over the same K/V quantized into an int8 pool
+(kv_cache_dtype "int8", csrc/kv_int8.h): half the bytes, each row widened in registers. Writes --json-out
 (bench/results/attention.json).
 """
 
@@ -45,7 +46,7 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
 
     from engine.attention import AttentionMetadata, KernelBatch, paged_attention
     from engine.attention_torch import build_torch_groups
-    from engine.kv_cache import PagedKVCache
+    from engine.kv_cache import PagedKVCache, quantize_rows
 
     ops = torch.ops.streamgate
     amx = dtype == torch.bfloat16 and ops.amx_tiles()
@@ -56,6 +57,9 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
     cache = PagedKVCache(layers, num_blocks, bs, kv_heads, dim, dtype, torch.device("cpu"))
     cache.k.normal_()
     cache.v.normal_()
+    cache8 = PagedKVCache(layers, num_blocks, bs, kv_heads, dim, dtype, torch.device("cpu"), kv_dtype=torch.int8)
+    cache8.k.copy_(quantize_rows(cache.k))          # the same K/V as an int8 pool (kv_cache_dtype "int8")
+    cache8.v.copy_(quantize_rows(cache.v))
     perm = list(range(1, num_blocks))
     rng.shuffle(perm)
     tables = []
@@ -96,7 +100,7 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
     print(f"{seqs} sequences, contexts {min(lens)}-{max(lens)} ({sum(lens)} tokens), {str(dtype)[6:]}, "
           f"30 layers, median of {reps} (ms per step):")
     print(f"  {'query tokens':>12} {'torch':>9} {'kernel':>9} {'speed-up':>9}  max |diff|"
-          + (f"  {'no AMX':>9} {'AMX speed-up':>12}" if amx else "")
+          + (f"  {'no AMX':>9} {'AMX speed-up':>12}" if amx else "") + f"  {'int8 KV':>9} {'x kernel':>9}"
           + (f"  {other_walk:>9} {'walk speed-up':>13}" if switchable and 1 in chunks else "")
           + (f"  {'one part':>9} {'parts speed-up':>14}" if parts and 1 in chunks else ""))
     out = []
@@ -110,13 +114,14 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
                                [(i * n, lens[i] - n, n, t) for i, t in enumerate(tables)])
         kernel_meta = AttentionMetadata(cache, torch_meta.slot_mapping, [], [],
                                         KernelBatch(padded, torch.arange(seqs + 1) * n, torch.tensor(lens)))
+        int8_meta = AttentionMetadata(cache8, torch_meta.slot_mapping, [], [], kernel_meta.kernel)
         query = torch.randn(1, heads, rows, dim, dtype=dtype)
         key = torch.randn(1, kv_heads, rows, dim, dtype=dtype)     # a first chunk's own K/V (torch path)
         with torch.inference_mode():
             step(torch_meta, query, key), step(kernel_meta, query, key)
             times = {"torch": [], "kernel": [], **({"kernel_no_amx": []} if amx else {}),
                      **({"kernel_other_walk": []} if switchable and n == 1 else {}),
-                     **({"kernel_one_part": []} if parts and n == 1 else {})}
+                     **({"kernel_one_part": []} if parts and n == 1 else {}), "kernel_int8_kv": []}
             for _ in range(reps):
                 times["torch"].append(step(torch_meta, query, key))
                 times["kernel"].append(step(kernel_meta, query, key))
@@ -126,6 +131,7 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
                     times["kernel_other_walk"].append(step(kernel_meta, query, key, (ops.decode_span_loads, not loads)))
                 if parts and n == 1:
                     times["kernel_one_part"].append(step(kernel_meta, query, key, (ops.decode_parts, False)))
+                times["kernel_int8_kv"].append(step(int8_meta, query, key))
             ref = paged_attention(Layer, query, key, key, None, scaling=dim ** -0.5, paged=torch_meta)[0]
             got = paged_attention(Layer, query, key, key, None, scaling=dim ** -0.5, paged=kernel_meta)[0]
         med = {k: statistics.median(v) * 1000 for k, v in times.items()}
@@ -135,6 +141,7 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
         print(f"  {n:>12} {med['torch']:>9.1f} {med['kernel']:>9.1f} {med['torch'] / med['kernel']:>8.2f}x  "
               f"{'not comparable' if diff is None else f'{diff:.1e}'}"
               + (f"  {med['kernel_no_amx']:>9.1f} {med['kernel_no_amx'] / med['kernel']:>11.2f}x" if amx else "")
+              + f"  {med['kernel_int8_kv']:>9.1f} {med['kernel_int8_kv'] / med['kernel']:>8.2f}x"
               + (f"  {med['kernel_other_walk']:>9.1f} {med['kernel_other_walk'] / med['kernel']:>12.2f}x"
                  if switchable and n == 1 else "")
               + (f"  {med['kernel_one_part']:>9.1f} {med['kernel_one_part'] / med['kernel']:>13.2f}x"
@@ -145,7 +152,8 @@ def run_case(seqs: int, min_ctx: int, max_ctx: int, chunks: list[int], dtype, re
                     **({"kernel_no_amx_ms": med["kernel_no_amx"]} if amx else {}),
                     **({"span_loads": loads, "kernel_other_walk_ms": med["kernel_other_walk"]}
                        if switchable and n == 1 else {}),
-                    **({"kernel_one_part_ms": med["kernel_one_part"]} if parts and n == 1 else {})})
+                    **({"kernel_one_part_ms": med["kernel_one_part"]} if parts and n == 1 else {}),
+                    "kernel_int8_kv_ms": med["kernel_int8_kv"]})
     return out
 
 
