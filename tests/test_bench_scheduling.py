@@ -42,7 +42,9 @@ def test_smoothness_and_burst_run_on_a_real_engine(tiny_model, tmp_path):
     data = json.loads(out.read_text())
     assert data["provenance"]["benchmark"] == "engine.scheduling" and data["args"]["mode"] == "smoothness"
     smooth = data["result"]
-    assert len(smooth) == 3
+    assert len(smooth) == 4
+    assert smooth["chunked, fixed 64"]["budget"] == 64 and smooth["prefill-first unchunked"]["budget"] == 364
+    assert smooth["chunked, measured (auto)"]["budget"] in (32, 64, 128, 256, 512, 1024, 2048)   # from max_num_seqs
     for r in smooth.values():
         assert r["long_prompts_served"] == 2 and r["itl_samples"] > 0
         assert 0 < r["itl_p50_ms"] <= r["itl_p99_ms"] <= r["itl_max_ms"]
