@@ -101,8 +101,8 @@ class SchedulerConfig(Section):
     def check(self) -> None:
         if self.max_num_batched_tokens is None:
             self.need(self.chunked_prefill and self.batching == "continuous", "max_num_batched_tokens",
-                      "may be None (auto) only with chunked_prefill and continuous batching, whose "
-                      "budget is not what a whole prompt needs")
+                      "may be None (auto: measured at start) only with chunked_prefill on and batching "
+                      "'continuous' (the comparison modes' budget must hold a whole prompt)")
             return
         self.need(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
                   "must be an int >= max_num_seqs (every running sequence needs its decode token)")
