@@ -50,6 +50,8 @@ class CacheConfig(Section):
                             check=Check(lambda v: isinstance(v, (int, float)) and 0.0 <= v < 1.0, "must be in [0, 1)"))
     enable_prefix_caching: bool = knob(True, "share the KV blocks of a common prompt prefix between requests")
     num_swap_blocks: int = knob(0, "KV blocks in the host swap pool (preemption by swap)", check=NONNEGATIVE_INT)
+    kv_cache_populate: bool = knob(True, "fault the CPU KV pool's pages in from the start, in the background "
+                                   "on idle CPU, so steps do not (off: a page is resident once first written)")
     kv_cache_dtype: str | None = knob(None, "int8: keys and values as int8 with a scale per token and head "
                                       "(half the bytes decode attention reads, twice the tokens per GiB; "
                                       "CPU, eager; tokens may differ from the model dtype's)",

@@ -22,6 +22,7 @@ import math
 import torch
 
 from .huge_pages import region
+from .kv_populate import populator
 
 KV_SCALE_BYTES = 4          # an int8 row's fp32 scale, after its head_dim values (csrc/kv_int8.h)
 
@@ -44,9 +45,10 @@ def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, pin: bool = False) -> torch.Tensor:
     """A tensor of zeros. On the CPU it is anonymous memory from mmap, advised for huge pages
-    (huge_pages.region), which the OS hands out as zero pages when first touched: the pool
-    costs start-up nothing and holds resident only the blocks used so far (torch.zeros writes
-    every byte: ~0.4 s and all of it resident for the 1 GiB CPU default). Aligned to 2 MiB, so
+    (huge_pages.region), which the OS hands out as zero pages when first touched: the mapping
+    costs start-up nothing (torch.zeros writes every byte: ~0.4 s for the 1 GiB CPU default),
+    and the engine's pool is then faulted in by a background thread on idle CPU
+    (kv_populate.py; with kv_cache_populate off, only the blocks used so far). Aligned to 2 MiB, so
     every kernel's vector loads stay aligned. The engine never forks after this
     (tensor-parallel ranks are spawned). `pin`: page-locked host memory for CUDA transfers,
     from torch."""
@@ -59,7 +61,8 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, num_host_blocks: int = 0,
-                 layer_row: tuple[int, ...] | None = None, kv_dtype: torch.dtype | None = None):
+                 layer_row: tuple[int, ...] | None = None, kv_dtype: torch.dtype | None = None,
+                 populate: bool = False):
         # num_layers: the pool's rows per block. A hybrid model's KV-cache groups
         # (kv_groups.py) share the rows: layer l lives in row layer_row[l] of its group's blocks.
         self.num_layers = num_layers
@@ -74,6 +77,8 @@ class PagedKVCache:
         shape = (num_layers, num_blocks * block_size, num_kv_heads, row)
         self.k = zeroed(shape, store, device)   # [L, S, H_kv, D] (int8: D + 4)
         self.v = zeroed(shape, store, device)   # [L, S, H_kv, D] (int8: D + 4)
+        # A CPU pool's pages faulted in from the start, on idle CPU (kv_populate.py).
+        self.populator = populator([self.k, self.v], block_size) if populate else None
         # The swap pool lives in host memory (pinned on CUDA for faster transfers).
         host_shape = (num_layers, num_host_blocks * block_size, num_kv_heads, row)
         pin = torch.device(device).type == "cuda"

@@ -56,7 +56,8 @@ class ModelRunner:
         pool, hybrid = CompiledKVCache if config.compile else PagedKVCache, self.kv_groups.num_groups > 1
         self.kv_cache = pool(self.kv_groups.rows, self.num_blocks + int(config.compile), config.block_size,
                              num_kv_heads, head_dim, self.dtype, self.device, config.num_swap_blocks,
-                             layer_row=self.kv_groups.layer_row if hybrid else None, kv_dtype=self.kv_dtype)
+                             layer_row=self.kv_groups.layer_row if hybrid else None, kv_dtype=self.kv_dtype,
+                             populate=config.kv_cache_populate)
         self.layer_group = self.kv_groups.layer_group if hybrid else None
         # The path, decided once: per layer, the kernel or the torch backend (a layer whose
         # features the built kernel lacks takes the torch one); the fused or generic forward.
