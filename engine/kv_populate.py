@@ -15,8 +15,10 @@ token order, which is the order block_pool hands out never-used blocks. It runs 
 so it takes only CPU time nothing else wants: a server's start-up and the gaps between its steps.
 It holds the pool by weak reference between pieces, and dropping the pool ends it. A step that
 writes pages the thread has not reached faults them as before, and a write racing the thread is
-safe, as the advice never changes a byte. Where the advice is missing (other OSes, older
-kernels), the pool stays lazy; `kv_cache_populate=False` keeps it lazy (resident only as used).
+safe, as the advice never changes a byte. It stops where the next piece would leave less than
+RESERVE of the host's available memory (or its cgroup's), so a pool sized past what the host
+can hold stays lazy beyond that point instead of calling the OOM killer. Where the advice is
+missing (other OSes, older kernels), the pool stays lazy; `kv_cache_populate=False` keeps it lazy (resident only as used).
 Following the allocator instead (a piece or two ahead of the highest block a step writes), tried:
 under steady load SCHED_IDLE left it no time, and the steps' writes faulted as before (`write_kv`
 0.46-0.48 ms a 512-token layer against 0.73 lazy and 0.02 populated).
@@ -42,6 +44,29 @@ log = logging.getLogger("streamgate.engine")
 MADV_POPULATE_WRITE = 23          # linux/mman.h
 PIECE_BYTES = 2 << 20             # per slab and piece: one huge page's worth of tokens
 PAGE = 4096
+RESERVE = 1 << 30                 # memory the thread leaves free for everything else
+
+
+def available_bytes() -> int | None:
+    """Memory the OS can still hand out: MemAvailable, less where a cgroup's limit (v2, else
+    v1) is nearer; None where neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit) as f, open(usage) as g:
+                cap = f.read().strip()
+                if cap != "max" and int(cap) < 1 << 60:
+                    found.append(int(cap) - int(g.read()))
+            break
+        except (OSError, ValueError):
+            continue
+    return min(found) if found else None
 
 
 @functools.cache
@@ -83,7 +108,9 @@ class Populator:
         per_token = pools[0][0].numel() * pools[0].element_size() // self.tokens
         self.piece = max(block_size, PIECE_BYTES // per_token // block_size * block_size)   # tokens
         self.populated = 0               # tokens [0, populated) done
+        self.piece_bytes = self.piece * per_token * len(pools)
         self.failed = False
+        self.short_of_memory = False     # stopped to leave RESERVE free: the rest stays lazy
         self.stopped = False             # the thread has ended (done, failed or the pool dropped)
         self._cv = threading.Condition()
         self._refs = [weakref.ref(p) for p in pools]
@@ -107,6 +134,11 @@ class Populator:
                 if any(p is None for p in pools):
                     return                                     # the pool was dropped
                 end = min(self.tokens, self.populated + self.piece)
+                if (free := available_bytes()) is not None and free - self.piece_bytes < RESERVE:
+                    self.short_of_memory = True
+                    log.info("KV pool populated up to token %d of %d: %d MiB left free", self.populated,
+                             self.tokens, free >> 20)
+                    return
                 if all(populate(p, self.populated, end) for p in pools):
                     self.populated = end
                 else:

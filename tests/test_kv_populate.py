@@ -88,6 +88,32 @@ def test_dropping_the_pool_ends_the_thread():
     assert pop.stopped and all(r() is None for r in refs)
 
 
+@needs_populate
+def test_the_thread_stops_while_a_reserve_of_memory_is_left(monkeypatch):
+    """Populating never takes the host's (or the cgroup's) last RESERVE bytes: where the next
+    piece would, the thread stops there and the rest of the pool stays lazy."""
+    import engine.kv_populate as kv_populate
+
+    pools = [region(32 << 20).view(4, 16384, 512) for _ in range(2)]  # 4 slabs of 8 MiB: 4 pieces of 2 MiB each
+    answers = iter([1 << 40, 1 << 40, kv_populate.RESERVE])           # plenty, plenty, then only the reserve
+    monkeypatch.setattr(kv_populate, "available_bytes", lambda: next(answers))
+    pop = Populator(pools, block_size=16)
+    assert not pop.wait(timeout=120)
+    assert pop.short_of_memory and pop.stopped and not pop.failed
+    assert pop.populated == 2 * pop.piece < pop.tokens
+    pages, done = resident(pools[0]), pop.populated * 512 // PAGE
+    assert all(pages[:done]) and not any(pages[done:len(pages) // 4])     # slab 0: half of it
+
+
+def test_available_bytes_reads_this_host():
+    """MemAvailable (and a cgroup's limit where one is set): positive, below MemTotal."""
+    from engine.kv_populate import available_bytes
+
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemTotal:"))
+    assert 0 < available_bytes() <= total
+
+
 def test_an_engine_populates_its_pool_unless_told_not_to(tiny_model):
     """kv_cache_populate (default on) puts a populator on a CPU pool; off, none; and a pool
     populated in full decodes exactly as the lazy one and HF greedy."""
