@@ -69,6 +69,7 @@ def test_the_thread_populates_the_whole_pool_and_lets_it_go():
     pop = Populator([k, v], block_size=16)
     assert pop.wait(timeout=120)
     assert pop.populated == pop.tokens == 512 and pop.piece % 16 == 0 and not pop.failed
+    assert pop.piece_bytes == (k.numel() + v.numel()) * 4                     # one piece: all of both
     assert all(resident(k)) and all(resident(v))
     assert float(k.sum()) == 3.0 and float(v.abs().sum()) == 0.0
     refs = [weakref.ref(k), weakref.ref(v)]
