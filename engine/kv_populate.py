@@ -16,16 +16,18 @@ so it takes only CPU time nothing else wants: a server's start-up and the gaps b
 It holds the pool by weak reference between pieces, and dropping the pool ends it. A step that
 writes pages the thread has not reached faults them as before, and a write racing the thread is
 safe, as the advice never changes a byte. It stops where the next piece would leave less than
-RESERVE of the host's available memory (or its cgroup's), so a pool sized past what the host
-can hold stays lazy beyond that point instead of calling the OOM killer. Where the advice is
-missing (other OSes, older kernels), the pool stays lazy; `kv_cache_populate=False` keeps it lazy (resident only as used).
-Following the allocator instead (a piece or two ahead of the highest block a step writes), tried:
-under steady load SCHED_IDLE left it no time, and the steps' writes faulted as before (`write_kv`
-0.46-0.48 ms a 512-token layer against 0.73 lazy and 0.02 populated).
+RESERVE of the host's available memory (or its cgroup's: under cgroup v1 its usage counts page
+cache too, so there it stops early rather than late), so a pool sized past what the host can
+hold stays lazy beyond that point instead of calling the OOM killer. Where the advice is missing
+(other OSes, older kernels), the pool stays lazy; `kv_cache_populate=False` keeps it lazy
+(resident only as used). Following the allocator instead (a piece or two ahead of the highest
+block a step writes), tried: under steady load SCHED_IDLE left it no time, and the steps' writes
+faulted as before (`write_kv` 0.46-0.48 ms a 512-token layer against 0.73 lazy, 0.02 populated).
 
-Measured on that host (SmolLM2-135M bf16, 1 GiB pool): populating takes 1.8-4.1 s of otherwise idle
-CPU after the engine is built (logged when done). An in-process closed loop of 32 streams (96 requests, 286-token
-prompts, 64 out) spent 1.63-1.94 s of system time lazy against 0.04-0.11 s populated, in 27-29 s.
+Measured on that host (SmolLM2-135M bf16, 1 GiB pool): populating takes 1.8-4.1 s of otherwise
+idle CPU after the engine is built (logged when done). An in-process closed loop of 32 streams
+(96 requests, 286-token prompts, 64 out) spent 1.63-1.94 s of system time lazy against
+0.04-0.11 s populated, in 27-29 s.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import mmap
 import os
 import threading
 import time
@@ -44,7 +47,7 @@ log = logging.getLogger("streamgate.engine")
 
 MADV_POPULATE_WRITE = 23          # linux/mman.h
 PIECE_BYTES = 2 << 20             # per slab and piece: one huge page's worth of tokens
-PAGE = 4096
+PAGE = mmap.PAGESIZE
 RESERVE = 1 << 30                 # memory the thread leaves free for everything else
 
 
@@ -57,8 +60,9 @@ def available_bytes() -> int | None:
             found += [int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:")]
     except OSError:
         pass
+    v1 = "/sys/fs/cgroup/memory/memory."
     for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+                         (v1 + "limit_in_bytes", v1 + "usage_in_bytes")):
         try:
             with open(limit) as f, open(usage) as g:
                 cap = f.read().strip()
