@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "simd.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
@@ -87,17 +89,6 @@ inline void scores_rows_bf16(const c10::BFloat16* qb, const uint32_t* kP, float*
   }
 }
 
-// Row j's probabilities s[j][0, n) as bf16 pairs in pb [.][kpad16] (0 past n to the pair's end).
-inline void round_probs_bf16(const float* s, c10::BFloat16* pb, int64_t n) {
-  int64_t t = 0;
-  for (; t + 32 <= n; t += 32) {
-    const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + t + 16), _mm512_loadu_ps(s + t));
-    _mm512_storeu_si512(pb + t, reinterpret_cast<__m512i>(x));
-  }
-  for (; t < n; ++t) pb[t] = c10::BFloat16(s[t]);            // round to nearest even, as above
-  if (n % 2) pb[n] = c10::BFloat16(0.0f);
-}
-
 // acc_j = alpha_j * acc_j + sum_t p_j[t] v_t for R rows over n keys (pairs of keys per step).
 template <int R>
 inline void values_rows_bf16(const c10::BFloat16* pb, const float* alpha, const uint32_t* vP, float* acc,
@@ -136,6 +127,21 @@ inline void values_rows_bf16(const c10::BFloat16* pb, const float* alpha, const 
   }
 }
 
+// softmax_span's probabilities put straight into a row of pb as bf16 (its `put`), rounded to
+// nearest even as c10::BFloat16 rounds them (no probability is subnormal: exp's argument is
+// clamped at -87), instead of into the scores and rounded in a pass of their own.
+struct ProbsBf16 {
+  c10::BFloat16* pb;
+  void operator()(int64_t t, vec16 p) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(p))));
+  }
+  void operator()(int64_t t, vec8 p) const {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(pb + t),
+                     reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(reinterpret_cast<__m256>(p))));
+  }
+};
+
 // dst[d] = bf16(a[d] * inv), sixteen at a time (D % 16 == 0), rounded to nearest even as
 // c10::BFloat16 rounds (the scalar conversion, with its NaN check, was ~30 % of a bf16 prefill
 // tile's own instructions once the products ran on AMX).
@@ -158,7 +164,6 @@ inline void pack_key_bf16(const c10::BFloat16*, uint32_t*, int64_t, int64_t, int
 inline void pack_values_bf16(const c10::BFloat16*, const c10::BFloat16*, uint32_t*, int64_t) {}
 template <int R>
 inline void scores_rows_bf16(const c10::BFloat16*, const uint32_t*, float*, int64_t, int64_t, int64_t, float) {}
-inline void round_probs_bf16(const float*, c10::BFloat16*, int64_t) {}
 inline void store_scaled_bf16(c10::BFloat16*, const float*, float, int64_t) {}
 template <int R>
 inline void values_rows_bf16(const c10::BFloat16*, const float*, const uint32_t*, float*, int64_t, int64_t, int64_t) {}

@@ -155,9 +155,8 @@ inline void decode_sequence_bf16(const c10::BFloat16* q, int64_t q_hs, const c10
       });
       for (int64_t i = i0; i < i0 + group; ++i) {
         f.cap(w.s.data() + i * kpad, 0, n);
-        const float sum = softmax_span(w.s.data() + i * kpad, n, n, w.m[i], w.alpha[i]);
+        const float sum = softmax_span(w.s.data() + i * kpad, n, n, w.m[i], w.alpha[i], 0, ProbsBf16{w.pb.data() + i * w.pstride});
         w.l[i] = w.l[i] * w.alpha[i] + sum;
-        round_probs_bf16(w.s.data() + i * kpad, w.pb.data() + i * w.pstride, n);
       }
       with_rows(group, [&]<int R>() {
         const c10::BFloat16* pb = w.pb.data() + i0 * w.pstride;

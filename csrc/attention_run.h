@@ -20,6 +20,7 @@
 #include "attention_bf16.h"
 #include "attention_decode.h"
 #include "attention_decode_bf16.h"
+#include "attention_tile_bf16.h"
 #include "attention_items.h"
 #include "attention_tiles.h"
 #include "kv_int8.h"
@@ -203,6 +204,14 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const to
         for (int64_t t = 0; t < n;) {
           const int64_t pos = b0 + t, in_block = std::min(block_size - pos % block_size, n - t);
           const int64_t first = table[pos / block_size] * block_size + pos % block_size;
+          if constexpr (bf16_tiles && !int8) {                         // a block's sixteen keys at once
+            const int64_t head = w.kv_head * kv_head_stride;
+            if (packed && pack_keys16_bf16(kp + first * kv_slot + head, kv_slot, kP.data(), t, in_block, kpad16, D)) {
+              for (int64_t e = 0; e < 16; ++e) vsrc[t + e] = vp + (first + e) * kv_slot + head;
+              t += 16;
+              continue;
+            }
+          }
           for (int64_t e = 0; e < in_block; ++e, ++t) {
             const int64_t off = (first + e) * kv_slot + w.kv_head * kv_head_stride;
             if constexpr (bf16_tiles) {
@@ -242,10 +251,12 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const to
             for (int64_t t = 0; t < n; t += 2)
               pack_values_bf16(vsrc[t], t + 1 < n ? vsrc[t + 1] : nullptr, vP.data() + t / 2 * D, D);
         }
+        if (packed) {                                                  // attention_tile_bf16.h
+          tile_span_bf16(TileBf16{qb.data(), kP.data(), vP.data(), s.data(), pb.data(), acc.data(), m.data(), l.data(),
+                                  alpha.data(), qpos.data(), nq, kpad, kpad16, D, fscale}, b0, n, f);
+          continue;
+        }
         for_row_groups(nq, [&]<int R>(int64_t i) {                     // keys >= n: never read
-          if constexpr (bf16_tiles) {
-            if (packed) return scores_rows_bf16<R>(qb.data() + i * D, kP.data(), s.data() + i * kpad, kpad, kpad16, D, fscale);
-          }
           if (by_key) scores_rows_by_key<R>(qf.data() + i * D, krow.data(), s.data() + i * kpad, kpad, n, D);
           else scores_rows<R>(qf.data() + i * D, kT.data(), s.data() + i * kpad, kpad, D);
         });
@@ -264,14 +275,7 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const to
           const float sum = softmax_span(si, n, visible, m[i], alpha[i], lo);
           l[i] = l[i] * alpha[i] + sum;
         }
-        if constexpr (bf16_tiles) {
-          if (packed)
-            for (int64_t i = 0; i < nq; ++i) round_probs_bf16(s.data() + i * kpad, pb.data() + i * kpad16, n);
-        }
         for_row_groups(nq, [&]<int R>(int64_t i) {
-          if constexpr (bf16_tiles) {
-            if (packed) return values_rows_bf16<R>(pb.data() + i * kpad16, alpha.data() + i, vP.data(), acc.data() + i * D, kpad16, n, D);
-          }
           if (by_key) values_rows_by_key<R>(s.data() + i * kpad, alpha.data() + i, vrow.data(), acc.data() + i * D, kpad, n, D);
           else values_rows<R>(s.data() + i * kpad, alpha.data() + i, vb.data(), acc.data() + i * D, kpad, n, D);
         });

@@ -32,8 +32,8 @@ inline float span_max(const float* si, int64_t& t, int64_t end, float flo, float
   return std::max(acc, hmax_v(vmax));
 }
 
-template <bool Masked, typename V, typename VI>
-inline float span_exp(float* si, int64_t& t, int64_t end, float flo, float fvis, float new_m, float acc) {
+template <bool Masked, typename V, typename VI, class Put>
+inline float span_exp(const float* si, int64_t& t, int64_t end, float flo, float fvis, float new_m, float acc, Put put) {
   constexpr int L = lanes_of<V>;
   const V zero = {}, lane = iota_v<V>();
   V vsum = {};
@@ -43,7 +43,7 @@ inline float span_exp(float* si, int64_t& t, int64_t end, float flo, float fvis,
       const V at = lane + static_cast<float>(t);
       p = (at < fvis) & (at >= flo) ? p : zero;
     }
-    store_v(si + t, p);
+    put(t, p);
     vsum += p;
   }
   return acc + hsum_v(vsum);
@@ -59,13 +59,20 @@ inline float span_max_lanes(const float* si, int64_t& t, int64_t end, float flo,
   return span_max<Masked, vec8>(si, t, end, flo, fvis, acc);
 }
 
-template <bool Masked>
-inline float span_exp_lanes(float* si, int64_t& t, int64_t end, float flo, float fvis, float new_m, float acc) {
+template <bool Masked, class Put>
+inline float span_exp_lanes(const float* si, int64_t& t, int64_t end, float flo, float fvis, float new_m, float acc, Put put) {
 #ifdef __AVX512F__
-  acc = span_exp<Masked, vec16, vec16i>(si, t, end, flo, fvis, new_m, acc);
+  acc = span_exp<Masked, vec16, vec16i>(si, t, end, flo, fvis, new_m, acc, put);
 #endif
-  return span_exp<Masked, vec8, vec8i>(si, t, end, flo, fvis, new_m, acc);
+  return span_exp<Masked, vec8, vec8i>(si, t, end, flo, fvis, new_m, acc, put);
 }
+
+// Where softmax_span's probabilities go unless told: back into the row of scores.
+struct ProbsF32 {
+  float* si;
+  template <typename V>
+  void operator()(int64_t t, V p) const { store_v(si + t, p); }
+};
 
 // One query row's span of scores si[0, n) (n <= kpad, si padded to kpad) under the online
 // softmax: keys outside [lo, visible) (before the window, past the causal cut) get probability
@@ -74,8 +81,10 @@ inline float span_exp_lanes(float* si, int64_t& t, int64_t end, float flo, float
 // was accumulated before. Sixteen lanes at a time where the build has AVX-512 (the exp is most
 // of a prefill tile's instructions), then eight; the row is padded to a multiple of eight. A span
 // seen whole (every decode row's full spans, a query tile's spans below its diagonal) skips the
-// lanes' mask (span_max / span_exp unmasked): the same bits.
-inline float softmax_span(float* si, int64_t n, int64_t visible, float& m, float& alpha, int64_t lo = 0) {
+// lanes' mask (span_max / span_exp unmasked): the same bits. `put(t, p)` stores the
+// probabilities t.. (and the zeros, eight at a time to n rounded up to eight): into si unless told.
+template <class Put>
+inline float softmax_span(const float* si, int64_t n, int64_t visible, float& m, float& alpha, int64_t lo, Put put) {
   const float flo = static_cast<float>(lo), fvis = static_cast<float>(visible);
   const int64_t t0 = lo / kLanes * kLanes, end = (visible + kLanes - 1) / kLanes * kLanes;
   int64_t t = t0;
@@ -86,12 +95,16 @@ inline float softmax_span(float* si, int64_t n, int64_t visible, float& m, float
   alpha = std::exp(m - new_m);                              // 0 on the first span
   m = new_m;
   const vec8 zero = {};
-  for (t = 0; t < t0; t += kLanes) store8(si + t, zero);   // before the window
+  for (t = 0; t < t0; t += kLanes) put(t, zero);           // before the window
   t = t0;
-  const float sum = whole ? span_exp_lanes<false>(si, t, end, flo, fvis, new_m, 0.0f)
-                          : span_exp_lanes<true>(si, t, end, flo, fvis, new_m, 0.0f);
-  for (; t < n; t += kLanes) store8(si + t, zero);        // past the cut, to the padded end
+  const float sum = whole ? span_exp_lanes<false>(si, t, end, flo, fvis, new_m, 0.0f, put)
+                          : span_exp_lanes<true>(si, t, end, flo, fvis, new_m, 0.0f, put);
+  for (; t < n; t += kLanes) put(t, zero);                // past the cut, to the padded end
   return sum;
+}
+
+inline float softmax_span(float* si, int64_t n, int64_t visible, float& m, float& alpha, int64_t lo = 0) {
+  return softmax_span(si, n, visible, m, alpha, lo, ProbsF32{si});
 }
 
 }  // namespace streamgate::cpu

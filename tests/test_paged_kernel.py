@@ -110,6 +110,10 @@ CASES = {
     # MHA at head_dim 128 (one query vector per row: a 17-row chunk is two row tiles, the second
     # of one row), block size 16, a chunk over a long context (many spans)
     "amx-d128": ([17, 64], [17, 700], 2, 2, 128, 16),
+    # block size 32: the bf16 tiles pack a block's keys sixteen at a time, twice a block
+    # (attention_tile_bf16.h), and a partial last block key by key; 45 rows: tiles of 32 and 13
+    # rows, 96 and 39 query vectors, in groups of eight and the last seven as four and three
+    "blocks-32": ([45, 1], [173, 60], 9, 3, 64, 32),
 }
 
 
