@@ -246,12 +246,10 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const to
             for (int64_t d = 0; d < D; ++d) vb[t * D + d] = static_cast<float>(vp[off + d]) * vs;
           }
         }
-        if constexpr (bf16_tiles) {
-          if (packed)
+        if (packed) {                                                  // attention_tile_bf16.h
+          if constexpr (bf16_tiles)
             for (int64_t t = 0; t < n; t += 2)
               pack_values_bf16(vsrc[t], t + 1 < n ? vsrc[t + 1] : nullptr, vP.data() + t / 2 * D, D);
-        }
-        if (packed) {                                                  // attention_tile_bf16.h
           tile_span_bf16(TileBf16{qb.data(), kP.data(), vP.data(), s.data(), pb.data(), acc.data(), m.data(), l.data(),
                                   alpha.data(), qpos.data(), nq, kpad, kpad16, D, fscale}, b0, n, f);
           continue;
