@@ -204,30 +204,17 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const to
         for (int64_t t = 0; t < n;) {
           const int64_t pos = b0 + t, in_block = std::min(block_size - pos % block_size, n - t);
           const int64_t first = table[pos / block_size] * block_size + pos % block_size;
-          if constexpr (bf16_tiles && !int8) {                         // a block's sixteen keys at once
-            const int64_t head = w.kv_head * kv_head_stride;
-            if (packed && pack_keys16_bf16(kp + first * kv_slot + head, kv_slot, kP.data(), t, in_block, kpad16, D)) {
-              for (int64_t e = 0; e < 16; ++e) vsrc[t + e] = vp + (first + e) * kv_slot + head;
-              t += 16;
+          if constexpr (bf16_tiles) {                                  // attention_tile_bf16.h
+            if (packed) {
+              const int64_t off = first * kv_slot + w.kv_head * kv_head_stride;
+              pack_block_bf16(kp + off, vp + off, kv_slot, t, in_block, kP.data(), kpad16, D, kq.data(), vq.data(),
+                              vsrc.data());
+              t += in_block;
               continue;
             }
           }
           for (int64_t e = 0; e < in_block; ++e, ++t) {
             const int64_t off = (first + e) * kv_slot + w.kv_head * kv_head_stride;
-            if constexpr (bf16_tiles) {
-              if (packed) {
-                if constexpr (int8) {
-                  dequant_row_bf16(kp + off, kq.data() + t * D, D);
-                  dequant_row_bf16(vp + off, vq.data() + t * D, D);
-                  pack_key_bf16(kq.data() + t * D, kP.data(), t, kpad16, D);
-                  vsrc[t] = vq.data() + t * D;
-                } else {
-                  pack_key_bf16(kp + off, kP.data(), t, kpad16, D);
-                  vsrc[t] = vp + off;
-                }
-                continue;
-              }
-            }
             if (by_key && std::is_same_v<pool_t, float>) {
               krow[t] = reinterpret_cast<const float*>(kp + off);
               vrow[t] = reinterpret_cast<const float*>(vp + off);

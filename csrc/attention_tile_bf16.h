@@ -1,7 +1,8 @@
 // One span of keys for a query tile on the VDPBF16PS tiles (attention_bf16.h's products), the
 // path of every bf16 prefill chunk on a CPU with AVX512-BF16 and no AMX (attention_run.h):
 //   - keys packed in pairs sixteen at a time, as a 16 x 16 transpose of 32-bit words (a block's
-//     sixteen keys are contiguous rows of the pool), not word by word;
+//     sixteen keys are rows of the pool a slot apart; an int8 pool's once rounded to bf16 rows),
+//     not word by word;
 //   - scores and values eight query vectors at a time (sixteen accumulators: every key or value
 //     vector loaded serves eight rows, against four before);
 //   - the online softmax writing its probabilities straight to bf16 pairs, not to fp32 first
@@ -14,10 +15,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "attention_bf16.h"
 #include "attention_softmax.h"
 #include "attention_tiles.h"
+#include "kv_int8.h"
 #include "simd.h"
 
 namespace streamgate::cpu {
@@ -75,6 +78,35 @@ inline bool pack_keys16_bf16(const c10::BFloat16* k, int64_t stride, uint32_t* k
   return true;
 }
 
+// Keys and values t..t+in_block of the span, one block's (pool rows k + e * stride, v + e *
+// stride), for the tile: keys into kP in pairs, sixteen at a time where pack_keys16_bf16 takes
+// them, and where each value row is read into vsrc. An int8 pool's rows (kv_int8.h) are first
+// rounded to bf16 rows in kq / vq (the span's key t at kq + t * D), then packed alike.
+template <typename pool_t>
+inline void pack_block_bf16(const pool_t* k, const pool_t* v, int64_t stride, int64_t t, int64_t in_block,
+                            uint32_t* kP, int64_t kpad16, int64_t D, c10::BFloat16* kq, c10::BFloat16* vq,
+                            const c10::BFloat16** vsrc) {
+  for (int64_t e = 0; e < in_block;) {
+    const int64_t n = in_block - e >= 16 && (t + e) % 16 == 0 && D % 32 == 0 ? 16 : 1;
+    for (int64_t j = e; j < e + n; ++j) {
+      if constexpr (std::is_same_v<pool_t, int8_t>) {
+        dequant_row_bf16(k + j * stride, kq + (t + j) * D, D);
+        dequant_row_bf16(v + j * stride, vq + (t + j) * D, D);
+        vsrc[t + j] = vq + (t + j) * D;
+      } else {
+        vsrc[t + j] = v + j * stride;
+      }
+    }
+    const c10::BFloat16* rows;
+    int64_t rows_stride;
+    if constexpr (std::is_same_v<pool_t, int8_t>) rows = kq + (t + e) * D, rows_stride = D;
+    else rows = k + e * stride, rows_stride = stride;
+    if (n == 16) pack_keys16_bf16(rows, rows_stride, kP, t + e, 16, kpad16, D);
+    else pack_key_bf16(rows, kP, t + e, kpad16, D);
+    e += n;
+  }
+}
+
 // Runs f.template operator()<R>(i) over rows i of nq, eight at a time, then for_row_groups's.
 template <typename F>
 inline void for_rows8(int64_t nq, F&& f) {
@@ -112,6 +144,9 @@ inline void tile_span_bf16(const TileBf16& x, int64_t b0, int64_t n, const Feat&
 #else
 
 inline bool pack_keys16_bf16(const c10::BFloat16*, int64_t, uint32_t*, int64_t, int64_t, int64_t, int64_t) { return false; }
+template <typename pool_t>
+inline void pack_block_bf16(const pool_t*, const pool_t*, int64_t, int64_t, int64_t, uint32_t*, int64_t, int64_t,
+                            c10::BFloat16*, c10::BFloat16*, const c10::BFloat16**) {}
 template <class Feat>
 inline void tile_span_bf16(const TileBf16&, int64_t, int64_t, const Feat&) {}
 
