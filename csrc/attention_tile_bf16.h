@@ -63,25 +63,23 @@ inline void transpose16_words(__m512i r[16]) {
   for (int c = 0; c < 16; ++c) r[c] = t[c];
 }
 
-// Keys t..t+15 of the span (rows k, k + stride, ... of the pool) into columns t..t+15 of kP
-// [D/2][kpad16], as pack_key_bf16 packs them one by one. False (nothing done) unless sixteen
-// keys of one block start at a multiple of sixteen and D % 32 == 0.
-inline bool pack_keys16_bf16(const c10::BFloat16* k, int64_t stride, uint32_t* kP, int64_t t, int64_t in_block,
-                             int64_t kpad16, int64_t D) {
-  if (in_block < 16 || t % 16 || D % 32) return false;
+// Keys t..t+15 of the span (rows k, k + stride, ... of the pool: one block's) into columns
+// t..t+15 of kP [D/2][kpad16], as pack_key_bf16 packs them one by one; t % 16 == 0, D % 32 == 0.
+inline void pack_keys16_bf16(const c10::BFloat16* k, int64_t stride, uint32_t* kP, int64_t t, int64_t kpad16,
+                             int64_t D) {
   for (int64_t w0 = 0; w0 < D / 2; w0 += 16) {
     __m512i r[16];
     for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(k + i * stride + 2 * w0);
     transpose16_words(r);
     for (int c = 0; c < 16; ++c) _mm512_storeu_si512(kP + (w0 + c) * kpad16 + t, r[c]);
   }
-  return true;
 }
 
 // Keys and values t..t+in_block of the span, one block's (pool rows k + e * stride, v + e *
-// stride), for the tile: keys into kP in pairs, sixteen at a time where pack_keys16_bf16 takes
-// them, and where each value row is read into vsrc. An int8 pool's rows (kv_int8.h) are first
-// rounded to bf16 rows in kq / vq (the span's key t at kq + t * D), then packed alike.
+// stride), for the tile: keys into kP in pairs (pack_keys16_bf16 where sixteen start at a
+// multiple of sixteen and D % 32 == 0, else pack_key_bf16), and where each value row is read
+// into vsrc. An int8 pool's rows (kv_int8.h) are first rounded to bf16 rows in kq / vq (the
+// span's key t at kq + t * D), then packed alike.
 template <typename pool_t>
 inline void pack_block_bf16(const pool_t* k, const pool_t* v, int64_t stride, int64_t t, int64_t in_block,
                             uint32_t* kP, int64_t kpad16, int64_t D, c10::BFloat16* kq, c10::BFloat16* vq,
@@ -101,7 +99,7 @@ inline void pack_block_bf16(const pool_t* k, const pool_t* v, int64_t stride, in
     int64_t rows_stride;
     if constexpr (std::is_same_v<pool_t, int8_t>) rows = kq + (t + e) * D, rows_stride = D;
     else rows = k + e * stride, rows_stride = stride;
-    if (n == 16) pack_keys16_bf16(rows, rows_stride, kP, t + e, 16, kpad16, D);
+    if (n == 16) pack_keys16_bf16(rows, rows_stride, kP, t + e, kpad16, D);
     else pack_key_bf16(rows, kP, t + e, kpad16, D);
     e += n;
   }
@@ -143,7 +141,6 @@ inline void tile_span_bf16(const TileBf16& x, int64_t b0, int64_t n, const Feat&
 
 #else
 
-inline bool pack_keys16_bf16(const c10::BFloat16*, int64_t, uint32_t*, int64_t, int64_t, int64_t, int64_t) { return false; }
 template <typename pool_t>
 inline void pack_block_bf16(const pool_t*, const pool_t*, int64_t, int64_t, int64_t, uint32_t*, int64_t, int64_t,
                             c10::BFloat16*, c10::BFloat16*, const c10::BFloat16**) {}
