@@ -247,19 +247,8 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const to
         });
         // Online softmax per query row: s becomes the span's probabilities (0 before the row's
         // window and past its causal cut), alpha the rescale of what was accumulated.
-        for (int64_t i = 0; i < nq; ++i) {
-          float* si = s.data() + i * kpad;
-          const int64_t visible = std::max<int64_t>(0, std::min(n, qpos[i] + 1 - b0));   // causal cut
-          const int64_t lo = std::max<int64_t>(0, f.first_key(qpos[i]) - b0);            // window start
-          if (visible <= lo) {
-            std::fill(si, si + n, 0.0f);
-            alpha[i] = 1.0f;
-            continue;
-          }
-          f.cap(si, lo, visible);
-          const float sum = softmax_span(si, n, visible, m[i], alpha[i], lo);
-          l[i] = l[i] * alpha[i] + sum;
-        }
+        softmax_rows(s.data(), kpad, nq, qpos.data(), b0, n, f, m.data(), l.data(), alpha.data(),
+                     [&](int64_t i) { return ProbsF32{s.data() + i * kpad}; });
         for_row_groups(nq, [&]<int R>(int64_t i) {
           if (by_key) values_rows_by_key<R>(s.data() + i * kpad, alpha.data() + i, vrow.data(), acc.data() + i * D, kpad, n, D);
           else values_rows<R>(s.data() + i * kpad, alpha.data() + i, vb.data(), acc.data() + i * D, kpad, n, D);

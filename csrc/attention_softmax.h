@@ -107,4 +107,29 @@ inline float softmax_span(float* si, int64_t n, int64_t visible, float& m, float
   return softmax_span(si, n, visible, m, alpha, lo, ProbsF32{si});
 }
 
+// One span of a query tile under the online softmax, row by row: row i's scores s + i * kpad
+// (keys b0..b0 + n - 1, its query at position qpos[i]) take the causal cut, the layer's window
+// and soft cap (Feat: attention_tiles.h's Features) and softmax_span into put_of(i) (ProbsF32,
+// or attention_bf16.h's ProbsBf16), and l[i] the span's sum; a row that sees none of the span
+// gets probabilities 0 (to n rounded up to eight) and alpha 1. The fp32 tiles' loop and the
+// VDPBF16PS tiles' (attention_run.h, attention_tile_bf16.h).
+template <class Feat, class PutOf>
+inline void softmax_rows(float* s, int64_t kpad, int64_t nq, const int64_t* qpos, int64_t b0, int64_t n,
+                         const Feat& f, float* m, float* l, float* alpha, PutOf&& put_of) {
+  for (int64_t i = 0; i < nq; ++i) {
+    float* si = s + i * kpad;
+    const auto put = put_of(i);
+    const int64_t visible = std::max<int64_t>(0, std::min(n, qpos[i] + 1 - b0));   // causal cut
+    const int64_t lo = std::max<int64_t>(0, f.first_key(qpos[i]) - b0);            // window start
+    if (visible <= lo) {
+      for (int64_t t = 0; t < n; t += kLanes) put(t, vec8{});
+      alpha[i] = 1.0f;
+      continue;
+    }
+    f.cap(si, lo, visible);
+    const float sum = softmax_span(si, n, visible, m[i], alpha[i], lo, put);
+    l[i] = l[i] * alpha[i] + sum;
+  }
+}
+
 }  // namespace streamgate::cpu

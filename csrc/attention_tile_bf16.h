@@ -120,20 +120,8 @@ inline void tile_span_bf16(const TileBf16& x, int64_t b0, int64_t n, const Feat&
   for_rows8(x.nq, [&]<int R>(int64_t i) {                           // keys >= n: never read
     scores_rows_bf16<R>(x.qb + i * x.D, x.kP, x.s + i * x.kpad, x.kpad, x.kpad16, x.D, x.scale);
   });
-  for (int64_t i = 0; i < x.nq; ++i) {
-    float* si = x.s + i * x.kpad;
-    const ProbsBf16 out{x.pb + i * x.kpad16};
-    const int64_t visible = std::max<int64_t>(0, std::min(n, x.qpos[i] + 1 - b0));   // causal cut
-    const int64_t lo = std::max<int64_t>(0, f.first_key(x.qpos[i]) - b0);            // window start
-    if (visible <= lo) {
-      for (int64_t t = 0; t < n; t += kLanes) out(t, vec8{});      // to n rounded up to 8: pb[n] too
-      x.alpha[i] = 1.0f;
-      continue;
-    }
-    f.cap(si, lo, visible);
-    const float sum = softmax_span(si, n, visible, x.m[i], x.alpha[i], lo, out);
-    x.l[i] = x.l[i] * x.alpha[i] + sum;
-  }
+  softmax_rows(x.s, x.kpad, x.nq, x.qpos, b0, n, f, x.m, x.l, x.alpha,
+               [&](int64_t i) { return ProbsBf16{x.pb + i * x.kpad16}; });
   for_rows8(x.nq, [&]<int R>(int64_t i) {
     values_rows_bf16<R>(x.pb + i * x.kpad16, x.alpha + i, x.vP, x.acc + i * x.D, x.kpad16, n, x.D);
   });
