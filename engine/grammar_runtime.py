@@ -55,6 +55,31 @@ class GrammarState:
                 self.error = str(exc) if str(exc).startswith("grammar:") else f"grammar: {type(exc).__name__}: {exc}"
         return self.matcher is not None
 
+    def catch_up(self, output_token_ids: list[int]) -> None:
+        """The matcher consumes the output tokens it has not seen (after a preemption, say)."""
+        if self.consumed < len(output_token_ids):
+            self.matcher.consume_tokens(output_token_ids[self.consumed:])
+            self.consumed = len(output_token_ids)
+
+    def drafts(self, output_token_ids: list[int], ngram, k: int) -> list[int]:
+        """Up to k speculative drafts (speculative.py) the grammar accepts from here: the tokens
+        it forces next (llguidance's fast-forward tokens: a JSON key, a closing brace), else
+        `ngram()`'s proposal; either cut at the first token the grammar refuses."""
+        if self.matcher is None or self.error is not None:
+            return []
+        self.catch_up(output_token_ids)
+        if self.matcher.is_stopped():
+            return []
+        proposal = self.matcher.compute_ff_tokens()[:k] or ngram()
+        return proposal[:self.matcher.validate_tokens(proposal)] if proposal else []
+
+    def consume(self, token: int) -> None:
+        """The matcher takes the row's sampled token (a failure marks the state in error)."""
+        if self.matcher is not None:
+            if not self.matcher.consume_token(token) and self.error is None:
+                self.error = f"grammar: internal error: {self.matcher.get_error()[:300]}"
+            self.consumed += 1
+
     @property
     def complete(self) -> bool:
         """The output is a whole sentence of the grammar and nothing can extend it (a finite
@@ -162,7 +187,11 @@ class GrammarRuntime:
         words = (self.vocab_size + 31) // 32
         bitmask = np.full((len(matchers), words), -1, dtype=np.int32)
         self._executor.unsafe_compute_mask_ptr(matchers, bitmask.ctypes.data, words * 4, len(matchers))
-        for _, g in matchers:        # a matcher with nothing left to allow may still end (never a -inf row)
+        return self._banned(bitmask)
+
+    def _banned(self, bitmask: np.ndarray) -> torch.Tensor:
+        """llguidance's allowed-token bits, one row a mask -> the banned tokens, bool [G, V]."""
+        for g in range(len(bitmask)):   # a matcher with nothing left to allow may still end (never a -inf row)
             if not bitmask[g].any():
                 for eos in self.eos_token_ids:
                     bitmask[g, eos // 32] |= np.int32(1 << (eos % 32)) if eos % 32 < 31 else np.int32(-2**31)
@@ -173,18 +202,42 @@ class GrammarRuntime:
     def advance(self, seqs: list[Sequence], tokens: list[int]) -> None:
         """Each constrained row consumes its sampled token (before update() appends it)."""
         for seq, token in zip(seqs, tokens):
-            state = seq.grammar_state
-            if state is not None and state.matcher is not None:
-                if not state.matcher.consume_token(token) and state.error is None:
-                    state.error = f"grammar: internal error: {state.matcher.get_error()[:300]}"
-                state.consumed += 1
+            if seq.grammar_state is not None:
+                seq.grammar_state.consume(token)
+
+    def draft_masks(self, drafted: list[tuple[Sequence, list[int]]]) -> MaskJob | None:
+        """Start the masks of the verified positions of the drafted constrained rows
+        (spec_decode.py): row j of a sequence with drafts d1..dk (rows counted as verify
+        counts them, 1 + k a sequence) gets the tokens its grammar bans after d1..dj; the
+        matcher consumes the drafts to get there and rolls them back (mask thread)."""
+        rows, items, at = {}, [], 0
+        for seq, drafts in drafted:
+            if seq.grammar_state is not None and seq.grammar_state.matcher is not None:
+                seq.grammar_state.catch_up(seq.output_token_ids)
+                for j in range(len(drafts) + 1):
+                    rows[at + j] = len(rows)
+                items.append((seq.grammar_state.matcher, drafts))
+            at += len(drafts) + 1
+        if not rows:
+            return None
+        return MaskJob(self._masker.submit(self._fill_drafts, items, len(rows)), rows)
+
+    def _fill_drafts(self, items: list, count: int) -> torch.Tensor:
+        words = (self.vocab_size + 31) // 32
+        bitmask = np.full((count, words), -1, dtype=np.int32)
+        g = 0
+        for matcher, drafts in items:
+            for j in range(len(drafts) + 1):
+                matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data + g * words * 4, words * 4)
+                g += 1
+                if j < len(drafts):
+                    matcher.consume_token(drafts[j])      # valid: GrammarState.drafts checked them
+            matcher.rollback(len(drafts))
+        return self._banned(bitmask)
 
     @staticmethod
     def _catch_up(seq: Sequence) -> None:
-        state = seq.grammar_state
-        if state.consumed < seq.num_output_tokens:
-            state.matcher.consume_tokens(seq.output_token_ids[state.consumed:])
-            state.consumed = seq.num_output_tokens
+        seq.grammar_state.catch_up(seq.output_token_ids)
 
     def close(self) -> None:
         self._compiler.shutdown(wait=False, cancel_futures=True)

@@ -132,6 +132,13 @@ def plain_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
                             torch.tensor([s.params.top_p for s in seqs], device=dev)).softmax(dim=-1)
 
 
+def draw_constrained(x: torch.Tensor, seq: Sequence) -> int:
+    """The token of a grammar-constrained row from its masked logits x [V], as sample_step
+    draws such a row (the processed path: argmax, or temperature, top-k / top-p and one uniform
+    from the request's generator): speculative verification's draw for it (spec_decode.py)."""
+    return _processed(x[None], [seq])[0][0]
+
+
 def _processed(x: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor | None]:
     """Sample the processed rows `x` [R, V]; returns the tokens and the log-probabilities of
     the distribution each was drawn from (greedy rows: log-softmax of `x`), None if no row

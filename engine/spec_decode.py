@@ -33,7 +33,7 @@ import torch
 
 from .prompt_logprobs import record as record_prompt_logprobs
 from .prompt_logprobs import rows as prompt_logprob_rows
-from .sampler import draw, draw_rows, drawn_in_kernel, plain_probs, sample_step
+from .sampler import draw, draw_constrained, draw_rows, drawn_in_kernel, plain_probs, sample_step
 from .sampler import greedy as greedy_tokens
 from .sequence import RequestOutput, Sequence
 
@@ -42,22 +42,32 @@ if TYPE_CHECKING:
     from .scheduler_output import SchedulerOutput
 
 
-def verify(logits: torch.Tensor, drafted: list[tuple[Sequence, list[int]]]) -> list[list[int]]:
+def verify(logits: torch.Tensor, drafted: list[tuple[Sequence, list[int]]],
+           banned: dict[int, torch.Tensor] | None = None) -> list[list[int]]:
     """`logits` [R, V]: 1 + len(drafts) rows per drafted sequence, in order. Returns each
-    sequence's run: the accepted drafts and one token of the model's own."""
+    sequence's run: the accepted drafts and one token of the model's own. `banned`: row ->
+    bool [V], the tokens a constrained row's grammar bans at that position (after the drafts
+    before it: GrammarRuntime.draft_masks); those rows are drawn from a masked copy as
+    sample_step draws a constrained row (sampler.draw_constrained)."""
+    banned = banned or {}
     greedy = greedy_tokens(logits).tolist()
     starts, rows, sampled = [], [], []
     for seq, drafts in drafted:
         starts.append(len(rows))
         rows.extend([seq] * (len(drafts) + 1))
         sampled.append(not seq.params.greedy)
+    constrained = {r for r, seq in enumerate(rows) if seq.grammar_state is not None}
     cdf, at = None, {}
     if any(sampled):                  # rows drawn with torch's cumulative sums (a top-k or top-p cut)
-        keep = [r for r, seq in enumerate(rows) if not seq.params.greedy and not drawn_in_kernel(logits, seq.params)]
+        keep = [r for r, seq in enumerate(rows) if not seq.params.greedy and seq.grammar_state is None
+                and not drawn_in_kernel(logits, seq.params)]
         at = {r: j for j, r in enumerate(keep)}
         cdf = plain_probs(logits[keep], [rows[r] for r in keep]).cumsum(dim=-1) if keep else None   # [R', V]
 
     def drawn(r: int, seq: Sequence) -> int:      # as a plain decode row draws it (sampler._plain)
+        if r in constrained:
+            row = logits[r] if r not in banned else logits[r].masked_fill(banned[r], float("-inf"))
+            return draw_constrained(row, seq)
         if r in at:
             return int(draw(cdf[at[r]], seq))
         return int(draw_rows(logits[r:r + 1], [seq])[0])
@@ -67,7 +77,7 @@ def verify(logits: torch.Tensor, drafted: list[tuple[Sequence, list[int]]]) -> l
         run: list[int] = []
         for j in range(len(drafts) + 1):
             r = start + j
-            run.append(drawn(r, seq) if is_drawn else greedy[r])
+            run.append(drawn(r, seq) if is_drawn or r in constrained else greedy[r])
             if j == len(drafts) or run[-1] != drafts[j]:
                 break
         runs.append(run)
@@ -78,7 +88,8 @@ def step(engine: LLMEngine, batch: SchedulerOutput) -> list[RequestOutput]:
     """LLMEngine.step's forward, sampling and update for a batch with drafts: plain rows as
     in a plain step, then each drafted sequence's run."""
     sched, plain = engine.scheduler, batch.sampling_seqs
-    masks = engine.grammars.masks(plain)                      # constrained rows never draft
+    masks = engine.grammars.masks(plain)
+    draft_masks = engine.grammars.draft_masks(batch.drafted)  # each verified position's
     plan = prompt_logprob_rows(batch)
     logits = engine.runner.run(batch)
     end = len(plain) + sum(1 + len(drafts) for _, drafts in batch.drafted)
@@ -86,7 +97,7 @@ def step(engine: LLMEngine, batch: SchedulerOutput) -> list[RequestOutput]:
         record_prompt_logprobs(batch, plan, logits[end:])
     tokens, logprobs = sample_step(logits[:len(plain)], plain, masks and masks.result(logits.device))
     engine.grammars.advance(plain, tokens)
-    runs = verify(logits[len(plain):end], batch.drafted)
+    runs = verify(logits[len(plain):end], batch.drafted, draft_masks and draft_masks.result(logits.device))
     now = engine.clock()
     outputs = []
     for j, seq in enumerate(sched.update(batch, tokens)):
@@ -99,6 +110,8 @@ def step(engine: LLMEngine, batch: SchedulerOutput) -> list[RequestOutput]:
         for token in run:
             seq.num_computed_tokens += 1                      # the position before `token`
             sched.bm.commit(seq)
+            if seq.grammar_state is not None:
+                seq.grammar_state.consume(token)              # before append_token checks `complete`
             sched.append_token(seq, token)
             one = engine._emit(seq, now)
             out = one if out is None else out.merge(one)

@@ -17,9 +17,13 @@ exactly the plain step.
 Adaptive: each sequence keeps an average of its recent acceptance (accepted / proposed,
 weight 1/2 on the last verification); below `speculative_min_acceptance` it stops proposing
 for a back-off of 4 decode steps, doubling (to 256) each time it fails again, and resets when
-it accepts well. Plain sampling only: rows with a grammar, penalties, logit bias, min-p or
+it accepts well. Plain sampling or a grammar: rows with penalties, logit bias, min-p or
 logprobs never propose (their next distribution depends on the tokens before it through
-more than the model). Plain ints only; never imports torch.
+more than the model and the grammar). A grammar-constrained row proposes what its grammar
+forces next (llguidance's fast-forward tokens, the jump-forward of structured output) or
+else its n-gram proposal, cut where the grammar would refuse it (grammar_runtime.py's
+`GrammarState.drafts`); verification masks each position by the grammar's state after the drafts
+before it (spec_decode.py). Plain ints only; never imports torch.
 """
 
 from __future__ import annotations
@@ -79,11 +83,11 @@ class SpecState:
 
 
 def plain_sampling(params: SamplingParams) -> bool:
-    """The row samples from the model's distribution alone (logits_processors.needs_processing
-    is False): what verification in spec_decode.py assumes."""
+    """The row samples from the model's distribution alone, or masked by a grammar
+    (logits_processors.needs_processing is False but for the grammar): what verification in
+    spec_decode.py handles."""
     return not (params.logit_bias or params.repetition_penalty != 1.0 or params.frequency_penalty
-                or params.presence_penalty or params.min_p > 0.0 or params.logprobs is not None
-                or params.grammar is not None)
+                or params.presence_penalty or params.min_p > 0.0 or params.logprobs is not None)
 
 
 class Speculator:
@@ -125,6 +129,8 @@ class Speculator:
         if state.skip:
             state.skip -= 1
             return []
+        if seq.grammar_state is not None:                  # grammar_runtime.GrammarState.drafts
+            return seq.grammar_state.drafts(seq.output_token_ids, lambda: state.index.propose(seq.token_ids(), k), k)
         return state.index.propose(seq.token_ids(), k)
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:

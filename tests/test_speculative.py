@@ -99,8 +99,12 @@ def test_sequences_whose_proposals_fail_stop_proposing_for_a_while():
 
 
 def test_only_plain_sampling_rows_propose():
-    """Grammars, penalties, logit bias, min-p and logprobs leave speculation off for the row."""
+    """Penalties, logit bias, min-p and logprobs leave speculation off for the row; a grammar
+    does not (its rows draft what the grammar accepts, verified under its masks)."""
+    from engine import Grammar
+
     assert plain_sampling(SP(temperature=0.7, top_k=5, top_p=0.9, seed=1))
+    assert plain_sampling(SP(temperature=0.0, grammar=Grammar("regex", "[0-9]+")))
     for extra in (dict(logprobs=0), dict(min_p=0.1), dict(presence_penalty=0.5), dict(repetition_penalty=1.1),
                   dict(logit_bias=((5, 1.0),))):
         assert not plain_sampling(SP(**extra))
@@ -322,6 +326,59 @@ def test_rows_that_may_not_speculate_decode_beside_rows_that_do(repeat_model):
     assert seen[0] == seen[1]
 
 
+RECORDS = r'\[(\{"name": "[a-z]{1,6}", "id": [0-9]{1,3}\}, ){2,5}\{"name": "[a-z]{1,6}", "id": [0-9]{1,3}\}\]'
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_grammar_rows_speculate_and_keep_their_output(repeat_model, temperature):
+    """Grammar-constrained rows alone in the batch (greedy, and seeded sampling at temperature
+    1) draft what their grammar forces or their n-grams propose, cut where the grammar refuses;
+    verified under the grammar's mask at each position, they accept drafts and end with the
+    tokens, text and finish reasons they get without speculation, text the grammar matches."""
+    import re
+
+    from engine import Grammar
+
+    ps = prompts(3, seed=21)
+    reqs = [(f"g{i}", p, SamplingParams(max_tokens=120, temperature=temperature, seed=50 + i,
+                                         grammar=Grammar("regex", RECORDS))) for i, p in enumerate(ps)]
+    seen = []
+    for k in (0, 4):
+        eng = engine(repeat_model, k)
+        tokens, reasons = run(eng, {0: reqs[:2], 3: reqs[2:]})
+        texts = {rid: eng.tokenizer.decode(t) for rid, t in tokens.items()}
+        seen.append((tokens, reasons))
+        if k:
+            stats = eng.stats()
+            assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
+            for rid, text in texts.items():
+                assert reasons[rid] == "stop" and re.fullmatch(RECORDS, text), (rid, text)
+    assert seen[0] == seen[1]
+
+
+def test_grammar_drafts_are_cut_where_the_grammar_refuses(repeat_model):
+    """GrammarState.drafts: the forced continuation first, else the n-gram proposal cut at
+    the first token the grammar refuses; a matcher is left where it was."""
+    from engine import Grammar
+
+    eng = engine(repeat_model, 4)
+    tok = eng.tokenizer
+    eng.add_request("g", prompts(1)[0], SamplingParams(max_tokens=20, temperature=0.0,
+                                                       grammar=Grammar("regex", "abc[0-9]+;")))
+    seq = eng.scheduler.waiting[0] if eng.scheduler.waiting else eng.scheduler.running[0]
+    state = seq.grammar_state
+    state.future.result(timeout=30)
+    assert state.ready
+    forced = state.drafts([], lambda: [], 4)
+    assert tok.decode(forced) == "abc"[:len(tok.decode(forced))] and forced       # the literal, forced
+    digits = tok("12;", add_special_tokens=False)["input_ids"]
+    out_ids = tok("abc", add_special_tokens=False)["input_ids"]
+    bad = tok("x", add_special_tokens=False)["input_ids"]
+    assert state.drafts(out_ids, lambda: digits + bad + digits, 8) == digits    # cut at "x"
+    assert state.consumed == len(out_ids) and state.matcher.validate_tokens(digits) == len(digits)
+    eng.abort("g")
+
+
 def run_to_completion_logprobs(eng: LLMEngine, reqs, lps: list) -> dict[str, list[int]]:
     for rid, p, params in reqs:
         eng.add_request(rid, p, params)
@@ -363,18 +420,21 @@ def test_speculative_flags_reach_the_engine_config():
 
 
 def test_the_benchmark_runs_and_finds_the_same_tokens(repeat_model, tmp_path):
-    """bench.engine.speculative end to end on the tiny model (fp32, 8 tokens, chat only): one row
-    with both rates, the drafts counted and the same tokens with and without speculation."""
+    """bench.engine.speculative end to end on the tiny model (fp32, 8 tokens, chat and json): a
+    row each with both rates, the drafts counted and the same tokens with and without
+    speculation; the schema-constrained json rows draft (the grammar forces the opening key)."""
     import json
 
     from bench.engine import speculative
 
     out = tmp_path / "spec.json"
-    assert speculative.main(["--model", repeat_model, "--dtype", "float32", "--max-tokens", "8", "--only", "chat",
+    assert speculative.main(["--model", repeat_model, "--dtype", "float32", "--max-tokens", "8", "--only", "chat,json",
                              "--threads", "1", "--ngram-min", "1", "--json-out", str(out)]) == 0
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["workload"] == "chat" and row["same_tokens"] and row["output_tokens"] > 0
-    assert row["off_tok_s"][0] > 0 and row["on_tok_s"][0] > 0 and row["accepted"] <= row["drafted"]
+    chat, structured = json.loads(out.read_text())["rows"]
+    for row in (chat, structured):
+        assert row["same_tokens"] and row["output_tokens"] > 0
+        assert row["off_tok_s"][0] > 0 and row["on_tok_s"][0] > 0 and row["accepted"] <= row["drafted"]
+    assert chat["workload"] == "chat" and structured["workload"] == "json" and structured["accepted"] > 0
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])

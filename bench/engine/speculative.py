@@ -5,7 +5,9 @@
 
 Workloads, each request alone in an in-process LLMEngine, greedy, ending at EOS or
 --max-tokens: `edit` (rewrite a ~1.5k-token document, docs/ENGINE.md's head, with one word
-replaced), `summarize` (the same document) and `chat` (three open questions). Two engines
+replaced), `summarize` (the same document), `chat` (three open questions) and `json` (two
+requests for records under a JSON schema, structured output: the grammar's forced tokens are
+the drafts where it has them, n-grams elsewhere). Two engines
 (speculation off, on) alternate request by request, so a shared host's load falls on both.
 Per workload: output tokens / request time (prefill included) and / decode time (after the
 first token), the ratio on/off, the drafts' acceptance, and whether the tokens were the
@@ -18,6 +20,7 @@ Writes --json-out (bench/results/speculative.json).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -43,6 +46,16 @@ def grounded_messages() -> dict[str, str]:
             "summarize": f"Summarize the following document in a few paragraphs.\n\n{doc}"}
 
 
+JSON_ASKS = ["List eight planets of the solar system as JSON records with their name, their order from the sun "
+             "and whether they have rings.",
+             "Give six fruits as JSON records with their name, their usual color and whether they are citrus."]
+JSON_SCHEMA = json.dumps({"type": "object", "properties": {"records": {"type": "array", "minItems": 4, "maxItems": 8, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "position": {"type": "integer"},
+                                     "color": {"type": "string", "maxLength": 16}, "flag": {"type": "boolean"}},
+    "required": ["name", "position", "color", "flag"], "additionalProperties": False}}},
+    "required": ["records"], "additionalProperties": False})
+
+
 def workloads(tokenizer, max_tokens: int) -> dict[str, list[list[int]]]:
     def chat(msg: str) -> list[int]:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True,
@@ -50,7 +63,7 @@ def workloads(tokenizer, max_tokens: int) -> dict[str, list[list[int]]]:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     return {**{name: [chat(text)] for name, text in grounded_messages().items()},
-            "chat": [chat(m) for m in CHAT]}
+            "chat": [chat(m) for m in CHAT], "json": [chat(m) for m in JSON_ASKS]}
 
 
 def one(engine, rid: str, prompt: list[int], params) -> dict:
@@ -86,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     prov = provenance("engine.speculative", argv)
     from bench.engine.roofline import WEIGHT_BYTES, Rates, Shapes, cpu_info, decode_step_s, read_bandwidth
-    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine import EngineConfig, Grammar, LLMEngine, SamplingParams
     from engine.models import resolve_model
 
     torch.set_num_threads(args.threads)
@@ -110,9 +123,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         res = {"off": [], "on": []}
         before = dict(engines["on"].stats())
+        req_params = params if name != "json" else dataclasses.replace(params, grammar=Grammar("json_schema", JSON_SCHEMA))
         for i, prompt in enumerate(reqs):
             for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
-                res[mode].append(one(engines[mode], f"{name}-{i}-{mode}", prompt, params))
+                res[mode].append(one(engines[mode], f"{name}-{i}-{mode}", prompt, req_params))
         after = engines["on"].stats()
         drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
         accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
