@@ -4,7 +4,8 @@ An entry with drafts d1..dk computed [last token, d1..dk]; the runner returns th
 those k+1 positions. Row j's token t_j is drawn exactly as a plain decode row draws it
 (greedy: argmax; otherwise inverse CDF of the row's distribution p_j with one uniform from
 the sequence's generator: sampler.draw_rows, or sampler.draw where a top-k or top-p cut
-applies). The run keeps t_0, t_1, ... while each equals the draft it was computed after
+applies); a grammar-constrained row's from its logits masked by the grammar's state after
+d1..dj (GrammarRuntime.draft_masks), as sample_step draws a constrained row. The run keeps t_0, t_1, ... while each equals the draft it was computed after
 (t_j == d_{j+1}) and ends with the first that does not (the correction) or with t_k (the
 bonus token): 1 to k+1 tokens.
 
