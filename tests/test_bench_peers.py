@@ -178,6 +178,29 @@ def test_grounded_prompts_are_refused_with_guidellm(capsys):
     assert exc.value.code == 2 and "--client loadgen" in capsys.readouterr().err
 
 
+def test_structured_run_sends_the_schema_and_both_servers_answer(tiny_model, tmp_path):
+    """`--workload structured` sends bench.engine.speculative's JSON asks with a strict
+    json_schema response_format and no ignore_eos (loadgen): one "json" row a level from each
+    server, every request answered, none failed."""
+    from bench.serving.drivers import chat_body
+    from bench.serving.loadgen import Req
+
+    body = chat_body(Req("r", "t", "c", None, 0, 0.0, [], 0, 9, extra={"ignore_eos": False, "response_format": {}}))
+    assert body["ignore_eos"] is False and body["response_format"] == {} and body["max_tokens"] == 9
+    cmd = [sys.executable, "-m", "bench.peers", "--workload", "structured", "--model", tiny_model("llama"),
+           "--server", "sg=streamgate", "--server", "sg-spec=streamgate:--num-speculative-tokens 3",
+           "--peer", "sg", "--concurrency", "1", "--requests-per-stream", "1", "--min-requests", "2",
+           "--output-tokens", "24", "--max-seconds", "120", "--start-timeout", "120", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "peers.json").read_text())
+    assert report["args"]["workload"] == "structured" and report["args"]["client"] == "loadgen"
+    for name in ("sg", "sg-spec"):
+        rows = report["servers"][name]["rows"]
+        assert [(r["workload"], r["concurrency"], r["ok"], r["failed"]) for r in rows] == [("json", 1, 2, 0)]
+        assert rows[0]["output_tokens"] > 0 and rows[0]["output_tps"] > 0
+
+
 def test_grounded_run_compares_streamgate_with_and_without_speculation(tiny_model, tmp_path):
     """`--workload grounded` (loadgen by default) sends bench.engine.speculative's edit and
     summarize messages to each server: one row per workload and level, every request

@@ -6,7 +6,8 @@ synthetic prompts of P tokens and outputs of exactly N tokens (`ignore_eos`, gre
 - `loadgen`: this repository's own client (`bench.replay.replay` over SSE through
   `bench.drivers.SseDriver`), for when GuideLLM is not installed or cannot run, and the
   only one that sends the input-grounded prompts (`run_grounded`: bench.engine.speculative's
-  edit and summarize messages, where n-gram speculation finds its drafts in the prompt).
+  edit and summarize messages, where n-gram speculation finds its drafts in the prompt) and
+  its JSON asks under its schema (`run_structured`, structured output).
 
 Both report one row per concurrency (see `peers_report`), with the same
 definitions: output tokens/s over the level's wall time, TTFT per request, and ITL as
@@ -115,12 +116,15 @@ def token_prompts(model_dir: str, n: int, tokens: int, seed: int = 0) -> list[st
     return out
 
 
-def loadgen_records(url: str, api_key: str, load: Load, prompts: list[str], tag: str = "peers") -> list[dict]:
+def loadgen_records(url: str, api_key: str, load: Load, prompts: list[str], tag: str = "peers",
+                    extra: dict | None = None) -> list[dict]:
     """`load.concurrency` users each sending its next request when the previous ends, the
-    i-th request's user message being `prompts[i % len(prompts)]`; one `replay` record per
-    request. The requests name no model: each server answers with the one it serves."""
+    i-th request's user message being `prompts[i % len(prompts)]` (`extra`: more body fields);
+    one `replay` record per request. The requests name no model: each server answers with the
+    one it serves."""
     reqs = [Req(f"{tag}-c{load.concurrency}-{i}", "bench", "peers", None, i % load.concurrency, 0.0,
-                [{"role": "user", "content": prompts[i % len(prompts)]}], load.prompt_tokens, load.output_tokens)
+                [{"role": "user", "content": prompts[i % len(prompts)]}], load.prompt_tokens, load.output_tokens,
+                extra=extra)
             for i in range(load.requests)]
     wl = Workload(name=f"{tag}-c{load.concurrency}", num_requests=load.requests, duration_s=load.max_seconds,
                   arrival="closed", users=load.concurrency)
@@ -149,14 +153,25 @@ def run_loadgen(url: str, api_key: str, load: Load, prompts: list[str]) -> dict:
     return peers_report.row_from_summary(servestats.summarize(recs, [], 1e9, 1e9), load.concurrency)
 
 
-def run_grounded(url: str, api_key: str, load: Load, workload: str, message: str) -> dict:
-    """One level of `load.requests` copies of one grounded message (edit or summarize)
-    through `loadgen_records`; returns its row with `workload` and `prompt_tokens`, the
-    distinct prompt lengths the server reported (one, normally)."""
-    recs = loadgen_records(url, api_key, load, [message], tag=workload)
+def run_grounded(url: str, api_key: str, load: Load, workload: str, messages: list[str],
+                 extra: dict | None = None) -> dict:
+    """One level of `load.requests` requests cycling over `messages` (one grounded message,
+    edit or summarize; or run_structured's asks) through `loadgen_records`; returns its row
+    with `workload` and `prompt_tokens`, the distinct prompt lengths the server reported."""
+    recs = loadgen_records(url, api_key, load, messages, tag=workload, extra=extra)
     row = peers_report.row_from_summary(servestats.summarize(recs, [], 1e9, 1e9), load.concurrency)
     counted = sorted({r["prompt_tokens"] for r in recs if r["prompt_tokens"] is not None})
     return {"workload": workload, **row, "prompt_tokens": counted}
+
+
+def run_structured(url: str, api_key: str, load: Load) -> dict:
+    """One level of bench.engine.speculative's JSON asks under its schema (`response_format`
+    json_schema, strict; each answer ends where the schema closes, so no `ignore_eos`): the
+    structured output agent frameworks ask for. One row, workload "json"."""
+    from bench.engine.speculative import JSON_ASKS, JSON_SCHEMA
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "records", "schema": json.loads(JSON_SCHEMA), "strict": True}}
+    return run_grounded(url, api_key, load, "json", JSON_ASKS, extra={"ignore_eos": False, "response_format": fmt})
 
 
 def warm_up(url: str, model: str, api_key: str, timeout_s: float = 300.0) -> float:

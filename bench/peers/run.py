@@ -22,6 +22,10 @@ server and a warning is printed when it is above `--max-load`.
 gives each level's bound (bf16 weights) and each server's share of it; `--attach PEERS_JSON
 --roofline PATH` adds one measured beside a run already written, without running anything.
 
+`--workload structured` sends bench.engine.speculative's JSON asks (records) with a strict
+json_schema `response_format`, each answer ending where the schema closes (no ignore_eos): one
+row a level, workload "json".
+
 `--workload grounded` sends, instead of synthetic prompts, bench.engine.speculative's
 input-grounded messages (`grounded_messages`: edit a ~1.6k-token document with one word
 replaced, summarize it), where n-gram speculation drafts from the prompt: at each
@@ -96,7 +100,9 @@ def level_rows(args, run: peers_servers.Running, model_dir: str, load: Load, wor
     if args.client == "guidellm":
         return [peers_clients.run_guidellm(args.guidellm, run.url, run.model, model_dir, run.api_key, load, workdir)]
     if args.workload == "grounded":
-        return [peers_clients.run_grounded(run.url, run.api_key, load, name, text) for name, text in prompts.items()]
+        return [peers_clients.run_grounded(run.url, run.api_key, load, name, [text]) for name, text in prompts.items()]
+    if args.workload == "structured":
+        return [peers_clients.run_structured(run.url, run.api_key, load)]
     return [peers_clients.run_loadgen(run.url, run.api_key, load, prompts)]
 
 
@@ -112,7 +118,7 @@ def measure(spec: peers_servers.ServerSpec, args, model_dir: str, loads: list[Lo
         result["warmup_s"] = peers_clients.warm_up(run.url, run.model, run.api_key)
         before = peers_probe.probe(probe_info) if probe_info else None
         for load in loads:
-            each = f" of each of {', '.join(prompts)}" if args.workload == "grounded" else ""
+            each = f" of each of {', '.join(prompts)}" if args.workload != "synthetic" else ""
             print(f"== {spec.name}: {load.concurrency} streams, {load.requests} requests{each} via {args.client}",
                   file=sys.stderr, flush=True)
             try:
@@ -139,9 +145,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="NAME=KIND[:FLAGS], KIND in streamgate|vllm|hf (repeatable; default: "
                         + ", ".join(peers_servers.DEFAULT_SERVERS) + ")")
     add_engine_args(p, only=("model",))
-    p.add_argument("--workload", default="synthetic", choices=["synthetic", "grounded"],
+    p.add_argument("--workload", default="synthetic", choices=["synthetic", "grounded", "structured"],
                    help="synthetic: random words of --prompt-tokens; grounded: bench.engine.speculative's "
-                        "edit and summarize messages (loadgen client only)")
+                        "edit and summarize messages; structured: its JSON asks under its schema "
+                        "(both loadgen client only)")
     p.add_argument("--client", default=None, choices=["guidellm", "loadgen"],
                    help="default: guidellm for synthetic prompts, loadgen for grounded ones")
     p.add_argument("--guidellm", default=os.environ.get("GUIDELLM", str(PEERS_DIR / "guidellm/bin/guidellm")))
@@ -173,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.roofline:
             p.error("--attach needs --roofline")
         return attach(args.attach, args.roofline, argv)
-    if args.workload == "grounded" and args.client == "guidellm":
-        p.error("--workload grounded needs --client loadgen: GuideLLM sends only its own synthetic prompts")
-    args.client = args.client or ("loadgen" if args.workload == "grounded" else "guidellm")
+    if args.workload != "synthetic" and args.client == "guidellm":
+        p.error(f"--workload {args.workload} needs --client loadgen: GuideLLM sends only its own synthetic prompts")
+    args.client = args.client or ("loadgen" if args.workload != "synthetic" else "guidellm")
     prov = provenance("peers", argv)
 
     try:
@@ -198,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         first += n
     if args.workload == "grounded":
         prompts = grounded_messages()
+    elif args.workload == "structured":
+        prompts = {"json": ""}                          # run_structured's asks (bench.engine.speculative)
     elif args.client == "loadgen":
         prompts = peers_clients.token_prompts(model_dir, sum(ld.requests for ld in loads), args.prompt_tokens)
     else:

@@ -28,7 +28,7 @@ def chat_body(req) -> dict:
             "priority": req.priority}
     if req.deadline_ms:
         body["deadline_ms"] = req.deadline_ms
-    return body
+    return {**body, **(getattr(req, "extra", None) or {})}
 
 
 def _finish(rec: dict, t: float, finish: str | None, usage: dict | None, timings: dict | None) -> None:

@@ -126,6 +126,7 @@ class Req:
     weight: float = 1.0
     deadline_ms: int | None = None
     long: bool = False
+    extra: dict | None = field(default=None, hash=False)    # more body fields (drivers.chat_body)
 
 
 def _need(ok: bool, where: str, msg: str) -> None:
