@@ -5,9 +5,9 @@ those k+1 positions. Row j's token t_j is drawn exactly as a plain decode row dr
 (greedy: argmax; otherwise inverse CDF of the row's distribution p_j with one uniform from
 the sequence's generator: sampler.draw_rows, or sampler.draw where a top-k or top-p cut
 applies); a grammar-constrained row's from its logits masked by the grammar's state after
-d1..dj (GrammarRuntime.draft_masks), as sample_step draws a constrained row. The run keeps t_0, t_1, ... while each equals the draft it was computed after
-(t_j == d_{j+1}) and ends with the first that does not (the correction) or with t_k (the
-bonus token): 1 to k+1 tokens.
+d1..dj (GrammarRuntime.draft_masks), as sample_step draws a constrained row. The run keeps
+t_0, t_1, ... while each equals the draft it was computed after (t_j == d_{j+1}) and ends
+with the first that does not (the correction) or with t_k (the bonus token): 1 to k+1 tokens.
 
 Why this is exact: every kept token was drawn from the model's distribution given the
 tokens before it, which are the committed history plus accepted drafts, i.e. the tokens

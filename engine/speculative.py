@@ -22,8 +22,8 @@ logprobs never propose (their next distribution depends on the tokens before it 
 more than the model and the grammar). A grammar-constrained row proposes what its grammar
 forces next (llguidance's fast-forward tokens, the jump-forward of structured output) or
 else its n-gram proposal, cut where the grammar would refuse it (grammar_runtime.py's
-`GrammarState.drafts`); verification masks each position by the grammar's state after the drafts
-before it (spec_decode.py). Plain ints only; never imports torch.
+`GrammarState.drafts`); verification masks each position by the grammar's state after the
+drafts before it (spec_decode.py). Plain ints only; never imports torch.
 """
 
 from __future__ import annotations
