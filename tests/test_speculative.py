@@ -379,6 +379,33 @@ def test_grammar_drafts_are_cut_where_the_grammar_refuses(repeat_model):
     eng.abort("g")
 
 
+def test_an_eos_draft_where_the_grammar_accepts_is_kept_and_rolled_back(repeat_model):
+    """Where the grammar accepts, an n-gram proposal may hold EOS (a chat template's end
+    token is in the prompt): it is the last draft kept, its verified position is masked
+    after it, and the matcher is where it was once the masks are made."""
+    from engine import Grammar
+
+    eng = engine(repeat_model, 4)
+    tok = eng.tokenizer
+    eng.add_request("g", prompts(1)[0], SamplingParams(max_tokens=20, temperature=0.0,
+                                                       grammar=Grammar("regex", "ab[0-9]+")))
+    seq = eng.scheduler.waiting[0]
+    state = seq.grammar_state
+    state.future.result(timeout=30)
+    assert state.ready
+    out_ids = tok("ab12", add_special_tokens=False)["input_ids"]
+    seq.output_token_ids = list(out_ids)
+    eos = tok.eos_token_id
+    three = tok("3", add_special_tokens=False)["input_ids"]
+    drafts = state.drafts(seq.output_token_ids, lambda: [eos] + three, 4)
+    assert drafts == [eos]                                           # nothing after EOS
+    banned = eng.grammars.draft_masks([(seq, drafts)]).result()
+    assert not banned[0][three[0]] and not banned[0][eos]            # before it: digits or the end
+    assert banned[1].sum() == banned[1].numel() - 1 and not banned[1][eos]   # after it: only EOS
+    assert not state.matcher.is_stopped() and state.matcher.validate_tokens(three) == 1
+    eng.abort("g")
+
+
 def run_to_completion_logprobs(eng: LLMEngine, reqs, lps: list) -> dict[str, list[int]]:
     for rid, p, params in reqs:
         eng.add_request(rid, p, params)
