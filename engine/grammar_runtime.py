@@ -14,7 +14,7 @@ thread, and each step's token masks for the rows that have one.
 - `advance(seqs, tokens)` feeds each constrained row its sampled token.
 
 The matcher lives on the Sequence (not in the KV cache), so recompute and swap preemption
-leave it as it was; it is also re-derivable from the generated tokens (`_catch_up`).
+leave it as it was; it is also re-derivable from the generated tokens (`GrammarState.catch_up`).
 EOS is allowed only where the grammar accepts (llguidance's mask); a grammar that allows
 nothing more ends the row with "stop" on its last token (`GrammarState.complete`, checked by
 Scheduler.update, before max_tokens); when the output reaches max_tokens first, the request
@@ -109,6 +109,7 @@ class RowMasks(dict):
 class GrammarRuntime:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], compile_timeout_s: float = 10.0):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.mask_words = (vocab_size + 31) // 32           # int32 words of a token bitmask
         self.eos_token_ids = sorted(eos_token_ids)
         self.compile_timeout_s = compile_timeout_s
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
@@ -178,13 +179,13 @@ class GrammarRuntime:
             return None
         matchers = []
         for g, seq in enumerate(rows.values()):
-            self._catch_up(seq)
+            seq.grammar_state.catch_up(seq.output_token_ids)
             matchers.append((seq.grammar_state.matcher, g))
         return MaskJob(self._masker.submit(self._fill, matchers), {i: g for g, i in enumerate(rows)})
 
     def _fill(self, matchers: list) -> torch.Tensor:
         """The banned tokens of each matcher's next step, bool [G, V] (mask thread)."""
-        words = (self.vocab_size + 31) // 32
+        words = self.mask_words
         bitmask = np.full((len(matchers), words), -1, dtype=np.int32)
         self._executor.unsafe_compute_mask_ptr(matchers, bitmask.ctypes.data, words * 4, len(matchers))
         return self._banned(bitmask)
@@ -223,7 +224,7 @@ class GrammarRuntime:
         return MaskJob(self._masker.submit(self._fill_drafts, items, len(rows)), rows)
 
     def _fill_drafts(self, items: list, count: int) -> torch.Tensor:
-        words = (self.vocab_size + 31) // 32
+        words = self.mask_words
         bitmask = np.full((count, words), -1, dtype=np.int32)
         g = 0
         for matcher, drafts in items:
@@ -234,10 +235,6 @@ class GrammarRuntime:
                     matcher.consume_token(drafts[j])      # valid: GrammarState.drafts checked them
             matcher.rollback(len(drafts))
         return self._banned(bitmask)
-
-    @staticmethod
-    def _catch_up(seq: Sequence) -> None:
-        seq.grammar_state.catch_up(seq.output_token_ids)
 
     def close(self) -> None:
         self._compiler.shutdown(wait=False, cancel_futures=True)

@@ -178,6 +178,18 @@ def test_grounded_prompts_are_refused_with_guidellm(capsys):
     assert exc.value.code == 2 and "--client loadgen" in capsys.readouterr().err
 
 
+def _two_streamgates(workload: str, model: str, output_tokens: int, out) -> dict:
+    """`python -m bench.peers --workload WORKLOAD` against sg and sg-spec (speculation k = 3),
+    one stream, two requests; returns its peers.json."""
+    cmd = [sys.executable, "-m", "bench.peers", "--workload", workload, "--model", model,
+           "--server", "sg=streamgate", "--server", "sg-spec=streamgate:--num-speculative-tokens 3",
+           "--peer", "sg", "--concurrency", "1", "--requests-per-stream", "1", "--min-requests", "2",
+           "--output-tokens", str(output_tokens), "--max-seconds", "120", "--start-timeout", "120", "--out-dir", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "peers.json").read_text())
+
+
 def test_structured_run_sends_the_schema_and_both_servers_answer(tiny_model, tmp_path):
     """`--workload structured` sends bench.engine.speculative's JSON asks with a strict
     json_schema response_format and no ignore_eos (loadgen): one "json" row a level from each
@@ -187,13 +199,7 @@ def test_structured_run_sends_the_schema_and_both_servers_answer(tiny_model, tmp
 
     body = chat_body(Req("r", "t", "c", None, 0, 0.0, [], 0, 9, extra={"ignore_eos": False, "response_format": {}}))
     assert body["ignore_eos"] is False and body["response_format"] == {} and body["max_tokens"] == 9
-    cmd = [sys.executable, "-m", "bench.peers", "--workload", "structured", "--model", tiny_model("llama"),
-           "--server", "sg=streamgate", "--server", "sg-spec=streamgate:--num-speculative-tokens 3",
-           "--peer", "sg", "--concurrency", "1", "--requests-per-stream", "1", "--min-requests", "2",
-           "--output-tokens", "24", "--max-seconds", "120", "--start-timeout", "120", "--out-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((tmp_path / "peers.json").read_text())
+    report = _two_streamgates("structured", tiny_model("llama"), 24, tmp_path)
     assert report["args"]["workload"] == "structured" and report["args"]["client"] == "loadgen"
     for name in ("sg", "sg-spec"):
         rows = report["servers"][name]["rows"]
@@ -210,13 +216,7 @@ def test_grounded_run_compares_streamgate_with_and_without_speculation(tiny_mode
     from bench.engine.speculative import grounded_messages
     from bench.report import render
 
-    cmd = [sys.executable, "-m", "bench.peers", "--workload", "grounded", "--model", tiny_model("llama"),
-           "--server", "sg=streamgate", "--server", "sg-spec=streamgate:--num-speculative-tokens 3",
-           "--peer", "sg", "--concurrency", "1", "--requests-per-stream", "1", "--min-requests", "2",
-           "--output-tokens", "6", "--max-seconds", "120", "--start-timeout", "120", "--out-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((tmp_path / "peers.json").read_text())
+    report = _two_streamgates("grounded", tiny_model("llama"), 6, tmp_path)
     assert report["args"]["workload"] == "grounded" and report["args"]["client"] == "loadgen"
     counts = {}
     for name in ("sg", "sg-spec"):
