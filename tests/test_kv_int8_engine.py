@@ -133,7 +133,7 @@ def test_int8_kv_with_speculation_keeps_the_output(repeat_model, path):
     """n-gram drafts verified over int8 rows (multi-row items, rejected rows rewritten later):
     the same tokens as the int8-KV engine without speculation and as the int8-rounded HF
     reference, with drafts accepted."""
-    from tests.test_speculative import prompts, staggered
+    from tests.speculative_util import prompts, staggered
 
     backend, options = path
     ps = prompts(6)

@@ -6,11 +6,11 @@ stop strings and lengths inside accepted runs, and seeded sampling.
 
 The model is a tiny random Llama with tied embeddings and initializer_range 0.1: its greedy
 output falls into runs of one repeated token broken by context-dependent changes, so
-proposals are both accepted and rejected (each test asserts acceptances > 0)."""
+proposals are both accepted and rejected (each test asserts acceptances > 0).
+Grammar-constrained rows: tests/test_speculative_grammar.py; the configuration, the benchmark
+and the sliding-window families: tests/test_speculative_config.py."""
 
 from __future__ import annotations
-
-import random
 
 import pytest
 import torch
@@ -20,49 +20,10 @@ from engine.config import SamplingParams as SP
 from engine.sequence import Sequence
 from engine.spec_decode import verify
 from engine.speculative import NgramIndex, Speculator, plain_sampling
-from tests.models import assert_greedy_parity, load_reference, run_to_completion
+from tests.models import assert_greedy_parity, load_reference
+from tests.speculative_util import engine, prompts, run, run_to_completion_logprobs, staggered
 
 FP32_TOL = 1e-4
-
-
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    """Input-grounded prompts: a random text, then the text again up to a cut."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        text = [rng.randrange(100, 40_000) for _ in range(rng.randrange(10, 90))]
-        out.append(text + text[:rng.randrange(1, len(text))])
-    return out
-
-
-def staggered(ps: list[list[int]], params: SamplingParams) -> dict[int, list[tuple]]:
-    return {i * 3: [(f"r{i}", p, params)] for i, p in enumerate(ps)}
-
-
-def engine(model: str, k: int, **cfg) -> LLMEngine:
-    cfg.setdefault("num_kv_blocks", 512)
-    return LLMEngine(EngineConfig(model=model, num_speculative_tokens=k, speculative_ngram_min=1, **cfg))
-
-
-def run(eng: LLMEngine, arrivals) -> tuple[dict[str, list[int]], dict[str, str]]:
-    """Steps to the end, checking the block manager's invariants after every step; returns
-    tokens and finish reasons."""
-    tokens: dict[str, list[int]] = {}
-    reasons: dict[str, str] = {}
-    step = 0
-    while eng.has_unfinished() or any(s >= step for s in arrivals):
-        for rid, prompt, params in arrivals.get(step, []):
-            eng.add_request(rid, prompt, params)
-        for out in eng.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finished:
-                reasons[out.request_id] = out.finish_reason
-        sched = eng.scheduler
-        eng.block_manager.check_invariants(sched.running + sched.swapped)
-        step += 1
-        assert step < 5000
-    assert eng.stats()["kv_blocks_used"] == 0
-    return tokens, reasons
 
 
 # -- proposals --------------------------------------------------------------------------
@@ -324,170 +285,3 @@ def test_rows_that_may_not_speculate_decode_beside_rows_that_do(repeat_model):
         if k:
             assert eng.stats()["spec_accepted_tokens"] > 0
     assert seen[0] == seen[1]
-
-
-RECORDS = r'\[(\{"name": "[a-z]{1,6}", "id": [0-9]{1,3}\}, ){2,5}\{"name": "[a-z]{1,6}", "id": [0-9]{1,3}\}\]'
-
-
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_grammar_rows_speculate_and_keep_their_output(repeat_model, temperature):
-    """Grammar-constrained rows alone in the batch (greedy, and seeded sampling at temperature
-    1) draft what their grammar forces or their n-grams propose, cut where the grammar refuses;
-    verified under the grammar's mask at each position, they accept drafts and end with the
-    tokens, text and finish reasons they get without speculation, text the grammar matches."""
-    import re
-
-    from engine import Grammar
-
-    ps = prompts(3, seed=21)
-    reqs = [(f"g{i}", p, SamplingParams(max_tokens=120, temperature=temperature, seed=50 + i,
-                                         grammar=Grammar("regex", RECORDS))) for i, p in enumerate(ps)]
-    seen = []
-    for k in (0, 4):
-        eng = engine(repeat_model, k)
-        tokens, reasons = run(eng, {0: reqs[:2], 3: reqs[2:]})
-        texts = {rid: eng.tokenizer.decode(t) for rid, t in tokens.items()}
-        seen.append((tokens, reasons))
-        if k:
-            stats = eng.stats()
-            assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
-            for rid, text in texts.items():
-                assert reasons[rid] == "stop" and re.fullmatch(RECORDS, text), (rid, text)
-    assert seen[0] == seen[1]
-
-
-def test_grammar_drafts_are_cut_where_the_grammar_refuses(repeat_model):
-    """GrammarState.drafts: the forced continuation first, else the n-gram proposal cut at
-    the first token the grammar refuses; a matcher is left where it was."""
-    from engine import Grammar
-
-    eng = engine(repeat_model, 4)
-    tok = eng.tokenizer
-    eng.add_request("g", prompts(1)[0], SamplingParams(max_tokens=20, temperature=0.0,
-                                                       grammar=Grammar("regex", "abc[0-9]+;")))
-    seq = eng.scheduler.waiting[0] if eng.scheduler.waiting else eng.scheduler.running[0]
-    state = seq.grammar_state
-    state.future.result(timeout=30)
-    assert state.ready
-    forced = state.drafts([], lambda: [], 4)
-    assert tok.decode(forced) == "abc"[:len(tok.decode(forced))] and forced       # the literal, forced
-    digits = tok("12;", add_special_tokens=False)["input_ids"]
-    out_ids = tok("abc", add_special_tokens=False)["input_ids"]
-    bad = tok("x", add_special_tokens=False)["input_ids"]
-    assert state.drafts(out_ids, lambda: digits + bad + digits, 8) == digits    # cut at "x"
-    assert state.consumed == len(out_ids) and state.matcher.validate_tokens(digits) == len(digits)
-    eng.abort("g")
-
-
-def test_an_eos_draft_where_the_grammar_accepts_is_kept_and_rolled_back(repeat_model):
-    """Where the grammar accepts, an n-gram proposal may hold EOS (a chat template's end
-    token is in the prompt): it is the last draft kept, its verified position is masked
-    after it, and the matcher is where it was once the masks are made."""
-    from engine import Grammar
-
-    eng = engine(repeat_model, 4)
-    tok = eng.tokenizer
-    eng.add_request("g", prompts(1)[0], SamplingParams(max_tokens=20, temperature=0.0,
-                                                       grammar=Grammar("regex", "ab[0-9]+")))
-    seq = eng.scheduler.waiting[0]
-    state = seq.grammar_state
-    state.future.result(timeout=30)
-    assert state.ready
-    out_ids = tok("ab12", add_special_tokens=False)["input_ids"]
-    seq.output_token_ids = list(out_ids)
-    eos = tok.eos_token_id
-    three = tok("3", add_special_tokens=False)["input_ids"]
-    drafts = state.drafts(seq.output_token_ids, lambda: [eos] + three, 4)
-    assert drafts == [eos]                                           # nothing after EOS
-    banned = eng.grammars.draft_masks([(seq, drafts)]).result()
-    assert not banned[0][three[0]] and not banned[0][eos]            # before it: digits or the end
-    assert banned[1].sum() == banned[1].numel() - 1 and not banned[1][eos]   # after it: only EOS
-    assert not state.matcher.is_stopped() and state.matcher.validate_tokens(three) == 1
-    eng.abort("g")
-
-
-def run_to_completion_logprobs(eng: LLMEngine, reqs, lps: list) -> dict[str, list[int]]:
-    for rid, p, params in reqs:
-        eng.add_request(rid, p, params)
-    tokens: dict[str, list[int]] = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.request_id == "lp" and out.logprobs:
-                lps.extend(out.logprobs)
-    return tokens
-
-
-# -- configuration ----------------------------------------------------------------------
-@pytest.mark.parametrize("bad, match", [
-    (dict(num_speculative_tokens=-1), "EngineConfig.num_speculative_tokens"),
-    (dict(num_speculative_tokens=17), "EngineConfig.num_speculative_tokens"),
-    (dict(speculative_ngram_min=0), "EngineConfig.speculative_ngram_min"),
-    (dict(speculative_ngram_min=3, speculative_ngram_max=2), "EngineConfig.speculative_ngram_max"),
-    (dict(speculative_min_acceptance=1.5), "EngineConfig.speculative_min_acceptance"),
-])
-def test_speculative_fields_are_validated(bad, match):
-    """Bad values raise ValueError naming the field."""
-    with pytest.raises(ValueError, match=match):
-        EngineConfig(**bad)
-
-
-def test_speculative_flags_reach_the_engine_config():
-    """`--num-speculative-tokens` and the n-gram flags on serve/chat set the fields; absent, off."""
-    import argparse
-
-    from engine.config_cli import add_engine_args, engine_config_from_args
-
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    assert engine_config_from_args(p.parse_args([])).num_speculative_tokens == 0
-    cfg = engine_config_from_args(p.parse_args(["--num-speculative-tokens", "5", "--speculative-ngram-min", "1",
-                                                "--speculative-ngram-max", "3"]))
-    assert (cfg.num_speculative_tokens, cfg.speculative_ngram_min, cfg.speculative_ngram_max) == (5, 1, 3)
-
-
-def test_the_benchmark_runs_and_finds_the_same_tokens(repeat_model, tmp_path):
-    """bench.engine.speculative end to end on the tiny model (fp32, 8 tokens, chat and json): a
-    row each with both rates, the drafts counted and the same tokens with and without
-    speculation; the schema-constrained json rows draft (the grammar forces the opening key)."""
-    import json
-
-    from bench.engine import speculative
-
-    out = tmp_path / "spec.json"
-    assert speculative.main(["--model", repeat_model, "--dtype", "float32", "--max-tokens", "8", "--only", "chat,json",
-                             "--threads", "1", "--ngram-min", "1", "--json-out", str(out)]) == 0
-    chat, structured = json.loads(out.read_text())["rows"]
-    for row in (chat, structured):
-        assert row["same_tokens"] and row["output_tokens"] > 0
-        assert row["off_tok_s"][0] > 0 and row["on_tok_s"][0] > 0 and row["accepted"] <= row["drafted"]
-    assert chat["workload"] == "chat" and structured["workload"] == "json" and structured["accepted"] > 0
-
-
-@pytest.mark.parametrize("family", ["mistral", "gemma2"])
-def test_sliding_window_families_keep_their_output(family, tmp_path, tokenizer_dir):
-    """Mistral (every layer sliding over 24 tokens: blocks behind the window are returned)
-    and Gemma 2 (alternating windows, soft-caps), as repeating tiny models: the same tokens
-    with and without speculation, with drafts accepted."""
-    import transformers
-
-    from tests.families import _BASE, FAMILIES
-
-    model_type, extra = FAMILIES[family]
-    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = transformers.AutoConfig.for_model(model_type, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                                               eos_token_id=tok.eos_token_id, pad_token_id=None,
-                                               **{**_BASE, **extra, "initializer_range": 0.1,
-                                                  "tie_word_embeddings": True})
-    torch.manual_seed(1234)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    ps = prompts(4, seed=17)
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    cfg = dict(max_num_batched_tokens=32, max_num_seqs=8, block_size=8)
-    want, _ = run(engine(str(tmp_path), 0, **cfg), staggered(ps, params))
-    eng = engine(str(tmp_path), 4, **cfg)
-    got, _ = run(eng, staggered(ps, params))
-    assert got == want
-    assert eng.stats()["spec_accepted_tokens"] > 0
-
