@@ -19,6 +19,14 @@ is small because a flat curve's smallest size is not free when served: fewer str
 at once, and each step's fixed work (scheduling, sampling, streaming on the same cores) recurs
 more often (docs/BENCHMARKS.md §2).
 
+Each size's time is the median of its rounds, and the curve chosen from is the closest one
+that never rises with the step size (a bigger step spreads its fixed work over more tokens and
+fills its matmuls better, so its cost per token cannot truly be higher). On a flat curve the
+noise of a shared host decided the choice by the best single round, as a minimum: on Zen 4
+(2026-12-07) four probes back to back chose 256, 128, 512 and 512 and a fifth 1,024, whose
+steps stalled every stream for ~1 s; from the same four probes' rounds, medians under the
+non-rising curve choose 256, 512, 256 and 512.
+
 No torch here: the probe times the engine's own steps (`LLMEngine.step`), whatever the
 device, dtype, attention backend or compilation mode. The engine builds its scheduler again
 after the probe, so its requests leave no trace in the stats, the prefix cache or the
@@ -28,6 +36,7 @@ metrics.
 from __future__ import annotations
 
 import random
+import statistics
 from dataclasses import dataclass, field
 
 from .config import SamplingParams
@@ -42,7 +51,7 @@ MAX_STEP_S = 2.0             # a size slower than this ends the ladder
 @dataclass(frozen=True)
 class BudgetProbe:
     tokens: int                                              # the budget chosen
-    per_token_s: dict[int, float] = field(default_factory=dict)   # size -> best step time / size
+    per_token_s: dict[int, float] = field(default_factory=dict)   # size -> median step time / size
 
     def describe(self) -> str:
         rate = ", ".join(f"{m}: {1 / s:.0f}" for m, s in sorted(self.per_token_s.items()))
@@ -56,10 +65,26 @@ def ladder(floor: int, ceiling: int) -> list[int]:
     return sizes if sizes and sizes[0] == floor else [floor, *sizes]
 
 
+def non_rising(values: list[float]) -> list[float]:
+    """The closest sequence (least squares) to `values` that never rises: adjacent violators
+    pooled into their mean, as isotonic regression does."""
+    pools: list[list[float]] = []                           # [sum, count] of each pooled run
+    for v in values:
+        pools.append([v, 1])
+        while len(pools) > 1 and pools[-2][0] / pools[-2][1] < pools[-1][0] / pools[-1][1]:
+            total, count = pools.pop()
+            pools[-1][0] += total
+            pools[-1][1] += count
+    return [total / count for total, count in pools for _ in range(count)]
+
+
 def choose(per_token_s: dict[int, float], tolerance: float = TOLERANCE) -> int:
-    """The smallest size whose time per token is within `tolerance` of the best size's."""
-    best = min(per_token_s.values())
-    return min(m for m, s in per_token_s.items() if s <= best * (1 + tolerance))
+    """The smallest size whose time per token, on the non-rising curve through the sizes' times,
+    is within `tolerance` of the curve's lowest."""
+    sizes = sorted(per_token_s)
+    curve = dict(zip(sizes, non_rising([per_token_s[m] for m in sizes])))
+    best = min(curve.values())
+    return min(m for m, s in curve.items() if s <= best * (1 + tolerance))
 
 
 def pieces(size: int, max_seqs: int) -> list[int]:
@@ -74,7 +99,7 @@ def measure(engine, floor: int, ceiling: int, seed: int = 0) -> BudgetProbe:
     """Time one step of each ladder size's prompt tokens through `engine` (whose budget is
     at least `ceiling`); the engine must be idle, and is left with nothing queued."""
     rng = random.Random(seed)
-    sizes, best = ladder(floor, ceiling), {}
+    sizes, rounds = ladder(floor, ceiling), {}
     for r in range(ROUNDS + 1):
         for m in list(sizes):
             if m not in sizes:                                       # past a size that ended the ladder
@@ -87,8 +112,8 @@ def measure(engine, floor: int, ceiling: int, seed: int = 0) -> BudgetProbe:
                 engine.step()
                 seconds += engine.step_time_s
             if r:
-                best[m] = min(best.get(m, seconds), seconds)
+                rounds.setdefault(m, []).append(seconds)
             if seconds > MAX_STEP_S * (1 if r else 4) and m != sizes[0]:     # (the warm round: kernels build)
                 sizes = sizes[:sizes.index(m) + 1]
-    per_token = {m: best[m] / m for m in sizes}
+    per_token = {m: statistics.median(rounds[m]) / m for m in sizes}
     return BudgetProbe(choose(per_token), per_token)

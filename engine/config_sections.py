@@ -66,7 +66,8 @@ class SchedulerConfig(Section):
     max_num_batched_tokens: int | None = knob(512, "a step's token budget (>= max_num_seqs: each running "
                                               "sequence needs its decode token)", check=POSITIVE_INT,
                                               none="auto: measured at start, the smallest step whose prompt "
-                                              "tokens cost within 2% of the cheapest step size's (budget_probe.py)")
+                                              "tokens cost within 2% of the cheapest (medians, a non-rising "
+                                              "curve: budget_probe.py)")
     chunked_prefill: bool = knob(True, "split long prompts over steps (off: prefill-first, unchunked, "
                                  "for comparison)")
     batching: str = knob("continuous", "static: request-level batches (for comparison)", choices=BATCHING)

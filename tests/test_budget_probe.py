@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.budget_probe import LADDER, MAX_STEP_S, PIECE, TOLERANCE, choose, ladder, measure, pieces
+from engine.budget_probe import LADDER, MAX_STEP_S, PIECE, TOLERANCE, choose, ladder, measure, non_rising, pieces
 from tests.models import hf_greedy, load_reference
 
 
@@ -20,6 +20,20 @@ def test_choose_takes_the_smallest_size_within_the_tolerance():
     assert choose(per_token, 0.05) == 128
     assert choose(per_token, 0.0) == 256
     assert choose(per_token, 0.25) == 64
+
+
+def test_non_rising_pools_adjacent_violators_into_their_mean():
+    assert non_rising([5.0, 3.0, 4.0, 2.0]) == [5.0, 3.5, 3.5, 2.0]
+    assert non_rising([1.0, 2.0, 3.0]) == [2.0, 2.0, 2.0]
+    assert non_rising([4.0, 3.0, 3.0, 1.0]) == [4.0, 3.0, 3.0, 1.0]
+
+
+def test_a_dip_at_one_size_that_a_bigger_size_does_not_share_is_read_as_noise():
+    """Per-token cost cannot truly rise with the step size: 1,024's dip under 2,048 is pooled
+    with its neighbours, and the smallest size within the tolerance of the curve wins (the
+    sizes' own minimum, 0.98, would have chosen 1,024)."""
+    assert choose({256: 1.01, 512: 1.02, 1024: 0.98, 2048: 1.03}, 0.02) == 256
+    assert choose({256: 1.05, 512: 1.02, 1024: 0.98, 2048: 0.97}, 0.02) == 1024      # a real knee stays
 
 
 def test_ladder_starts_at_the_floor_and_stops_at_the_ceiling():
@@ -70,6 +84,31 @@ def test_measure_finds_the_knee_of_a_known_cost_curve():
     assert probe.tokens == 512 and TOLERANCE == 0.02
     assert probe.per_token_s == pytest.approx({m: 0.001 + 0.010 / m for m in LADDER})
     assert sorted(set(eng.steps)) == list(LADDER)          # each size as one step of its tokens
+
+
+class LuckyFakeEngine(FakeEngine):
+    """FakeEngine whose second timed step of `lucky` tokens runs 10 % fast (a shared host's
+    quiet moment)."""
+
+    def __init__(self, lucky: int, *args):
+        super().__init__(*args)
+        self.lucky = lucky
+
+    def step(self) -> None:
+        super().step()
+        if self.steps[-1] == self.lucky and self.steps.count(self.lucky) == 3:    # the warm round is the first
+            self.step_time_s *= 0.9
+
+
+def test_one_lucky_round_does_not_choose_the_budget():
+    """Each size's time is the median of its rounds: a 2,048-token step that once ran 10 %
+    fast (its best round 0.904 ms a token, below every other size's) leaves the choice where
+    the steady curve puts it, 512."""
+    eng = LuckyFakeEngine(2048, 0.010, 0.001)
+    probe = measure(eng, 64, 2048)
+    assert eng.steps.count(2048) == 4
+    assert probe.tokens == 512
+    assert probe.per_token_s[2048] == pytest.approx(0.001 + 0.010 / 2048)
 
 
 def test_a_size_slower_than_the_limit_ends_the_ladder():
