@@ -6,26 +6,30 @@ throughput and only makes every decoding stream wait longer for its next token. 
 knee sits depends on the host (a CPU's cores, whether it has AMX tiles, its memory bandwidth;
 a GPU's), the model and its dtype, so a fixed 512 is right on few of them. The engine measures
 its own curve instead: a prompt of each size on `LADDER` (from `max_num_seqs`, which every
-step must hold, up to the largest that fits) runs as one step, in `ROUNDS` rounds that
-alternate the sizes so that a shared host's slow minutes fall on every size alike, and the
-budget is the smallest size whose best time per token is within `TOLERANCE` of the best
-size's. A size whose step takes longer than `MAX_STEP_S` ends the ladder: such a step stalls
-every stream.
+step must hold, up to the largest that fits, and `FIT_RUNG` below it, timed for the fit only)
+runs as one step, in `ROUNDS` rounds that alternate the sizes so that a shared host's slow
+minutes fall on every size alike. Each size's time per token is the median of its rounds, and
+the curve is fitted as b + a / size by least squares: b what a token costs once the step's
+matmuls are full, a the step's fixed cost (scheduling, sampling, small matmuls' waste). The
+budget is the smallest size whose fitted cost per token is within `TOLERANCE` of b. A size whose
+step takes longer than `MAX_STEP_S` ends the ladder: such a step stalls every stream.
 
 On Zen 4 (2 cores, bf16, SmolLM2-135M) the probe measured 1475 / 1495 / 1541 / 1544 / 1534 /
 1493 prompt tok/s at steps of 64 / 128 / 256 / 512 / 1,024 / 2,048 tokens: a flat curve (two
-cores' matmuls are compute-bound from a few dozen rows), whose 2% budget is 256. The tolerance
-is small because a flat curve's smallest size is not free when served: fewer streams decode
-at once, and each step's fixed work (scheduling, sampling, streaming on the same cores) recurs
-more often (docs/BENCHMARKS.md §2).
+cores' matmuls are compute-bound from a few dozen rows). The tolerance is small because a
+flat curve's smallest size is not free when served: fewer streams decode at once, and each
+step's fixed work (scheduling, sampling, streaming on the same cores) recurs more often
+(docs/BENCHMARKS.md §2).
 
-Each size's time is the median of its rounds, and the curve chosen from is the closest one
-that never rises with the step size (a bigger step spreads its fixed work over more tokens and
-fills its matmuls better, so its cost per token cannot truly be higher). On a flat curve the
-noise of a shared host decided the choice by the best single round, as a minimum: on Zen 4
-(2026-12-07) four probes back to back chose 256, 128, 512 and 512 and a fifth 1,024, whose
-steps stalled every stream for ~1 s; from the same four probes' rounds, medians under the
-non-rising curve choose 256, 512, 256 and 512.
+Why a fit: on such a flat curve the sizes from 128 up differ by less than the host's noise
+(a size's three rounds fall 2-22 % apart on Zen 4), and picking among them by their own times
+let the noise choose. The rule until 2026-12-07 (each size's best round, the smallest within
+2 % of the best size's) chose 512 / 128 / 256 / 512 / 512 in five probes on Zen 4 (2026-12-07,
+`max_num_seqs` 64) and 1,024 in a sixth, whose prompt steps stalled every stream for ~1 s;
+medians on a non-rising curve (`3d75944`) chose 256 / 128 / 1,024 / 512 / 512 on the same
+rounds. The fit, over all sizes from 32 tokens, chose 512 in all five, and in four probes
+from a 16-token floor (`max_num_seqs` 16) too; from 64 tokens without the 32-token rung the
+fit chose 1,024 / 1,024 / 512 / 512 / 512: the small sizes are what pin a down.
 
 No torch here: the probe times the engine's own steps (`LLMEngine.step`), whatever the
 device, dtype, attention backend or compilation mode. The engine builds its scheduler again
@@ -43,8 +47,9 @@ from .config import SamplingParams
 
 LADDER = (64, 128, 256, 512, 1024, 2048)
 PIECE = 32                   # tokens per probe prompt, at least
+FIT_RUNG = 32                # a size below the floor timed for the fit only
 ROUNDS = 3                   # rounds after the warm one (first steps at a new size build kernels)
-TOLERANCE = 0.02             # the budget's time per token may exceed the best by this fraction
+TOLERANCE = 0.02             # the budget's fitted time per token may exceed b by this fraction
 MAX_STEP_S = 2.0             # a size slower than this ends the ladder
 
 
@@ -65,26 +70,24 @@ def ladder(floor: int, ceiling: int) -> list[int]:
     return sizes if sizes and sizes[0] == floor else [floor, *sizes]
 
 
-def non_rising(values: list[float]) -> list[float]:
-    """The closest sequence (least squares) to `values` that never rises: adjacent violators
-    pooled into their mean, as isotonic regression does."""
-    pools: list[list[float]] = []                           # [sum, count] of each pooled run
-    for v in values:
-        pools.append([v, 1])
-        while len(pools) > 1 and pools[-2][0] / pools[-2][1] < pools[-1][0] / pools[-1][1]:
-            total, count = pools.pop()
-            pools[-1][0] += total
-            pools[-1][1] += count
-    return [total / count for total, count in pools for _ in range(count)]
+def fit(per_token_s: dict[int, float]) -> tuple[float, float]:
+    """(a, b) of the least-squares line per_token = b + a / size through the sizes' times."""
+    xs, ys = [1 / m for m in per_token_s], list(per_token_s.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    return a, my - a * mx
 
 
-def choose(per_token_s: dict[int, float], tolerance: float = TOLERANCE) -> int:
-    """The smallest size whose time per token, on the non-rising curve through the sizes' times,
-    is within `tolerance` of the curve's lowest."""
-    sizes = sorted(per_token_s)
-    curve = dict(zip(sizes, non_rising([per_token_s[m] for m in sizes])))
-    best = min(curve.values())
-    return min(m for m, s in curve.items() if s <= best * (1 + tolerance))
+def choose(per_token_s: dict[int, float], tolerance: float = TOLERANCE, floor: int = 0) -> int:
+    """The smallest size of at least `floor` whose cost per token on the fitted b + a / size is
+    within `tolerance` of b (the largest size if none is; the smallest if steps have no fixed
+    cost to spread, a <= 0)."""
+    sizes = sorted(m for m in per_token_s if m >= floor)
+    a, b = fit(per_token_s)
+    if a <= 0 or b <= 0:
+        return sizes[0] if a <= 0 else sizes[-1]
+    return next((m for m in sizes if a / m <= tolerance * b), sizes[-1])
 
 
 def pieces(size: int, max_seqs: int) -> list[int]:
@@ -100,6 +103,8 @@ def measure(engine, floor: int, ceiling: int, seed: int = 0) -> BudgetProbe:
     at least `ceiling`); the engine must be idle, and is left with nothing queued."""
     rng = random.Random(seed)
     sizes, rounds = ladder(floor, ceiling), {}
+    if FIT_RUNG < sizes[0]:
+        sizes = [FIT_RUNG, *sizes]
     for r in range(ROUNDS + 1):
         for m in list(sizes):
             if m not in sizes:                                       # past a size that ended the ladder
@@ -113,7 +118,7 @@ def measure(engine, floor: int, ceiling: int, seed: int = 0) -> BudgetProbe:
                 seconds += engine.step_time_s
             if r:
                 rounds.setdefault(m, []).append(seconds)
-            if seconds > MAX_STEP_S * (1 if r else 4) and m != sizes[0]:     # (the warm round: kernels build)
+            if seconds > MAX_STEP_S * (1 if r else 4) and m > floor:         # (the warm round: kernels build)
                 sizes = sizes[:sizes.index(m) + 1]
     per_token = {m: statistics.median(rounds[m]) / m for m in sizes}
-    return BudgetProbe(choose(per_token), per_token)
+    return BudgetProbe(choose(per_token, floor=floor), per_token)

@@ -66,7 +66,7 @@ class SchedulerConfig(Section):
     max_num_batched_tokens: int | None = knob(512, "a step's token budget (>= max_num_seqs: each running "
                                               "sequence needs its decode token)", check=POSITIVE_INT,
                                               none="auto: measured at start, the smallest step whose prompt "
-                                              "tokens cost within 2% of the cheapest (medians, a non-rising "
+                                              "tokens cost within 2% of a full step's (a fit of the measured "
                                               "curve: budget_probe.py)")
     chunked_prefill: bool = knob(True, "split long prompts over steps (off: prefill-first, unchunked, "
                                  "for comparison)")
