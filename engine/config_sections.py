@@ -168,6 +168,10 @@ class SpeculativeConfig(Section):
     speculative_min_acceptance: float = knob(0.3, "below this recent acceptance a sequence stops proposing a while",
                                              check=Check(lambda v: _is_num(v) and 0.0 <= v <= 1.0,
                                                          "must be a number in [0, 1]"))
+    speculative_disable_by_batch_size: int | None = knob(None, "a step decoding more sequences than this proposes "
+                                                         "nothing (vLLM's flag: many rows make a step compute-bound, "
+                                                         "where verifying drafts stops paying)", check=POSITIVE_INT,
+                                                         none="off: proposals at every batch size")
 
     def check(self) -> None:
         self.need(self.speculative_ngram_min <= self.speculative_ngram_max <= 16, "speculative_ngram_max",

@@ -17,7 +17,9 @@ exactly the plain step.
 Adaptive: each sequence keeps an average of its recent acceptance (accepted / proposed,
 weight 1/2 on the last verification); below `speculative_min_acceptance` it stops proposing
 for a back-off of 4 decode steps, doubling (to 256) each time it fails again, and resets when
-it accepts well. Plain sampling or a grammar: rows with penalties, logit bias, min-p or
+it accepts well. With `speculative_disable_by_batch_size` (vLLM's flag), a step that decodes
+more sequences than that proposes nothing: wide steps are compute-bound, and there verifying
+drafts costs more than it saves. Plain sampling or a grammar: rows with penalties, logit bias, min-p or
 logprobs never propose (their next distribution depends on the tokens before it through
 more than the model and the grammar). A grammar-constrained row proposes what its grammar
 forces next (llguidance's fast-forward tokens, the jump-forward of structured output) or
@@ -95,6 +97,7 @@ class Speculator:
         self.k = config.num_speculative_tokens
         self.lo, self.hi = config.speculative_ngram_min, config.speculative_ngram_max
         self.min_acceptance = config.speculative_min_acceptance
+        self.max_rows = config.speculative_disable_by_batch_size
         self.proposed_tokens = 0           # drafts verified
         self.accepted_tokens = 0           # drafts the model agreed with
         self.verified_rows = 0             # decode entries that carried drafts
@@ -103,7 +106,7 @@ class Speculator:
         """Add proposals to the step's decode entries while the budget (what decodes,
         prefills and admissions left) and free KV blocks (beyond `reserve`, shared by every KV
         group's table) allow."""
-        if not self.k:
+        if not self.k or (self.max_rows is not None and out.num_decode_tokens > self.max_rows):
             return
         for i, seq in enumerate(out.seqs):
             left = out.budget_left

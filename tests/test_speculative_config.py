@@ -82,3 +82,44 @@ def test_sliding_window_families_keep_their_output(family, tmp_path, tokenizer_d
     got, _ = run(eng, staggered(ps, params))
     assert got == want
     assert eng.stats()["spec_accepted_tokens"] > 0
+
+
+def test_a_step_decoding_more_rows_than_the_limit_proposes_nothing(repeat_model):
+    """speculative_disable_by_batch_size = 2 (vLLM's flag): while three sequences decode, no
+    row carries drafts; once one has ended, the two left propose again. The tokens are the
+    plain run's either way."""
+    ps = prompts(3, seed=5)
+    reqs = [(f"r{i}", p, SamplingParams(max_tokens=20 + 25 * i, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(ps)]
+    want, _ = run(engine(repeat_model, 0), {0: reqs})
+    eng = engine(repeat_model, 4, speculative_disable_by_batch_size=2)
+    for rid, p, params in reqs:
+        eng.add_request(rid, p, params)
+    got: dict[str, list[int]] = {}
+    drafted_wide = drafted_narrow = 0
+    while eng.has_unfinished():
+        decoding = sum(1 for s in eng.scheduler.running if not s.computes_prompt)
+        before = eng.stats()["spec_verified_rows"]
+        for out in eng.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        rows = eng.stats()["spec_verified_rows"] - before
+        if decoding > 2:
+            drafted_wide += rows
+        else:
+            drafted_narrow += rows
+    assert got == want
+    assert drafted_wide == 0 and drafted_narrow > 0
+
+
+def test_the_batch_limit_is_validated_and_reaches_the_cli():
+    with pytest.raises(ValueError, match="EngineConfig.speculative_disable_by_batch_size"):
+        EngineConfig(speculative_disable_by_batch_size=0)
+    import argparse
+
+    from engine.config_cli import add_engine_args, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config_from_args(p.parse_args([])).speculative_disable_by_batch_size is None
+    args = p.parse_args(["--speculative-disable-by-batch-size", "16"])
+    assert engine_config_from_args(args).speculative_disable_by_batch_size == 16
