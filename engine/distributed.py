@@ -159,6 +159,15 @@ class Ranks:
         """'rank R (exit code C)' for each rank process that is gone."""
         return [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs, 1) if not p.is_alive()]
 
+    def dead_after_failure(self, wait_s: float = 1.0, poll_s: float = 0.01) -> list[str]:
+        """dead(), after waiting up to `wait_s` for a rank to be seen gone: a collective fails as
+        soon as a dying rank's sockets close, a moment before the process can be reaped (longer
+        on a loaded host), and the failure should name the rank."""
+        deadline = time.monotonic() + wait_s
+        while not (gone := self.dead()) and time.monotonic() < deadline:
+            time.sleep(poll_s)
+        return gone
+
     def stop(self, grace_s: float) -> None:
         """Wait up to `grace_s` for the ranks to exit, then kill them (they ignore SIGTERM)."""
         deadline = time.monotonic() + grace_s

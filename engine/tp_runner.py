@@ -180,7 +180,8 @@ class _Collective:
         self.runner._lock.release()
         if exc is not None and not isinstance(exc, RankFailure):
             self.runner.failed = f"{type(exc).__name__}: {exc}"
-            raise RankFailure(f"tensor parallelism failed: {self.runner.failed}") from exc
+            dead = [f"{rank} exited" for rank in self.runner.ranks.dead_after_failure()]
+            raise RankFailure(f"tensor parallelism failed: {'; '.join([*dead, self.runner.failed])}") from exc
         return False
 
 

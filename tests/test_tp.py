@@ -240,3 +240,29 @@ def test_killed_rank_fails_the_stream_and_health_and_sigterm_ends_the_tree(tiny_
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _exit_after(rank: int, delay_s: float, code: int, *parent_pid) -> None:
+    time.sleep(delay_s)
+    os._exit(code)
+
+
+def test_a_failure_waits_for_the_dying_rank_and_names_it():
+    """A collective fails as soon as a dying rank's sockets close, a moment before its process
+    can be reaped: `dead_after_failure` waits (bounded) until the rank is seen gone, so the
+    failure names it; with no rank dying it gives up after its wait."""
+    from engine.distributed import Ranks
+
+    ranks = Ranks(_exit_after, 2, (1.0, 7))
+    try:
+        assert ranks.dead() == []                            # still starting, or sleeping
+        assert ranks.dead_after_failure(wait_s=60.0) == ["rank 1 (exit code 7)"]
+    finally:
+        ranks.stop(grace_s=0.0)
+    alive = Ranks(_exit_after, 2, (60.0, 0))
+    try:
+        start = time.monotonic()
+        assert alive.dead_after_failure(wait_s=0.3) == []
+        assert time.monotonic() - start >= 0.3
+    finally:
+        alive.stop(grace_s=0.0)
