@@ -60,7 +60,7 @@ def verify(logits: torch.Tensor, drafted: list[tuple[Sequence, list[int]]],
     constrained = {r for r, seq in enumerate(rows) if seq.grammar_state is not None}
     cdf, at = None, {}
     if any(sampled):                  # rows drawn with torch's cumulative sums (a top-k or top-p cut)
-        keep = [r for r, seq in enumerate(rows) if not seq.params.greedy and seq.grammar_state is None
+        keep = [r for r, seq in enumerate(rows) if not seq.params.greedy and r not in constrained
                 and not drawn_in_kernel(logits, seq.params)]
         at = {r: j for j, r in enumerate(keep)}
         cdf = plain_probs(logits[keep], [rows[r] for r in keep]).cumsum(dim=-1) if keep else None   # [R', V]

@@ -19,9 +19,9 @@ weight 1/2 on the last verification); below `speculative_min_acceptance` it stop
 for a back-off of 4 decode steps, doubling (to 256) each time it fails again, and resets when
 it accepts well. With `speculative_disable_by_batch_size` (vLLM's flag), a step that decodes
 more sequences than that proposes nothing: wide steps are compute-bound, and there verifying
-drafts costs more than it saves. Plain sampling or a grammar: rows with penalties, logit bias, min-p or
-logprobs never propose (their next distribution depends on the tokens before it through
-more than the model and the grammar). A grammar-constrained row proposes what its grammar
+drafts costs more than it saves. Plain sampling or a grammar: rows with penalties, logit
+bias, min-p or logprobs never propose (their next distribution depends on the tokens before
+it through more than the model and the grammar). A grammar-constrained row proposes what its grammar
 forces next (llguidance's fast-forward tokens, the jump-forward of structured output) or
 else its n-gram proposal, cut where the grammar would refuse it (grammar_runtime.py's
 `GrammarState.drafts`); verification masks each position by the grammar's state after the
