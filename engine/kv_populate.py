@@ -85,16 +85,20 @@ def _madvise():
     return fn
 
 
-def populate(pool: torch.Tensor, t0: int, t1: int) -> bool:
-    """Fault in tokens [t0, t1) of every slab of `pool` ([L, S, ...], contiguous) writable,
-    without writing them. False where the OS refuses the advice."""
+def slabs(pool: torch.Tensor) -> tuple[int, int, int, int]:
+    """A contiguous pool [L, S, ...] as plain integers: (address, slab bytes, bytes a token, L)."""
+    slab = pool[0].numel() * pool.element_size()
+    return pool.data_ptr(), slab, slab // pool.shape[1], pool.shape[0]
+
+
+def advise(geometry: tuple[int, int, int, int], t0: int, t1: int) -> bool:
+    """populate() over slabs()' integers. No torch call: the thread runs only this and ctypes
+    (see Populator)."""
     fn = _madvise()
     if fn is None:
         return False
-    slab = pool[0].numel() * pool.element_size()
-    per_token = slab // pool.shape[1]
-    base = pool.data_ptr()
-    for layer in range(pool.shape[0]):
+    base, slab, per_token, layers = geometry
+    for layer in range(layers):
         start = base + layer * slab + t0 * per_token
         end = base + layer * slab + t1 * per_token
         start -= start % PAGE
@@ -105,8 +109,22 @@ def populate(pool: torch.Tensor, t0: int, t1: int) -> bool:
     return True
 
 
+def populate(pool: torch.Tensor, t0: int, t1: int) -> bool:
+    """Fault in tokens [t0, t1) of every slab of `pool` ([L, S, ...], contiguous) writable,
+    without writing them. False where the OS refuses the advice."""
+    return advise(slabs(pool), t0, t1)
+
+
 class Populator:
-    """The background thread over CPU pools of one shape [L, S, ...] (a pool's K and V)."""
+    """The background thread over CPU pools of one shape [L, S, ...] (a pool's K and V).
+
+    The thread calls no torch function: their bindings release the GIL, and a daemon thread
+    that takes it back while the interpreter finalizes is ended by pthread_exit, whose unwinding
+    through the binding's noexcept GIL guard calls std::terminate. A server stopped while the
+    pool was still being populated then died of SIGABRT after its clean shutdown (seen in CI,
+    2026-12-07). So the pools' addresses are read here, as integers, and the thread holds the
+    tensors (by weak reference, made strong for a piece) only to know their memory is still
+    mapped."""
 
     def __init__(self, pools: list[torch.Tensor], block_size: int):
         self.tokens = pools[0].shape[1]
@@ -119,6 +137,7 @@ class Populator:
         self.stopped = False             # the thread has ended (done, failed or the pool dropped)
         self._cv = threading.Condition()
         self._refs = [weakref.ref(p) for p in pools]
+        self._geometry = [slabs(p) for p in pools]
         threading.Thread(target=self._run, name="sg-kv-populate", daemon=True).start()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -145,7 +164,7 @@ class Populator:
                     log.info("KV pool populated up to token %d of %d: %d MiB left free", self.populated,
                              self.tokens, free >> 20)
                     return
-                if all(populate(p, self.populated, end) for p in pools):
+                if all(advise(g, self.populated, end) for g in self._geometry):
                     self.populated = end
                 else:
                     self.failed = True

@@ -8,6 +8,7 @@ import ctypes
 import mmap
 import os
 import sys
+import threading
 import weakref
 
 import pytest
@@ -87,6 +88,29 @@ def test_dropping_the_pool_ends_the_thread():
     del pools
     assert pop.wait(timeout=120) in (True, False)
     assert pop.stopped and all(r() is None for r in refs)
+
+
+class Watched(torch.Tensor):
+    """A tensor that records which thread calls each torch function on it."""
+    threads: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.threads.append(threading.current_thread().name)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_the_thread_calls_no_torch_function():
+    """Torch's bindings release the GIL; a daemon thread retaking it while the interpreter
+    finalizes is ended by pthread_exit through a noexcept guard: SIGABRT after a clean shutdown.
+    So the populating thread reads only integers taken on the caller's thread (madvise or not:
+    where it is refused, the thread still makes its one try)."""
+    pools = [region(4 << 20).view(torch.float32).view(4, 256, 1024).as_subclass(Watched) for _ in range(2)]
+    Watched.threads.clear()
+    pop = Populator(pools, block_size=16)
+    pop.wait(timeout=120)
+    assert pop.stopped
+    assert Watched.threads and set(Watched.threads) == {threading.current_thread().name}
 
 
 @needs_populate
