@@ -5,6 +5,7 @@ streamgate on a tiny model."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -99,7 +100,28 @@ def test_server_specs_parse_and_bad_ones_name_the_option():
     assert (spec.name, spec.kind, spec.flags) == ("sg-bf16", "streamgate", ("--dtype", "bfloat16", "--max-num-seqs", "64"))
     assert parse_server("vllm").name == "vllm" and parse_server("vllm").flags == ()
     with pytest.raises(ValueError, match="--server"):
-        parse_server("x=llamacpp")
+        parse_server("x=sglang")
+
+
+def test_llamacpp_spec_picks_the_gguf_and_passes_the_rest_to_llama_server(tmp_path):
+    """`--outtype` chooses which GGUF (converted once, then reused: here one is already there)
+    and is not passed on; every other flag reaches llama-server after the harness's own, with
+    a slot per stream of the largest level and the host's cores as threads."""
+    from bench.peers import llamacpp
+
+    binary = tmp_path / "build" / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "SmolLM2-q8_0.gguf").write_bytes(b"GGUF")
+    spec = parse_server("lc=llamacpp:--outtype q8_0 --spec-type ngram-mod")
+    cmd = llamacpp.command(str(binary), "/models/SmolLM2", 8123, spec.flags)
+    assert cmd[0] == str(binary) and "--outtype" not in cmd
+    assert cmd[cmd.index("--model") + 1] == str(tmp_path / "models" / "SmolLM2-q8_0.gguf")
+    assert cmd[cmd.index("--port") + 1] == "8123" and cmd[-2:] == ["--spec-type", "ngram-mod"]
+    assert int(cmd[cmd.index("--parallel") + 1]) == llamacpp.PARALLEL == 32
+    assert int(cmd[cmd.index("--threads") + 1]) == os.cpu_count()
+    assert llamacpp.split_flags(("--outtype=f32", "-b", "512")) == ("f32", ["-b", "512"])
+    assert llamacpp.split_flags(()) == ("bf16", [])
 
 
 def test_the_guidellm_command_line_is_logged_without_the_api_key(tmp_path, capsys):

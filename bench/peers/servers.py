@@ -1,7 +1,7 @@
 """The servers `bench.peers` compares, each started on loopback one at a time: streamgate
 (through `bench.server`), vLLM for CPU from its own venv, and optionally Hugging Face's
 `transformers serve` (from its own venv too: the project's does not carry its serving
-extras). A server spec on the command line is `NAME=KIND[:FLAGS]`, e.g.
+extras) and llama.cpp's `llama-server` (bench/peers/llamacpp.py). A server spec on the command line is `NAME=KIND[:FLAGS]`, e.g.
 `sg-bf16=streamgate:--dtype bfloat16` or `vllm-fp32=vllm:--dtype float32`.
 
 Threads: streamgate's engine takes torch's default (one OpenMP thread per core) unless
@@ -27,8 +27,9 @@ from pathlib import Path
 import httpx
 
 from bench import server
+from bench.peers import llamacpp
 
-KINDS = ("streamgate", "vllm", "hf")
+KINDS = ("streamgate", "vllm", "hf", "llamacpp")
 DEFAULT_SERVERS = ("streamgate-fp32=streamgate:--dtype float32", "streamgate-bf16=streamgate:--dtype bfloat16",
                    "vllm-bf16=vllm:--dtype bfloat16", "vllm-fp32=vllm:--dtype float32")
 STREAMGATE_FLAGS = ["--policy", "fcfs", "--drain-grace", "2"]
@@ -98,6 +99,9 @@ def start(spec: ServerSpec, model_dir: str, workdir: Path, *, peer_python: dict[
             cmd = [peer_python["vllm"], "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                    "--host", "127.0.0.1", "--port", str(port), *spec.flags]
             env = {**VLLM_ENV, **os.environ}
+        elif spec.kind == "llamacpp":
+            cmd = llamacpp.command(peer_python["llamacpp"], model_dir, port, spec.flags)
+            env = dict(os.environ)
         else:
             cmd = [str(Path(peer_python["hf"]).parent / "transformers"), "serve", "--host", "127.0.0.1",
                    "--port", str(port), *spec.flags, model_dir]

