@@ -176,30 +176,43 @@ class SseDriver(_HttpStats):
 
         body = {**chat_body(req), "stream": True, "stream_options": {"include_usage": True}}
         headers = {"Authorization": f"Bearer {self.keys[req.tenant]}"}
-        rec["send"] = time.perf_counter() - t0
+        for attempt in (1, 2):
+            rec["send"] = time.perf_counter() - t0
+            answered = []
+            try:
+                return await self._stream(body, headers, rec, t0, answered)
+            except httpx.RemoteProtocolError as exc:
+                # A keep-alive connection the server had already closed (llama.cpp's server
+                # closes them): nothing was answered, so the request goes once more on a fresh
+                # connection, its clock restarted.
+                if attempt == 1 and not answered:
+                    continue
+                return _fail(rec, time.perf_counter() - t0, f"transport_error: {type(exc).__name__}")
+            except httpx.HTTPError as exc:
+                return _fail(rec, time.perf_counter() - t0, f"transport_error: {type(exc).__name__}")
+
+    async def _stream(self, body: dict, headers: dict, rec: dict, t0: float, answered: list) -> None:
         finish = usage = timings = None
-        try:
-            async with self.client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
-                if r.status_code != 200:
-                    raw, code = await r.aread(), None
-                    with contextlib.suppress(ValueError, KeyError, TypeError):
-                        code = json.loads(raw)["error"]["code"]
-                    return _fail(rec, time.perf_counter() - t0, code or f"http_{r.status_code}", r.status_code)
-                async for line in r.aiter_lines():
-                    t = time.perf_counter() - t0
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        return _fail(rec, t, chunk["error"].get("code") or "error")
-                    for choice in chunk.get("choices") or ():
-                        if choice["delta"].get("content"):
-                            rec["deltas"].append([round(t, 6), chunk.get("num_tokens", 1)])
-                        finish = choice.get("finish_reason") or finish
-                    usage, timings = chunk.get("usage") or usage, chunk.get("timings") or timings
-                _finish(rec, time.perf_counter() - t0, finish, usage, timings)
-        except httpx.HTTPError as exc:
-            _fail(rec, time.perf_counter() - t0, f"transport_error: {type(exc).__name__}")
+        async with self.client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+            answered.append(r.status_code)
+            if r.status_code != 200:
+                raw, code = await r.aread(), None
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    code = json.loads(raw)["error"]["code"]
+                return _fail(rec, time.perf_counter() - t0, code or f"http_{r.status_code}", r.status_code)
+            async for line in r.aiter_lines():
+                t = time.perf_counter() - t0
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return _fail(rec, t, chunk["error"].get("code") or "error")
+                for choice in chunk.get("choices") or ():
+                    if choice["delta"].get("content"):
+                        rec["deltas"].append([round(t, 6), chunk.get("num_tokens", 1)])
+                    finish = choice.get("finish_reason") or finish
+                usage, timings = chunk.get("usage") or usage, chunk.get("timings") or timings
+            _finish(rec, time.perf_counter() - t0, finish, usage, timings)
 
     async def close(self) -> None:
         await self.client.aclose()
