@@ -35,7 +35,7 @@ SERVING_REGIONS = {
 }
 # Published runs moved to docs/bench/HISTORY.md (older builds and hosts): their JSON stays and must
 # still render, but their region is no longer on the page.
-MOVED_TO_HISTORY = {"peers-zen5-bf16", "peers-zen1-fp32", "peers-zen1-fp32-2threads"}
+MOVED_TO_HISTORY = {"peers-zen5-bf16", "peers-zen1-fp32", "peers-zen1-fp32-2threads", "serve-mixed"}
 
 
 def _prov(benchmark: str, command: str) -> dict:
