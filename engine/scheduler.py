@@ -96,6 +96,7 @@ class Scheduler(Preemption):
         self.bm.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self.speculator.retire(seq)
 
     # -- the step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .config import EngineConfig, SamplingParams
+from .ngram_history import NgramHistory
 from .sequence import Sequence
 
 if TYPE_CHECKING:
@@ -47,12 +48,13 @@ class NgramIndex:
     """Every n-gram (n in [lo, hi]) of a growing token list -> the index of its most recent
     last token. Append-only, as a sequence's committed tokens are."""
 
-    __slots__ = ("lo", "hi", "last", "upto")
+    __slots__ = ("lo", "hi", "last", "upto", "matched")
 
     def __init__(self, lo: int, hi: int):
         self.lo, self.hi = lo, hi
         self.last: dict[tuple[int, ...], int] = {}
         self.upto = 0                      # n-grams ending before this index are indexed
+        self.matched = 0                   # the last proposal's n (0: none)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to `k` tokens that followed the most recent earlier occurrence of the longest
@@ -62,9 +64,11 @@ class NgramIndex:
             for n in range(self.lo, min(self.hi, i + 1) + 1):
                 self.last[tuple(tokens[i - n + 1:i + 1])] = i
         self.upto = max(self.upto, end)
+        self.matched = 0
         for n in range(min(self.hi, len(tokens)), self.lo - 1, -1):
             at = self.last.get(tuple(tokens[len(tokens) - n:]))
             if at is not None:
+                self.matched = n
                 out: list[int] = []
                 for j in range(at + 1, at + 1 + k):      # past the end: the proposal itself
                     out.append(tokens[j] if j < len(tokens) else out[j - len(tokens)])
@@ -98,6 +102,8 @@ class Speculator:
         self.lo, self.hi = config.speculative_ngram_min, config.speculative_ngram_max
         self.min_acceptance = config.speculative_min_acceptance
         self.max_rows = config.speculative_disable_by_batch_size
+        self.history = (NgramHistory(config.speculative_history_tokens, self.lo, self.hi)
+                        if self.k and config.speculative_history_tokens else None)
         self.proposed_tokens = 0           # drafts verified
         self.accepted_tokens = 0           # drafts the model agreed with
         self.verified_rows = 0             # decode entries that carried drafts
@@ -133,8 +139,24 @@ class Speculator:
             state.skip -= 1
             return []
         if seq.grammar_state is not None:                  # grammar_runtime.GrammarState.drafts
-            return seq.grammar_state.drafts(seq.output_token_ids, lambda: state.index.propose(seq.token_ids(), k), k)
-        return state.index.propose(seq.token_ids(), k)
+            return seq.grammar_state.drafts(seq.output_token_ids, lambda: self._ngrams(seq, state, k), k)
+        return self._ngrams(seq, state, k)
+
+    def _ngrams(self, seq: Sequence, state: SpecState, k: int) -> list[int]:
+        """The sequence's own n-gram proposal, or its tenant's history's (ngram_history.py)
+        where that matched a longer suffix."""
+        tokens = seq.token_ids()
+        drafts = state.index.propose(tokens, k)
+        if self.history is not None and state.index.matched < self.hi:
+            more = self.history.propose(seq.tenant, tokens, k, longer_than=state.index.matched)
+            drafts = more or drafts
+        return drafts
+
+    def retire(self, seq: Sequence) -> None:
+        """A finished sequence's answer (with the end of its prompt, so that the answer's first
+        tokens are found after it) joins its tenant's history."""
+        if self.history is not None and seq.output_token_ids:
+            self.history.add(seq.tenant, seq.prompt_token_ids[-self.hi:] + seq.output_token_ids)
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """A verification's result: counters, and the sequence's back-off."""
