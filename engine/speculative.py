@@ -5,7 +5,9 @@ Each decoding sequence proposes up to `num_speculative_tokens` tokens from its o
 `speculative_ngram_min`) that occurred before is looked up, and the tokens that followed
 its most recent occurrence are proposed (vLLM's `ngram` method, llama.cpp's lookup
 decoding). A continuation that runs into the present repeats it periodically, so a
-sequence stuck in a loop of period d proposes the whole loop, not d tokens.
+sequence stuck in a loop of period d proposes the whole loop, not d tokens. With
+`speculative_history_tokens`, the tenant's finished requests propose too, where they match a
+longer suffix (ngram_history.py).
 
 The scheduler (`Speculator.extend`, after decodes, prefills and admissions, from the budget
 they leave: a prompt is never delayed by proposals) turns a decode entry [last token] into
