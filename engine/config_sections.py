@@ -172,8 +172,9 @@ class SpeculativeConfig(Section):
                                                          "nothing (vLLM's flag: many rows make a step compute-bound, "
                                                          "where verifying drafts stops paying)", check=POSITIVE_INT,
                                                          none="off: proposals at every batch size")
-    speculative_history_tokens: int = knob(0, "tokens of each tenant's finished requests kept to propose from where they "
-                                           "match a longer suffix than the sequence's own tokens (engine/ngram_history.py; 0: off)",
+    speculative_history_tokens: int = knob(0, "tokens of each tenant's finished requests kept to propose from "
+                                           "where they match a longer suffix than the sequence's own tokens "
+                                           "(engine/ngram_history.py; 0: off)",
                                            check=Check(lambda v: _is_int(v) and v >= 0, "must be an int >= 0"))
 
     def check(self) -> None:

@@ -22,6 +22,14 @@ from __future__ import annotations
 from collections import OrderedDict
 
 
+def _grams(tokens: list[int], lo: int, hi: int):
+    """(n-gram, index of its last token) for every n-gram (n in [lo, hi]) that some token
+    follows (an n-gram ending at the last token proposes nothing)."""
+    for i in range(len(tokens) - 1):
+        for n in range(lo, min(hi, i + 1) + 1):
+            yield tuple(tokens[i - n + 1:i + 1]), i
+
+
 class _Tenant:
     __slots__ = ("entries", "index", "tokens", "next_id")
 
@@ -49,18 +57,15 @@ class NgramHistory:
         sid, t.next_id = t.next_id, t.next_id + 1
         t.entries[sid] = tokens
         t.tokens += len(tokens)
-        for i in range(len(tokens) - 1):                # an n-gram ending at the last token proposes nothing
-            for n in range(self.lo, min(self.hi, i + 1) + 1):
-                t.index[tuple(tokens[i - n + 1:i + 1])] = (sid, i)
+        for key, i in _grams(tokens, self.lo, self.hi):
+            t.index[key] = (sid, i)
 
     def _evict(self, t: _Tenant) -> None:
         sid, tokens = t.entries.popitem(last=False)
         t.tokens -= len(tokens)
-        for i in range(len(tokens) - 1):
-            for n in range(self.lo, min(self.hi, i + 1) + 1):
-                key = tuple(tokens[i - n + 1:i + 1])
-                if t.index.get(key, (None,))[0] == sid:
-                    del t.index[key]
+        for key, _ in _grams(tokens, self.lo, self.hi):
+            if t.index.get(key, (None,))[0] == sid:
+                del t.index[key]
 
     def propose(self, tenant: str | None, tokens: list[int], k: int, longer_than: int = 0) -> list[int]:
         """Up to `k` tokens that followed the newest occurrence, in the tenant's history, of the

@@ -28,7 +28,8 @@ class Server:
 
     async def read_request(self, reader) -> bool:
         head = await reader.readuntil(b"\r\n\r\n")
-        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
         await reader.readexactly(length)
         self.requests += 1
         return True

@@ -38,7 +38,8 @@ def source(root: Path) -> Path:
     """The vendored llama.cpp tree under root/src (after install)."""
     found = sorted((root / "src").glob("llama_cpp_python-*/vendor/llama.cpp"))
     if not found:
-        raise FileNotFoundError(f"no llama.cpp source under {root / 'src'} (python -m bench.peers.setup --only llamacpp)")
+        raise FileNotFoundError(f"no llama.cpp source under {root / 'src'} "
+                                "(python -m bench.peers.setup --only llamacpp)")
     return found[-1]
 
 

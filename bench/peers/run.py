@@ -11,11 +11,11 @@ outside client at 1, 8 and 32 concurrent streams of synthetic 256-token prompts 
 
 Each server is started on 127.0.0.1 (`bench.peers.servers`), warmed up with one short
 request, measured at each concurrency (GuideLLM's concurrent profile, or `--client
-loadgen`), and stopped before the next starts. vLLM and `transformers serve` run from
-their own venvs (`--vllm-python`, `--hf-python`, `--llama-server`; `python -m bench.peers.setup` makes them
-under /work/peers); a server whose venv is missing is skipped with a note. Output: a
-table on stdout with ratios against `--peer`, and JSON + markdown in `--out-dir`. The
-machine should be otherwise idle: the 1-minute load average is recorded before each
+loadgen`), and stopped before the next starts. vLLM, `transformers serve` and llama.cpp run
+from their own venvs or build (`--vllm-python`, `--hf-python`, `--llama-server`; `python -m
+bench.peers.setup` makes them under /work/peers); a server whose program is missing is
+skipped with a note. Output: a table on stdout with ratios against `--peer`, and JSON +
+markdown in `--out-dir`. The machine should be otherwise idle: the 1-minute load average is recorded before each
 server and a warning is printed when it is above `--max-load`.
 
 `--roofline PATH` embeds a roofline of this host and model (bench.engine.roofline): the report then
@@ -155,8 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", str(PEERS_DIR / "vllm/bin/python")))
     p.add_argument("--hf-python", default=os.environ.get("HF_SERVE_PYTHON", str(PEERS_DIR / "hf/bin/python")),
                    help="python of a venv with transformers[serving] (for --server NAME=hf)")
-    p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", str(PEERS_DIR / "llamacpp/build/bin/llama-server")),
-                   help="llama.cpp's llama-server, built by bench.peers.setup --only llamacpp (for --server NAME=llamacpp)")
+    p.add_argument("--llama-server",
+                   default=os.environ.get("LLAMA_SERVER", str(PEERS_DIR / "llamacpp/build/bin/llama-server")),
+                   help="llama.cpp's llama-server, built by bench.peers.setup --only llamacpp "
+                        "(for --server NAME=llamacpp)")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated stream counts")
     p.add_argument("--prompt-tokens", type=int, default=256, help="synthetic prompts' length")
     p.add_argument("--output-tokens", type=int, default=64)

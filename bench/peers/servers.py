@@ -1,8 +1,9 @@
 """The servers `bench.peers` compares, each started on loopback one at a time: streamgate
 (through `bench.server`), vLLM for CPU from its own venv, and optionally Hugging Face's
 `transformers serve` (from its own venv too: the project's does not carry its serving
-extras) and llama.cpp's `llama-server` (bench/peers/llamacpp.py). A server spec on the command line is `NAME=KIND[:FLAGS]`, e.g.
-`sg-bf16=streamgate:--dtype bfloat16` or `vllm-fp32=vllm:--dtype float32`.
+extras) and llama.cpp's `llama-server` (bench/peers/llamacpp.py). A server spec on the command
+line is `NAME=KIND[:FLAGS]`, e.g. `sg-bf16=streamgate:--dtype bfloat16` or
+`vllm-fp32=vllm:--dtype float32`.
 
 Threads: streamgate's engine takes torch's default (one OpenMP thread per core) unless
 OMP_NUM_THREADS is set; vLLM for CPU binds its OpenMP threads itself
