@@ -12,7 +12,7 @@ friends):
 - `DIR/hf` (only with `--only hf`: the HF peer is optional): the project's transformers
   with its serving extras, for `transformers serve`.
 - `DIR/llamacpp` (only with `--only llamacpp`): llama.cpp's `llama-server` built from source
-  on this host, and a venv for its GGUF converter (bench/peers/llamacpp.py); ~10 minutes.
+  on this host, and a venv for its GGUF converter (bench/peers/llamacpp.py); ~5 minutes.
 
 Each step is skipped when its venv already imports the package. Takes 5-15 minutes on
 2 cores (mostly unpacking torch and vLLM's dependencies).
