@@ -127,17 +127,17 @@ class Populator:
     mapped."""
 
     def __init__(self, pools: list[torch.Tensor], block_size: int):
+        self._geometry = [slabs(p) for p in pools]
+        _, _, per_token, layers = self._geometry[0]
         self.tokens = pools[0].shape[1]
-        per_token = pools[0][0].numel() * pools[0].element_size() // self.tokens
         self.piece = max(block_size, PIECE_BYTES // per_token // block_size * block_size)   # tokens
         self.populated = 0               # tokens [0, populated) done
-        self.piece_bytes = self.piece * per_token * pools[0].shape[0] * len(pools)     # every slab of every pool
+        self.piece_bytes = self.piece * per_token * layers * len(pools)     # every slab of every pool
         self.failed = False
         self.short_of_memory = False     # stopped to leave RESERVE free: the rest stays lazy
         self.stopped = False             # the thread has ended (done, failed or the pool dropped)
         self._cv = threading.Condition()
         self._refs = [weakref.ref(p) for p in pools]
-        self._geometry = [slabs(p) for p in pools]
         threading.Thread(target=self._run, name="sg-kv-populate", daemon=True).start()
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections import OrderedDict
 
 
-def _grams(tokens: list[int], lo: int, hi: int):
-    """(n-gram, index of its last token) for every n-gram (n in [lo, hi]) that some token
-    follows (an n-gram ending at the last token proposes nothing)."""
-    for i in range(len(tokens) - 1):
+def grams(tokens: list[int], lo: int, hi: int, start: int = 0):
+    """(n-gram, index of its last token) for every n-gram (n in [lo, hi]) ending at an index in
+    [start, len - 1): those some token follows (one ending at the last token proposes nothing)."""
+    for i in range(start, len(tokens) - 1):
         for n in range(lo, min(hi, i + 1) + 1):
             yield tuple(tokens[i - n + 1:i + 1]), i
 
@@ -57,13 +57,13 @@ class NgramHistory:
         sid, t.next_id = t.next_id, t.next_id + 1
         t.entries[sid] = tokens
         t.tokens += len(tokens)
-        for key, i in _grams(tokens, self.lo, self.hi):
+        for key, i in grams(tokens, self.lo, self.hi):
             t.index[key] = (sid, i)
 
     def _evict(self, t: _Tenant) -> None:
         sid, tokens = t.entries.popitem(last=False)
         t.tokens -= len(tokens)
-        for key, _ in _grams(tokens, self.lo, self.hi):
+        for key, _ in grams(tokens, self.lo, self.hi):
             if t.index.get(key, (None,))[0] == sid:
                 del t.index[key]
 

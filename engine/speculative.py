@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .config import EngineConfig, SamplingParams
-from .ngram_history import NgramHistory
+from .ngram_history import NgramHistory, grams
 from .sequence import Sequence
 
 if TYPE_CHECKING:
@@ -61,11 +61,9 @@ class NgramIndex:
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to `k` tokens that followed the most recent earlier occurrence of the longest
         matching suffix of `tokens` ([] if none matches)."""
-        end = len(tokens) - 1              # the suffix ends here; index the n-grams before it
-        for i in range(self.upto, end):
-            for n in range(self.lo, min(self.hi, i + 1) + 1):
-                self.last[tuple(tokens[i - n + 1:i + 1])] = i
-        self.upto = max(self.upto, end)
+        for key, i in grams(tokens, self.lo, self.hi, self.upto):    # those before the suffix's end
+            self.last[key] = i
+        self.upto = max(self.upto, len(tokens) - 1)
         self.matched = 0
         for n in range(min(self.hi, len(tokens)), self.lo - 1, -1):
             at = self.last.get(tuple(tokens[len(tokens) - n:]))
