@@ -192,6 +192,7 @@ class FusedLlama:
             arrange([m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head])
         self.layer_args = self._cpp_layer_args()
         self.cpp_layers = self.layer_args is not None     # tests and benchmarks turn it off to compare
+        self._bound: tuple | None = None                  # (the pools, their LlamaLayers): _bound_layers
         log.info("fused Llama-shaped forward (%s): %d layers, q/k/v and gate/up packed as one GEMM each (%s)",
                  cfg.model_type, len(self.layers), kind)
 
@@ -219,6 +220,17 @@ class FusedLlama:
         eps = [float(e) for l in self.layers for e in (l.eps_in, l.eps_post)]
         return weights, biases, scales, eps, [w.out_features for w in linears[0]], self.layers[0].silu_block
 
+    def _bound_layers(self, pools: list, block_size: int):
+        """csrc/llama_layers.cpp's LlamaLayers: the weights and this cache's (K, V) pools bound
+        once (the cache's row_pools list, the same object every step), so that a step passes
+        only its own tensors (the lists took ~100 us a step to convert)."""
+        if self._bound is None or self._bound[0] is not pools:
+            weights, biases, scales, eps, out_features, block = self.layer_args
+            self._bound = (pools, torch.classes.streamgate.LlamaLayers(
+                weights, biases, scales, eps, out_features, block, [k for k, _ in pools], [v for _, v in pools],
+                block_size, self.layers[0].attn.scaling, self.heads, self.kv_heads, self.head_dim))
+        return self._bound[1]
+
     def _cos_sin(self, residual: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary cos and sin [N, head_dim] fp32 of the step's positions: rows of the table
         where the rope type has one (grown to the next power of two past the largest position
@@ -244,11 +256,8 @@ class FusedLlama:
         direct = kernel_layers(paged)             # one write and one kernel call a layer where it holds
         kb, pools = direct if direct is not None else (None, None)
         if direct is not None and self.cpp_layers and (self.kind != "int8" or n <= INT8_KERNEL_MAX_ROWS):
-            weights, biases, scales, eps, out_features, block = self.layer_args   # one call: csrc/llama_layers.cpp
-            hidden = ops.llama_layers(residual, cos, sin, weights, biases, scales, eps, out_features, block,
-                                      [k for k, _ in pools], [v for _, v in pools], paged.slot_mapping,
-                                      kb.block_tables, kb.q_start, kb.ctx_lens, cache.block_size,
-                                      self.layers[0].attn.scaling, self.heads, self.kv_heads, hd)
+            hidden = ops.llama_layers(self._bound_layers(pools, cache.block_size), residual, cos, sin,   # one call
+                                      paged.slot_mapping, kb.block_tables, kb.q_start, kb.ctx_lens)
             final = ops.add_rms_norm(hidden, residual, self.norm, self.eps)
             return SimpleNamespace(logits=self.lm_head(final[logits_to_keep])[None])
         hidden = x = ops.rms_norm(residual, self.layers[0].norm_in, self.layers[0].eps_in)

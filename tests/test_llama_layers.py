@@ -101,3 +101,24 @@ def test_greedy_tokens_are_the_python_loops(tiny_model, family, quantization, co
     assert tokens[True] == tokens[False]
     assert all(len(t) == 6 for t in tokens[True].values())
     assert counted, "the one-call forward never ran"
+
+
+def test_the_bound_layers_follow_the_cache_they_attend_over(tiny_model):
+    """The weights and pools are bound once (LlamaLayers); a step over another cache's pools
+    (row_pools made again: a new list) binds again, and the tokens stay the Python loop's."""
+    tokens = {}
+    for on in (True, False):
+        eng = engine_for(tiny_model("llama"), "int8")
+        forward, cache = eng.runner.forward, eng.runner.kv_cache
+        forward.cpp_layers = on
+        eng.add_request("a", list(range(100, 140)), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        out, bound = [], []
+        while eng.has_unfinished():
+            for o in eng.step():
+                out.extend(o.new_token_ids)
+            bound.append(forward._bound[1] if forward._bound else None)
+            cache._row_pools = [(k.view(k.shape), v.view(v.shape)) for k, v in cache.row_pools()]   # other tensors
+        tokens[on] = out
+        if on:
+            assert all(b is not None for b in bound) and len({id(b) for b in bound}) == len(bound)
+    assert tokens[True] == tokens[False] and len(tokens[True]) == 6
