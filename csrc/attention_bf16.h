@@ -53,14 +53,15 @@ inline void pack_values_bf16(const c10::BFloat16* v0, const c10::BFloat16* v1, u
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
-// s[j][t] = scale * q_j . k_t for R query rows (qb: R x D bf16, row stride D) and t < kpad,
-// 32 keys at a time, then 16 (the last 16 masked to kpad, which is a multiple of 8).
+// s[j][t] = scale * q_j . k_t for R query rows (qb: R x D bf16, row stride D; s: row stride
+// kpad) and t < keys (a multiple of 8, at most kpad: the keys a span uses, rounded up), 32 keys
+// at a time, then 16 (the last 16 masked to keys).
 template <int R>
 inline void scores_rows_bf16(const c10::BFloat16* qb, const uint32_t* kP, float* s, int64_t kpad, int64_t kpad16,
-                             int64_t D, float scale) {
+                             int64_t D, float scale, int64_t keys) {
   const __m512 sc = _mm512_set1_ps(scale);
   int64_t t = 0;
-  for (; t + 32 <= kpad; t += 32) {
+  for (; t + 32 <= keys; t += 32) {
     __m512 a[R], b[R];
     for (int j = 0; j < R; ++j) a[j] = b[j] = _mm512_setzero_ps();
     for (int64_t p = 0; p < D / 2; ++p) {
@@ -76,8 +77,8 @@ inline void scores_rows_bf16(const c10::BFloat16* qb, const uint32_t* kP, float*
       _mm512_storeu_ps(s + j * kpad + t + 16, _mm512_mul_ps(b[j], sc));
     }
   }
-  for (; t < kpad; t += 16) {
-    const __mmask16 keep = kpad - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (kpad - t)) - 1);
+  for (; t < keys; t += 16) {
+    const __mmask16 keep = keys - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (keys - t)) - 1);
     __m512 a[R];
     for (int j = 0; j < R; ++j) a[j] = _mm512_setzero_ps();
     for (int64_t p = 0; p < D / 2; ++p) {
@@ -163,7 +164,7 @@ constexpr bool kTileBf16 = false;
 inline void pack_key_bf16(const c10::BFloat16*, uint32_t*, int64_t, int64_t, int64_t) {}
 inline void pack_values_bf16(const c10::BFloat16*, const c10::BFloat16*, uint32_t*, int64_t) {}
 template <int R>
-inline void scores_rows_bf16(const c10::BFloat16*, const uint32_t*, float*, int64_t, int64_t, int64_t, float) {}
+inline void scores_rows_bf16(const c10::BFloat16*, const uint32_t*, float*, int64_t, int64_t, int64_t, float, int64_t) {}
 inline void store_scaled_bf16(c10::BFloat16*, const float*, float, int64_t) {}
 template <int R>
 inline void values_rows_bf16(const c10::BFloat16*, const float*, const uint32_t*, float*, int64_t, int64_t, int64_t) {}

@@ -52,8 +52,12 @@ inline int64_t decode_parts(int64_t keys) {
   return parts;
 }
 
-// Keys per online-softmax step of the attention kernel (whole blocks, at least one).
-constexpr int64_t kSpanKeys = 64;
+// Keys per online-softmax step of the attention kernel (whole blocks, at least one). 128 since
+// 2026-12-07 (64 before): a row's softmax bookkeeping per span (the max and sum across lanes, the
+// rescale of its outputs) is paid half as often. Zen 4, SmolLM2's shapes, 30 layers, alternating
+// builds: 32 decode rows over 320 tokens 9.2 against 10.1 ms, a 512-token chunk over 2,048 tokens
+// 239 against 252 ms.
+constexpr int64_t kSpanKeys = 128;
 inline int64_t key_span(int64_t block_size) { return std::max<int64_t>(1, kSpanKeys / block_size) * block_size; }
 
 // The first key of part p of keys [begin, end) cut into `parts` (p == parts: end): the nearest

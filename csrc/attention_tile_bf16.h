@@ -117,8 +117,9 @@ inline void for_rows8(int64_t nq, F&& f) {
 // softmax (causal cut, window, soft cap) and outputs += P V.
 template <class Feat>
 inline void tile_span_bf16(const TileBf16& x, int64_t b0, int64_t n, const Feat& f) {
-  for_rows8(x.nq, [&]<int R>(int64_t i) {                           // keys >= n: never read
-    scores_rows_bf16<R>(x.qb + i * x.D, x.kP, x.s + i * x.kpad, x.kpad, x.kpad16, x.D, x.scale);
+  const int64_t keys = std::min(x.kpad, (n + 7) / 8 * 8);          // keys >= n: never read
+  for_rows8(x.nq, [&]<int R>(int64_t i) {
+    scores_rows_bf16<R>(x.qb + i * x.D, x.kP, x.s + i * x.kpad, x.kpad, x.kpad16, x.D, x.scale, keys);
   });
   softmax_rows(x.s, x.kpad, x.nq, x.qpos, b0, n, f, x.m, x.l, x.alpha,
                [&](int64_t i) { return ProbsBf16{x.pb + i * x.kpad16}; });
