@@ -22,6 +22,7 @@
 #include "attention_decode_bf16.h"
 #include "attention_tile_bf16.h"
 #include "attention_items.h"
+#include "attention_pack.h"
 #include "attention_tiles.h"
 #include "kv_int8.h"
 #include "parallel.h"
@@ -98,6 +99,16 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const to
   parts_done.assign(part_slots, 0);
   float* const part_base = part_sums.data();      // by pointer: in a helper, the names are its own
   int* const done_base = parts_done.data();
+  // The spans of sequences with several query tiles, packed once for all of them (attention_pack.h).
+  thread_local SharedSpans shared_spans;
+  shared_spans.first.clear();
+  if constexpr (bf16_tiles) {
+    if (tile16 && !amx && f.window == 0)
+      pack_shared_spans<scalar_t, pool_t>(shared_spans, bins, kp, vp, kv_slot, kv_head_stride,
+                                          tables, table_width, lens, ctx_lens.size(0), num_kv_heads, group, block_size,
+                                          span, kpad16, D);
+  }
+  const SharedSpans& shared = shared_spans;
 
   streamgate::cpu::parallel_for(0, static_cast<int64_t>(bins.size()), 1, [&](int64_t first_bin, int64_t last_bin) {
     // qf [max_q, D] scaled queries; kT [D, kpad] one span of K transposed; vb [kpad, D] its V;
@@ -198,6 +209,13 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const to
       // A sliding layer starts at the tile's first query's window (not block aligned).
       for (int64_t b0 = f.first_key(ctx - q_len + w.row_begin); b0 <= last_pos; b0 += span) {
         const int64_t n = std::min(span, last_pos + 1 - b0);           // keys used in this span
+        const uint32_t* spanK = packed ? shared.keys(w.seq, w.kv_head, b0 / span) : nullptr;   // packed once
+        if (spanK) {
+          if constexpr (bf16_tiles)
+            tile_span_bf16(TileBf16{qb.data(), spanK, shared.values(spanK, D, kpad16), s.data(), pb.data(), acc.data(),
+                                    m.data(), l.data(), alpha.data(), qpos.data(), nq, kpad, kpad16, D, fscale}, b0, n, f);
+          continue;
+        }
         // Keys and values of the span, block by block (one table lookup per block). A decode
         // row reads fp32 rows in place and converts other dtypes into kT/vb row by row; a
         // query tile gets K transposed into kT for the outer-product scores.
