@@ -92,7 +92,7 @@ inline float softmax_span(const float* si, int64_t n, int64_t visible, float& m,
   const float block_max = whole ? span_max_lanes<false>(si, t, end, flo, fvis, -std::numeric_limits<float>::infinity())
                                 : span_max_lanes<true>(si, t, end, flo, fvis, -std::numeric_limits<float>::infinity());
   const float new_m = std::max(m, block_max);
-  alpha = std::exp(m - new_m);                              // 0 on the first span
+  alpha = m == new_m ? 1.0f : std::exp(m - new_m);          // 0 on the first span; exp(0) is 1 exactly
   m = new_m;
   const vec8 zero = {};
   for (t = 0; t < t0; t += kLanes) put(t, zero);           // before the window
