@@ -1,12 +1,13 @@
 """int8 weight-only linears (engine/quantization.py) against bf16: speed, bytes, accuracy.
 
     python -m bench.engine.int8 [--model default] [--steps 40] [--ctx 256] [--prefill-reps 3]
-                         [--threads N] [--ppl-tokens 4096] [--window 512] [--agree-tokens 64]
+                         [--threads N] [--ppl-tokens 4096] [--window 512] [--agree-tokens 64] [--elastic]
 
 - decode: two in-process engines on the same model, bf16 and bf16 + `quantization="int8"`,
   each decoding one sequence (a `--ctx`-token prompt); their steps alternate (the order
   flips every round), so a shared host's load falls on both. Median step, the ratio of
-  medians and the median of the per-round ratios; the load average per round.
+  medians and the median of the per-round ratios; the load average per round. On OpenMP,
+  as engines run in process, or with `--elastic` on the kernels' elastic pool, as served.
 - prefill: one `--window`-token prompt's prefill step (one chunk: many rows, so int8
   dequantizes each layer into its scratch buffer), alternating, `--prefill-reps` times.
 - bytes: the linear weights' bytes in bf16 (each engine packs a tied lm_head as its own
@@ -205,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ppl-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=512, help="perplexity window and prefill chunk (tokens)")
     p.add_argument("--agree-tokens", type=int, default=64)
+    p.add_argument("--elastic", action="store_true",
+                   help="both engines on the kernels' elastic pool, as served (engine/elastic.py); default OpenMP, "
+                        "as in process")
     p.add_argument("--json-out", default="bench/results/int8.json")
     args = p.parse_args(argv)
 
@@ -218,9 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model_dir = str(resolve_model(args.model))
     blocks = (max(args.ctx + args.steps, args.window) + 64) // 16 * len(CHAT) + 64
-    engines = {"bfloat16": _engine(args.model, "bfloat16", blocks),
-               "int8": _engine(args.model, "bfloat16", blocks, quantization="int8")}
-    print(f"kernels: {loaded_variant()}, {args.threads} threads; load {os.getloadavg()[0]:.1f}", flush=True)
+    pool = {"elastic_threads": True} if args.elastic else {}
+    engines = {"bfloat16": _engine(args.model, "bfloat16", blocks, **pool),
+               "int8": _engine(args.model, "bfloat16", blocks, quantization="int8", **pool)}
+    print(f"kernels: {loaded_variant()}, {args.threads} threads{' (elastic pool)' if args.elastic else ''}; load {os.getloadavg()[0]:.1f}", flush=True)
 
     dec = decode_steps(engines, args.ctx, args.steps)
     med = {name: statistics.median(ts) for name, ts in dec["times"].items()}
