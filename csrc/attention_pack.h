@@ -10,7 +10,10 @@
 // probability 0 and are finite, so the sums do not change): the same bits.
 //
 // Only where the spans are the same for every tile: layers without a sliding window (a window's
-// spans start at each tile's first visible key) and tiles not on AMX (attention_amx_item.h).
+// spans start at each tile's first visible key) and tiles not on AMX (attention_amx_item.h); and
+// up to kSharedSpanBytes a call (the buffer is kept and reused, never shrunk): past it, the
+// other sequences' tiles pack their own spans as before.
+constexpr int64_t kSharedSpanBytes = int64_t{64} << 20;
 #pragma once
 
 #include <torch/extension.h>
@@ -56,9 +59,9 @@ void pack_shared_spans(SharedSpans& out, const std::vector<std::vector<Item>>& b
   std::vector<std::pair<int64_t, int64_t>> units;           // (sequence * kv_heads + head, span)
   int64_t spans = 0;
   for (int64_t i = 0; i < num_seqs * kv_heads; ++i) {
-    if (tiles[i] < 2) continue;
-    out.first[i] = spans;
     const int64_t n = (lens[i / kv_heads] + span - 1) / span;
+    if (tiles[i] < 2 || (spans + n) * out.span_words * int64_t{sizeof(uint32_t)} > kSharedSpanBytes) continue;
+    out.first[i] = spans;
     for (int64_t s = 0; s < n; ++s) units.emplace_back(i, s);
     spans += n;
   }
