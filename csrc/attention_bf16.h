@@ -164,7 +164,8 @@ constexpr bool kTileBf16 = false;
 inline void pack_key_bf16(const c10::BFloat16*, uint32_t*, int64_t, int64_t, int64_t) {}
 inline void pack_values_bf16(const c10::BFloat16*, const c10::BFloat16*, uint32_t*, int64_t) {}
 template <int R>
-inline void scores_rows_bf16(const c10::BFloat16*, const uint32_t*, float*, int64_t, int64_t, int64_t, float, int64_t) {}
+inline void scores_rows_bf16(const c10::BFloat16*, const uint32_t*, float*, int64_t, int64_t, int64_t, float,
+                             int64_t) {}
 inline void store_scaled_bf16(c10::BFloat16*, const float*, float, int64_t) {}
 template <int R>
 inline void values_rows_bf16(const c10::BFloat16*, const float*, const uint32_t*, float*, int64_t, int64_t, int64_t) {}

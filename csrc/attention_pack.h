@@ -13,7 +13,6 @@
 // spans start at each tile's first visible key) and tiles not on AMX (attention_amx_item.h); and
 // up to kSharedSpanBytes a call (the buffer is kept and reused, never shrunk): past it, the
 // other sequences' tiles pack their own spans as before.
-constexpr int64_t kSharedSpanBytes = int64_t{64} << 20;
 #pragma once
 
 #include <torch/extension.h>
@@ -29,8 +28,11 @@ constexpr int64_t kSharedSpanBytes = int64_t{64} << 20;
 
 namespace streamgate::cpu {
 
+constexpr int64_t kSharedSpanBytes = int64_t{64} << 20;
+
 struct SharedSpans {
-  std::vector<uint32_t> words;         // per (sequence, KV head, span): keys kP [D/2][kpad16], then values vP [kpad16/2][D]
+  // per (sequence, KV head, span): its keys kP [D/2][kpad16], then its values vP [kpad16/2][D]
+  std::vector<uint32_t> words;
   std::vector<int64_t> first;          // per (sequence, KV head): its first span's index in `words`, -1 if not packed
   int64_t span_words = 0, kv_heads = 0;
 
@@ -71,7 +73,8 @@ void pack_shared_spans(SharedSpans& out, const std::vector<std::vector<Item>>& b
     thread_local std::vector<const scalar_t*> vsrc;
     thread_local std::vector<scalar_t> kq, vq;
     if (static_cast<int64_t>(vsrc.size()) < span) vsrc.resize(span);
-    if (std::is_same_v<pool_t, int8_t> && static_cast<int64_t>(kq.size()) < span * D) kq.resize(span * D), vq.resize(span * D);
+    if (std::is_same_v<pool_t, int8_t> && static_cast<int64_t>(kq.size()) < span * D)
+      kq.resize(span * D), vq.resize(span * D);
     for (int64_t u = u0; u < u1; ++u) {
       const auto [i, s] = units[u];
       const int64_t seq = i / kv_heads, head = i % kv_heads, b0 = s * span, n = std::min(span, lens[seq] - b0);
@@ -84,7 +87,8 @@ void pack_shared_spans(SharedSpans& out, const std::vector<std::vector<Item>>& b
         pack_block_bf16(kp + off, vp + off, kv_slot, t, in_block, kP, kpad16, D, kq.data(), vq.data(), vsrc.data());
         t += in_block;
       }
-      for (int64_t t = 0; t < n; t += 2) pack_values_bf16(vsrc[t], t + 1 < n ? vsrc[t + 1] : nullptr, vP + t / 2 * D, D);
+      for (int64_t t = 0; t < n; t += 2)
+        pack_values_bf16(vsrc[t], t + 1 < n ? vsrc[t + 1] : nullptr, vP + t / 2 * D, D);
     }
   });
 }

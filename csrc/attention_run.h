@@ -212,8 +212,9 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const to
         const uint32_t* spanK = packed ? shared.keys(w.seq, w.kv_head, b0 / span) : nullptr;   // packed once
         if (spanK) {
           if constexpr (bf16_tiles)
-            tile_span_bf16(TileBf16{qb.data(), spanK, shared.values(spanK, D, kpad16), s.data(), pb.data(), acc.data(),
-                                    m.data(), l.data(), alpha.data(), qpos.data(), nq, kpad, kpad16, D, fscale}, b0, n, f);
+            tile_span_bf16(TileBf16{qb.data(), spanK, shared.values(spanK, D, kpad16), s.data(), pb.data(),
+                                    acc.data(), m.data(), l.data(), alpha.data(), qpos.data(), nq, kpad, kpad16, D,
+                                    fscale}, b0, n, f);
           continue;
         }
         // Keys and values of the span, block by block (one table lookup per block). A decode

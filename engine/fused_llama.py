@@ -223,7 +223,7 @@ class FusedLlama:
     def _bound_layers(self, pools: list, block_size: int):
         """csrc/llama_layers.cpp's LlamaLayers: the weights and this cache's (K, V) pools bound
         once (the cache's row_pools list, the same object every step), so that a step passes
-        only its own tensors (the lists took ~100 us a step to convert)."""
+        only its own tensors (the lists took 64-79 us a step to convert)."""
         if self._bound is None or self._bound[0] is not pools:
             weights, biases, scales, eps, out_features, block = self.layer_args
             self._bound = (pools, torch.classes.streamgate.LlamaLayers(

@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     pool = {"elastic_threads": True} if args.elastic else {}
     engines = {"bfloat16": _engine(args.model, "bfloat16", blocks, **pool),
                "int8": _engine(args.model, "bfloat16", blocks, quantization="int8", **pool)}
-    print(f"kernels: {loaded_variant()}, {args.threads} threads{' (elastic pool)' if args.elastic else ''}; load {os.getloadavg()[0]:.1f}", flush=True)
+    pool_name = " (elastic pool)" if args.elastic else ""
+    print(f"kernels: {loaded_variant()}, {args.threads} threads{pool_name}; load {os.getloadavg()[0]:.1f}", flush=True)
 
     dec = decode_steps(engines, args.ctx, args.steps)
     med = {name: statistics.median(ts) for name, ts in dec["times"].items()}
