@@ -49,6 +49,7 @@ from pathlib import Path
 from bench.engine.roofline import load_roofline
 from bench.engine.speculative import grounded_messages
 from bench.peers import clients as peers_clients
+from bench.peers import llamacpp as peers_llamacpp
 from bench.peers import probe as peers_probe
 from bench.peers import report as peers_report
 from bench.peers import servers as peers_servers
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-python", default=os.environ.get("HF_SERVE_PYTHON", str(PEERS_DIR / "hf/bin/python")),
                    help="python of a venv with transformers[serving] (for --server NAME=hf)")
     p.add_argument("--llama-server",
-                   default=os.environ.get("LLAMA_SERVER", str(PEERS_DIR / "llamacpp/build/bin/llama-server")),
+                   default=os.environ.get("LLAMA_SERVER", str(peers_llamacpp.server_binary(PEERS_DIR / "llamacpp"))),
                    help="llama.cpp's llama-server, built by bench.peers.setup --only llamacpp "
                         "(for --server NAME=llamacpp)")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated stream counts")
