@@ -127,6 +127,23 @@ def test_each_level_is_measured_against_the_roofline_probed_on_either_side_of_it
     assert "own bound" not in render_peers(unprobed, "peers-x")
 
 
+def test_a_host_without_bf16_dot_products_is_held_to_its_faster_fp32_gemm():
+    """A probe that measured fp32 faster than bf16 (oneDNN emulates bf16 without AVX512-BF16 or
+    AMX) bounds the level with the fp32 rate, and the caption says which rate it is."""
+    data = {**_peers("h", "CPU X", "/m"),
+            "probe": {"shapes": SHAPES, "threads": 2, "reps": 3, "rows": 512, "bandwidth_mb": 512,
+                      "workload": {"prompt_tokens": 286, "output_tokens": 64}}}
+    for rows in (data["servers"][n]["rows"] for n in ("vllm", "sg")):
+        for row in rows:
+            slow, fast = _probe(20, 90), {**_probe(20, 90), "fp32_flops": 250e9}
+            row["roofline_probe"] = {"before": slow, "after": fast}
+    text = render_peers(data, "peers-x")
+    assert "90–250 GFLOP/s (the faster of bf16 and fp32)" in text
+    emulated = serving_tok_s(Shapes(**SHAPES), Rates(90e9, 20e9), 32, 286, 64, 2)
+    fp32 = serving_tok_s(Shapes(**SHAPES), Rates(250e9, 20e9), 32, 286, 64, 2)
+    assert fp32 > emulated and _rows(text)["32"][7] == f"{fp32:.0f} / {fp32:.0f}"
+
+
 def test_the_bound_assumes_the_prompt_as_the_chat_template_wraps_it(tiny_model):
     """The probed bound's prompt is the synthetic prompt plus the model's chat template's own
     tokens, counted with its tokenizer, not a constant."""

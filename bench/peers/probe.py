@@ -106,8 +106,8 @@ def read_bandwidth(mb: int, reps: int) -> float:
 
 
 def probe(info: dict) -> dict:
-    """One probe, once the machine is idle: when, the busy share it waited for, bf16 matmul FLOP/s
-    at ROWS rows and read bandwidth (bytes/s; of the probes' one tensor, and of a fresh one as
+    """One probe, once the machine is idle: when, the busy share it waited for, bf16 and fp32 matmul
+    FLOP/s at ROWS rows and read bandwidth (bytes/s; of the probes' one tensor, and of a fresh one as
     bench.engine.roofline reads), best of reps."""
     import torch
 
@@ -115,6 +115,7 @@ def probe(info: dict) -> dict:
     busy = wait_idle(info["idle_wait_s"])
     return {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "busy": busy,
             "bf16_flops": matmul_flops(shapes, torch.bfloat16, info["rows"], reps),
+            "fp32_flops": matmul_flops(shapes, torch.float32, info["rows"], reps),
             "read_bandwidth": read_bandwidth(info["bandwidth_mb"], reps),
             "fresh_read_bandwidth": roofline_read_bandwidth(info["bandwidth_mb"], reps)}
 
@@ -124,8 +125,16 @@ def level_rates(row: dict) -> Rates | None:
     p = row.get("roofline_probe")
     if not p:
         return None
-    return Rates(flops=max(p["before"]["bf16_flops"], p["after"]["bf16_flops"]),
+    return Rates(flops=max(best_flops(p["before"]), best_flops(p["after"])),
                  bandwidth=max(p["before"]["read_bandwidth"], p["after"]["read_bandwidth"]))
+
+
+def best_flops(probe: dict) -> float:
+    """A probe's matmul peak: the faster of its bf16 and fp32 GEMMs. Where the CPU has no bf16 dot
+    products (an AVX-512 host without AVX512-BF16, an AVX2 one) oneDNN emulates bf16 at a fraction
+    of its fp32 rate, and a bound on that rate would flatter every server; a bf16 model's weights
+    can still be read as bf16 and multiplied in fp32. Probes before 2026-12-07 measured bf16 only."""
+    return max(probe["bf16_flops"], probe.get("fp32_flops", 0.0))
 
 
 def level_bound(info: dict, row: dict) -> float | None:

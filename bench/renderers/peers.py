@@ -5,7 +5,7 @@ grounded run's (`--workload grounded`) by workload and stream count, every serve
 from __future__ import annotations
 
 from bench.engine.roofline import WEIGHT_BYTES, serving_tok_s
-from bench.peers.probe import IDLE_BUSY, level_bound
+from bench.peers.probe import IDLE_BUSY, best_flops, level_bound
 from bench.peers.report import level
 from bench.renderers.common import caption
 from bench.renderers.engine_common import rates, roofline_note
@@ -88,12 +88,14 @@ def probe_note(data: dict) -> str:
         return ""
     info = data["probe"]
     bw = [p["read_bandwidth"] / 1e9 for p in probes]
-    fl = [p["bf16_flops"] / 1e9 for p in probes]
+    fl = [best_flops(p) / 1e9 for p in probes]
+    fp32 = any("fp32_flops" in p for p in probes)
     busy = sorted({(p["at"], p["busy"]): p["busy"] for p in probes if (p.get("busy") or 0) >= IDLE_BUSY}.values())
     return (f" Each level's own bound (bench/peers/probe.py): the roofline probed right before and after that level, "
             f"once the machine was idle ({info['threads']} threads, best of {info['reps']}), the higher of the two; "
             f"bf16 weights, {info['workload']['prompt_tokens']} tokens in, {info['workload']['output_tokens']} out; "
-            f"the probes read {min(bw):.1f}–{max(bw):.1f} GB/s and computed {min(fl):.0f}–{max(fl):.0f} bf16 GFLOP/s"
+            f"the probes read {min(bw):.1f}–{max(bw):.1f} GB/s and computed {min(fl):.0f}–{max(fl):.0f} "
+            + ("GFLOP/s (the faster of bf16 and fp32)" if fp32 else "bf16 GFLOP/s")
             + (f"; {len(busy)} began with the CPUs still up to {100 * busy[-1]:.0f} % busy" if busy else ""))
 
 
