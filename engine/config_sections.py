@@ -28,8 +28,9 @@ class ModelConfig(Section):
     # One default for the library and every command: float32, the one dtype whose tokens do not
     # depend on the host (auto is bfloat16 on one CPU and float32 on the next) and the dtype of
     # the engine's parity contract with HF generate. Serving, `--dtype auto` is the fast choice.
-    dtype: str = knob("float32", "float32, bfloat16, float16, or auto: bfloat16 on CUDA and on CPUs with "
-                      "AVX512-BF16 or AMX, else float32 (faster; tokens then depend on the host)", choices=DTYPES)
+    dtype: str = knob("float32", "float32, bfloat16, float16, or auto: bfloat16 on CUDA, on CPUs with "
+                      "AVX512-BF16 or AMX, and on other AVX-512 CPUs where the fused forward runs the model, else "
+                      "float32 (faster; tokens then depend on the host)", choices=DTYPES)
     max_model_len: int | None = knob(None, "longest prompt + output a request may have",
                                      check=Check(lambda v: _is_int(v) and v > 1, "must be an int > 1"),
                                      none="auto: the model's max_position_embeddings")

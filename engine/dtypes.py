@@ -10,15 +10,18 @@ import torch
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto" is bf16 where it pays: on CUDA (as before), and on CPUs with native bf16 dot
+def resolve_dtype(name: str, device: torch.device, widened_bf16: bool = False) -> torch.dtype:
+    """"auto" is bf16 where it pays: on CUDA (as before), on CPUs with native bf16 dot
     products (AVX512-BF16 or AMX-bf16), where oneDNN's bf16 GEMM is 3-5x its fp32 one and a
-    decode step is faster at every batch size (docs/BENCHMARKS.md §8.16). Without them (e.g.
-    AVX2-only CPUs) torch's bf16 matmuls are emulated and a one-token decode step runs tens of
-    times slower than in fp32 (§8.2)."""
+    decode step is faster at every batch size (docs/BENCHMARKS.md §8.16), and where the caller
+    says the fused forward runs bf16 without them (`widened_bf16`: fused_llama.bf16_widened_here;
+    the block kernel streams half of fp32's bytes and big steps run fp32 GEMMs on widened
+    weights). Elsewhere (e.g. AVX2-only CPUs, or a family the fused forward does not run)
+    torch's bf16 matmuls are emulated and a one-token decode step runs tens of times slower
+    than in fp32 (§8.2)."""
     if name != "auto":
         return _DTYPES[name]
-    if device.type == "cuda" or native_bf16_cpu():
+    if device.type == "cuda" or native_bf16_cpu() or (device.type == "cpu" and widened_bf16):
         return torch.bfloat16
     return torch.float32
 

@@ -54,7 +54,8 @@ def fits(dtype) -> str | None:
     if dtype != torch.bfloat16:     # first: true in every build, so the reason does not depend on the host
         return f"{dtype} leaves big steps to oneDNN or MKL (bf16 runs them on the kernels)"
     if loaded_variant() != "avx512_bf16":
-        return f"the {loaded_variant()} kernels leave big steps to oneDNN (the avx512_bf16 build runs them all)"
+        return (f"the {loaded_variant()} kernels leave big steps to a library GEMM (oneDNN, or MKL on widened weights; "
+                "the avx512_bf16 build runs them all)")
     return None
 
 

@@ -39,7 +39,8 @@ import torch
 from torch import nn
 
 from .attention import kernel_layers, paged_attention
-from .packed_linear import BF16_BLOCK_COPY_MAX_BYTES, PackedLinear, arrange, available, bf16_kernel_only
+from .packed_linear import (BF16_BLOCK_COPY_MAX_BYTES, BF16_WIDE_MIN_ROWS, PackedLinear, arrange, available,
+                            bf16_kernel_only, bf16_widened)
 from .quantization import KERNEL_MAX_ROWS as INT8_KERNEL_MAX_ROWS
 from .quantization import Int8Weight
 
@@ -72,8 +73,8 @@ def maybe_fuse(model: nn.Module, config, device: torch.device, dtype: torch.dtyp
     kind = "int8" if getattr(config, "quantization", None) == "int8" else linear_kind(dtype)
     if not (device.type == "cpu" and kind and available() == "streamgate" and supports(model, family)):
         return None
-    if kind == "onednn" and (bf16_kernel_only() or bf16_block_copy_fits(model)):
-        kind = "bf16"           # the block kernel alone, or for few rows beside oneDNN (packed_linear.Bf16Weight)
+    if kind == "onednn" and (bf16_kernel_only() or bf16_widened() or bf16_block_copy_fits(model)):
+        kind = "bf16"           # the block kernel alone or widened, or for few rows beside oneDNN (Bf16Weight)
     return FusedLlama(model, kind, family, huge_pages=config.huge_pages)
 
 
@@ -84,6 +85,19 @@ def bf16_block_copy_fits(model: nn.Module) -> bool:
     one keeps oneDNN's single copy rather than doubling its weights."""
     extra = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, nn.Linear))
     return extra <= BF16_BLOCK_COPY_MAX_BYTES
+
+
+def bf16_widened_here(config, hf_config) -> bool:
+    """Whether this engine config and model (transformers' config) would run bf16 on the fused
+    forward with its big steps widened to fp32 GEMMs (packed_linear.bf16_widened: a CPU
+    without bf16 dot products): there `--dtype auto` takes bf16 (dtypes.resolve_dtype)."""
+    from .models import check_supported
+
+    return (config.device == "cpu" and bf16_widened() and linear_kind(torch.bfloat16) is not None
+            and available() == "streamgate" and config.fused_layers is not False and config.packed_linear is not False
+            and not config.compile and config.tensor_parallel_size == 1
+            and getattr(hf_config, "hidden_act", None) == "silu" and getattr(hf_config, "pretraining_tp", 1) == 1
+            and check_supported(hf_config).fused)
 
 
 def linear_kind(dtype: torch.dtype) -> str | None:
@@ -192,6 +206,10 @@ class FusedLlama:
             arrange([m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head])
         self.layer_args = self._cpp_layer_args()
         self.cpp_layers = self.layer_args is not None     # tests and benchmarks turn it off to compare
+        # Bigger steps take the Python loop: int8's dequantizing GEMM, bf16's widened one (Bf16Weight).
+        widened = kind == "bf16" and bf16_widened()
+        self.cpp_max_rows = (INT8_KERNEL_MAX_ROWS if kind == "int8" else BF16_WIDE_MIN_ROWS - 1 if widened
+                             else float("inf"))
         self._bound: tuple | None = None                  # (the pools, their LlamaLayers): _bound_layers
         log.info("fused Llama-shaped forward (%s): %d layers, q/k/v and gate/up packed as one GEMM each (%s)",
                  cfg.model_type, len(self.layers), kind)
@@ -255,7 +273,7 @@ class FusedLlama:
         q_end = self.heads * hd
         direct = kernel_layers(paged)             # one write and one kernel call a layer where it holds
         kb, pools = direct if direct is not None else (None, None)
-        if direct is not None and self.cpp_layers and (self.kind != "int8" or n <= INT8_KERNEL_MAX_ROWS):
+        if direct is not None and self.cpp_layers and n <= self.cpp_max_rows:
             hidden = ops.llama_layers(self._bound_layers(pools, cache.block_size), residual, cos, sin,   # one call
                                       paged.slot_mapping, kb.block_tables, kb.q_start, kb.ctx_lens)
             final = ops.add_rms_norm(hidden, residual, self.norm, self.eps)

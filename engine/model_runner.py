@@ -14,13 +14,13 @@ from .attention_torch import build_torch_groups
 from . import elastic
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
-from .dtypes import resolve_dtype
-from .fused_llama import maybe_fuse
+from .dtypes import native_bf16_cpu, resolve_dtype
+from .fused_llama import bf16_widened_here, maybe_fuse
 from .kernels import load_kernels, logits_fp32, paged_attention_op
 from .kv_cache import PagedKVCache
 from .threads import ThreadTuner
 from .kv_groups import plan_groups
-from .models import load_model
+from .models import load_model, model_config
 from .packed_linear import bf16_kernel_only, fp32_kernel_only, maybe_pack
 from .prompt_logprobs import rows as prompt_logprob_rows
 from .scheduler import SchedulerOutput
@@ -35,7 +35,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype, tp = resolve_dtype(config.dtype, self.device), config.tensor_parallel_size
+        widened = (config.dtype == "auto" and not native_bf16_cpu()
+                   and bf16_widened_here(config, model_config(config.model)))
+        self.dtype, tp = resolve_dtype(config.dtype, self.device, widened), config.tensor_parallel_size
         self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else None
         self.model, self.tokenizer, self.family = load_model(config.model, self.dtype, self.device, tp)
         eager_cpu = self.device.type == "cpu" and not config.compile and tp == 1

@@ -91,17 +91,24 @@ def check_tensor_parallel(config, tp_size: int) -> None:
                          f"(num_attention_heads={heads}, num_key_value_heads={kv_heads})")
 
 
+def model_config(name: str):
+    """transformers' config of the model `name` (resolve_model's), read without its weights."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_model(name))
+
+
 def load_model(name: str, dtype, device, tp_size: int = 1):
     """Load (model, tokenizer, family description) with the paged attention implementation
     plugged in; a family the engine cannot serve is refused before its weights load. With
     tp_size > 1 (torch.distributed initialised, one process per rank) transformers shards
     it by the model's own tensor-parallel plan and places this rank's shard itself."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .attention import ATTN_IMPLEMENTATION
 
     path = resolve_model(name)
-    family = check_supported(AutoConfig.from_pretrained(path))
+    family = check_supported(model_config(name))
     if tp_size > 1:
         from transformers.distributed import DistributedConfig
 

@@ -16,13 +16,15 @@ AVX512-BF16 or AMX, oneDNN's bf16 GEMM on its packed layout is faster than any f
 Zen 4 host, no AMX). Kind "bf16" (`Bf16Weight`), which the fused forward asks for where the
 C++ kernels built, runs csrc/linear_bf16.cpp's block kernel. Where that is its VDPBF16PS form
 (the avx512_bf16 variant) on a CPU without AMX (`bf16_kernel_only()`) it runs every step and
-oneDNN's copy is not made: one copy of the weights. Otherwise (AMX: oneDNN's tiles; no
-AVX512-BF16: the shift+FMA form, compute-bound above ~4 rows) the kernel runs steps of up to
-BF16_KERNEL_MAX_ROWS rows and oneDNN's prepacked copy the rest (with AMX, steps of up to
-BF16_TILES_MAX_ROWS rows run the block copy on AMX tiles first); both copies are held, so only
-while the model's linear weights are at most BF16_BLOCK_COPY_MAX_BYTES (2 GiB of bf16: a
-~1B-parameter model). The measurements behind both splits: docs/ENGINE.md ("The forward
-pass") and docs/BENCHMARKS.md §10 (`gemm-crossover`).
+oneDNN's copy is not made: one copy of the weights. On a CPU without bf16 dot products
+(`bf16_widened()`: the shift+FMA form) there is one copy too: the kernel runs steps of fewer
+than BF16_WIDE_MIN_ROWS rows, and bigger ones run fp32 GEMMs on the blocks widened into a
+scratch buffer, not oneDNN's emulated bf16 GEMM (3x slower at 300 rows). With AMX the kernel
+runs steps of up to BF16_KERNEL_MAX_ROWS rows (up to BF16_TILES_MAX_ROWS on AMX tiles) and
+oneDNN's prepacked copy the rest; both copies are held, so only while the model's linear
+weights are at most BF16_BLOCK_COPY_MAX_BYTES (2 GiB of bf16: a ~1B-parameter model). The
+measurements behind the splits: docs/ENGINE.md ("The forward pass") and docs/BENCHMARKS.md §10
+(`gemm-crossover`).
 A third kind, "int8", holds int8 weight-only codes in the kernel's block layout
 (quantization.py, csrc/linear_int8.cpp) where `EngineConfig.quantization` is "int8".
 """
@@ -35,17 +37,19 @@ import torch
 from torch import nn
 
 from . import elastic
-from .dtypes import cpu_flags, cpu_vendor
+from .dtypes import cpu_flags, cpu_vendor, native_bf16_cpu
 from .huge_pages import Arena
 from .kernels import amx_linear_rows, load_kernels, loaded_variant
-from .quantization import Int8Linear, Int8Weight, quantize_linears
+from .quantization import SCRATCH_ELEMENTS, Int8Linear, Int8Weight, quantize_linears, scratch
 
 log = logging.getLogger("streamgate.engine")
 
 BF16_KERNEL_MAX_ROWS = 4       # bf16 with both copies: the block kernel up to here, oneDNN above (measured)
 FP32_KERNEL_MAX_ROWS = 4       # fp32 on Intel CPUs: the kernel up to here, a batched GEMM on its blocks above
+FP32_PLAIN_MIN_ROWS = 128      # fp32 on Intel CPUs: from here one GEMM on the blocks transposed (plain_gemm)
 BF16_TILES_MAX_ROWS = 64       # bf16 on AMX: the block copy on AMX tiles from 5 rows to here, oneDNN above
 BF16_BLOCK_COPY_MAX_BYTES = 2 << 30     # a second (block) copy doubles bf16 linear bytes: only up to this much extra
+BF16_WIDE_MIN_ROWS = 80        # bf16 without bf16 dot products: the kernel below, widened fp32 GEMMs from here
 
 
 def fp32_kernel_only() -> bool:
@@ -56,7 +60,10 @@ def fp32_kernel_only() -> bool:
     layer linears on the Intel AMX host (2 threads, 2026-12-04): 8 rows 10.4 ms against 32.3,
     300 rows 225 against 1,359, 512 rows 360 against 2,369. On AMD's Zen 1 the kernel tied
     oneDNN and beat MKL at 512 rows (docs/bench/HISTORY.md §8.13); the batched form was not
-    measured on an AMD CPU, so AMD keeps the kernel."""
+    measured on an AMD CPU, so AMD keeps the kernel. From FP32_PLAIN_MIN_ROWS rows, one GEMM on
+    the blocks transposed into a scratch buffer (`plain_gemm`) beats both: Intel Ice Lake host
+    (2 threads, 2026-12-07; plain / batched / kernel) 128 rows 168 / 213 / 204 ms, 300 rows
+    312 / 481 / 440, 512 rows 495 / 807 / 731; at 64 rows 128 / 133 / 100."""
     return cpu_vendor() != "GenuineIntel"
 
 
@@ -71,12 +78,46 @@ def bf16_kernel_only() -> bool:
             and ("amx_bf16" not in cpu_flags() or elastic.pool_threads() > 1))
 
 
+def bf16_widened() -> bool:
+    """Whether bf16 steps of BF16_WIDE_MIN_ROWS rows or more run as fp32 GEMMs on the layer's
+    weights widened into a scratch buffer, and oneDNN's copy is not made: a CPU without bf16 dot
+    products (no AVX512-BF16, no AMX; dtypes.native_bf16_cpu), where oneDNN emulates its bf16
+    GEMM. The shift+FMA block kernel runs the steps below. SmolLM2's 120 layer linears on the
+    Intel Ice Lake host (avx512 build, 2 threads, 2026-12-07; oneDNN bf16 / kernel / widened):
+    8 rows 45.2 / 22.9 / 45.4 ms, 32 rows 129.5 / 59.6-68.8 / 82-98, 64 rows - / 108-118 / 124,
+    128 rows - / 207-227 / 167, 300 rows 1,027 / 483 / 335-350 (fp32's kernel 440), 512 rows
+    - / 812 / 498."""
+    return load_kernels() and not native_bf16_cpu()
+
+
+def plain_gemm(x2: torch.Tensor, blocks: torch.Tensor, bias32: torch.Tensor | None, N: int) -> torch.Tensor:
+    """x2 [M, K] @ W^T + b as fp32 GEMMs on the plain layout: W's blocks [ceil(N/16), K, 16]
+    (bf16: widened, exactly; fp32: as they are), at most SCRATCH_ELEMENTS weights at a time,
+    transposed into this thread's fp32 scratch [K, n]; the rows widened once, the bias added in
+    fp32, each sum rounded once to x2's dtype, as the block kernels' are (products exact for
+    bf16 rows, fp32 sums in the GEMM's order). Steps of many rows: the library's GEMM on one
+    plain [K, n] operand beats the block kernels' passes and the batched GEMM over the blocks
+    (bf16_widened(), fp32_kernel_only())."""
+    K = blocks.shape[1]
+    xf, step = x2.float(), max(1, SCRATCH_ELEMENTS // (K * 16))
+    pieces = []
+    for b0 in range(0, blocks.shape[0], step):
+        part = blocks[b0:b0 + step]
+        n0, n1 = b0 * 16, min(N, (b0 + part.shape[0]) * 16)
+        wide = scratch(torch.float32, part.numel()).view(K, part.shape[0], 16)
+        wide.copy_(part.permute(1, 0, 2))
+        w = wide.view(K, -1)[:, :n1 - n0]
+        y = torch.mm(xf, w) if bias32 is None else torch.addmm(bias32[n0:n1], xf, w)
+        pieces.append(y if y.dtype == x2.dtype else y.to(x2.dtype))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
+
 class Bf16Weight:
     """A bf16 weight packed for csrc/linear_bf16.cpp's block kernel (bf16 x bf16 products
     exact, fp32 accumulation; VDPBF16PS k-pairs with AVX512-BF16, else widened by a shift
-    for fp32 FMAs) and, unless bf16_kernel_only(), oneDNN's prepacked layout for steps of more
-    than BF16_KERNEL_MAX_ROWS rows (`onednn`, else None). Both round the fp32 sum once to the
-    activations' dtype. Holding both doubles the bf16 weight bytes; the single-copy
+    for fp32 FMAs) and, unless bf16_kernel_only() or bf16_widened(), oneDNN's prepacked layout
+    for steps of more than BF16_KERNEL_MAX_ROWS rows (`onednn`, else None). All round the fp32
+    sum once to the activations' dtype. Holding both doubles the bf16 weight bytes; the single-copy
     alternative for that case (the blocks unpacked into a scratch buffer for torch's bf16
     GEMM, as the int8 path dequantizes) took 1.2x oneDNN's time at 512 rows and 2-5x at 8-32
     (batched decode) on the Zen 4 host (2026-12-02), oneDNN reordering a plain weight on
@@ -85,7 +126,9 @@ class Bf16Weight:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int = 8):
         self.out_features, self.in_features = weight.shape
         self.blocks = torch.ops.streamgate.pack_bf16(weight.contiguous())
-        self.onednn = None if bf16_kernel_only() else torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+        self.widened = bf16_widened()
+        self.onednn = (None if bf16_kernel_only() or self.widened
+                       else torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint))
         self.bias = None if bias is None else bias.detach().contiguous()
         self.bias32 = None if bias is None else self.bias.float().contiguous()          # the kernel's
 
@@ -104,13 +147,20 @@ class Bf16Weight:
         # at 32, 9.8 against 10.2 at 64, 59.5 against 51.5 at 512 (so oneDNN above 64).
         if self._on_blocks(x2):
             y = torch.ops.streamgate.linear_bf16(x2, self.blocks, self.bias32, self.out_features)
+        elif self.widened:
+            y = self._widened_gemm(x2)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.onednn, self.bias, "none", [], "")
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def _on_blocks(self, x2: torch.Tensor) -> bool:
-        """Whether linear() runs these rows [M, K] on the block copy (else oneDNN's)."""
+        """Whether linear() runs these rows [M, K] on the block copy (else oneDNN's, or widened)."""
+        if self.widened:
+            return x2.shape[0] < BF16_WIDE_MIN_ROWS
         return self.onednn is None or x2.shape[0] <= BF16_KERNEL_MAX_ROWS or self._on_tiles(x2)
+
+    def _widened_gemm(self, x2: torch.Tensor) -> torch.Tensor:
+        return plain_gemm(x2, self.blocks, self.bias32, self.out_features)
 
     def _on_tiles(self, x2: torch.Tensor) -> bool:
         """Whether linear() runs these rows [M, K] on the block copy's AMX tiles: past 4 rows
@@ -158,7 +208,9 @@ class PackedLinear(nn.Module):
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] > FP32_KERNEL_MAX_ROWS and not fp32_kernel_only():
+        if x2.shape[0] >= FP32_PLAIN_MIN_ROWS and not fp32_kernel_only():
+            y = plain_gemm(x2, self.packed, self.bias, self.out_features)
+        elif x2.shape[0] > FP32_KERNEL_MAX_ROWS and not fp32_kernel_only():
             y = self._blocks_gemm(x2)
         else:
             y = torch.ops.streamgate.linear(x2, self.packed, self.bias, self.out_features)

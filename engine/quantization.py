@@ -17,7 +17,9 @@ tests/test_quantization.py checks exactly that. Two paths compute the same y = x
   512-row GEMM costs far more than dequantizing its weight, and no dequantized copy is held.
   In the avx512_bf16 build, bf16 steps dequantize into pack_bf16's layout instead
   (`dequantize_int8_bf16`: the same bf16 weights) and run the bf16 block kernel, which beats
-  oneDNN there and runs on the elastic pool (elastic.py), so int8 is served on it too. Zen 4
+  oneDNN there and runs on the elastic pool (elastic.py), so int8 is served on it too. On a
+  CPU without bf16 dot products (dtypes.native_bf16_cpu) bf16 steps dequantize into fp32 and
+  run the fp32 GEMM, rounding its sums once to bf16: oneDNN's bf16 GEMM is emulated there. Zen 4
   host (2026-12-06, one process, 2 threads): a 286-token prefill step beside 7 decode rows
   203 -> 183.5 ms (median of 8, alternating: oneDNN on the dequantized copy, then the block kernel).
 - bf16 steps of more than eight rows where the CPU has AMX (`torch.ops.streamgate.amx_tiles()`)
@@ -48,6 +50,7 @@ import threading
 import torch
 from torch import nn
 
+from .dtypes import native_bf16_cpu
 from .kernels import amx_linear_rows, load_kernels, loaded_variant
 
 log = logging.getLogger("streamgate.engine")
@@ -120,6 +123,8 @@ class Int8Weight:
             y = torch.ops.streamgate.linear_int8(x2, self.codes, self.scales, self.bias32, self.out_features)
         elif self.kernel and x2.dtype == torch.bfloat16 and loaded_variant() == "avx512_bf16":
             y = self._dequantized_blocks(x2)
+        elif x2.dtype == torch.bfloat16 and not native_bf16_cpu():     # oneDNN would emulate a bf16 GEMM
+            y = self._dequantized_gemm(x2.float()).to(x2.dtype)
         else:
             y = self._dequantized_gemm(x2)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)

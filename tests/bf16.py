@@ -31,6 +31,20 @@ import torch
 
 HEADROOM = 2.0
 TOP_K = 8
+SKIP_REASON = "no AVX-512 on this CPU: bf16 matmuls are emulated (the references would take minutes)"
+
+
+def runs_here() -> bool:
+    """Whether this CPU runs the bf16 engine tests: with bf16 dot products (AVX512-BF16, AMX),
+    or AVX-512 without them, where the engine's fused forward runs bf16 on its own kernels
+    (engine/packed_linear.py's bf16_widened) and oneDNN's emulated bf16 GEMM (avx512_core) takes
+    the references' forwards in seconds. On AVX2-only CPUs torch's bf16 matmuls are emulated
+    tens of times slower than fp32 (docs/BENCHMARKS.md §8.2): the SmolLM2 run would take many
+    minutes there."""
+    from engine.dtypes import native_bf16_cpu
+
+    onednn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return native_bf16_cpu() or bool(onednn)
 
 
 def noise(ref32: torch.Tensor, ref16: torch.Tensor, top_k: int | None = None) -> float:

@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.dtypes import native_bf16_cpu
 from engine.kernels import paged_attention_ops
-from tests.bf16 import assert_tokens_within_noise
+from tests.bf16 import SKIP_REASON, assert_tokens_within_noise, runs_here
 from tests.models import run_to_completion
 
-pytestmark = [pytest.mark.skipif(not native_bf16_cpu(), reason="no AVX512-BF16 or AMX-bf16: bf16 is emulated"),
+pytestmark = [pytest.mark.skipif(not runs_here(), reason=SKIP_REASON),
               pytest.mark.skipif(paged_attention_ops() is None, reason="the C++ kernels did not build")]
 
 

@@ -14,7 +14,9 @@ import transformers
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_manager import FREED
 from engine.families import UnsupportedModel, describe
+from tests.bf16 import SKIP_REASON as BF16_SKIP
 from tests.bf16 import assert_tokens_within_noise
+from tests.bf16 import runs_here as bf16_runs_here
 from tests.families import WINDOW, build_family_model, load_eager_reference
 from tests.models import TEST_POOL, assert_greedy_parity, pool, run_to_completion
 
@@ -141,13 +143,7 @@ def test_family_greedy_parity_on_the_torch_backend(family_model, family):
     check_parity(family_model(family), workload(seed=1), attention_backend="torch")
 
 
-def _native_bf16() -> bool:
-    from engine.dtypes import native_bf16_cpu
-
-    return native_bf16_cpu()
-
-
-@pytest.mark.skipif(not _native_bf16(), reason="no AVX512-BF16 or AMX-bf16 on this CPU: bf16 is emulated")
+@pytest.mark.skipif(not bf16_runs_here(), reason=BF16_SKIP)
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
 def test_family_bf16_on_the_kernel(family_model, family):
     """bf16 weights and pool: Mistral's window on the fused bf16 forward, Gemma 2's window and

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import quantization
+from engine.dtypes import native_bf16_cpu
 from engine.kernels import load_kernels, loaded_variant
 from engine.quantization import Int8Weight, quantize_int8
 from tests.linear_helpers import U, assert_rows_invariant, reference_and_tolerance, weight
@@ -45,6 +46,12 @@ def _reference_and_tolerance(x, w, bias, out_dtype):
 
 def _dequantized(codes, scales):
     return codes.float() * scales[:, None]
+
+
+def _widened(x) -> bool:
+    """Whether Int8Weight.linear runs these many rows as an fp32 GEMM (bf16 rows on a CPU
+    without bf16 dot products, not on the block kernel): the weight dequantized in fp32."""
+    return x.dtype == torch.bfloat16 and not native_bf16_cpu() and not _on_blocks(x)
 
 
 def _on_blocks(x) -> bool:
@@ -183,9 +190,10 @@ def test_many_rows_dequantize_into_the_scratch_buffer(monkeypatch, scratch_eleme
     x = torch.randn(rows, 70).to(dtype)
     y = weight.linear(x)
     assert y.dtype == dtype and y.shape == (rows, 37)
-    ref, tol, mag = _reference_and_tolerance(x, _dequantized(codes, scales).to(dtype), b, dtype)   # the GEMM's weight
+    gemm_dtype = torch.float32 if _widened(x) else dtype                 # the GEMM's weight and scratch
+    ref, tol, mag = _reference_and_tolerance(x, _dequantized(codes, scales).to(gemm_dtype), b, dtype)
     assert ((y.double() - ref).abs() <= tol).all()
-    buf = quantization.scratch(dtype, 1)
+    buf = quantization.scratch(gemm_dtype, 1)
     outputs = min(37, max(16, scratch_elements // 70 // 16 * 16))
     held = -(-outputs // 16) * 16 * 70 if _on_blocks(x) else outputs * 70        # whole blocks of k-pairs
     assert buf.untyped_storage().nbytes() == held * buf.element_size()
@@ -193,14 +201,15 @@ def test_many_rows_dequantize_into_the_scratch_buffer(monkeypatch, scratch_eleme
     few = weight.linear(x[:m])                                  # the kernel, on the same rows
     ref_k, tol_k, _ = _reference_and_tolerance(x[:m], _dequantized(codes, scales), b, dtype)
     assert ((few.double() - ref_k).abs() <= tol_k).all()
-    weight_rounding = (2.0 ** -9 if dtype == torch.bfloat16 else U) * mag[:m]     # q s in the dtype or not
+    weight_rounding = (2.0 ** -9 if gemm_dtype == torch.bfloat16 else U) * mag[:m]     # q s in the dtype or not
     assert ((few.double() - y[:m].double()).abs() <= tol_k + tol[:m] + weight_rounding).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_without_the_kernels_every_step_dequantizes_the_unpacked_codes(dtype):
-    """Where the C++ kernels did not build, the codes stay [N, K] and torch dequantizes them:
-    the same product as the kernel's path, one row or many."""
+    """Where the C++ kernels did not build, the codes stay [N, K] and torch dequantizes them
+    (into fp32 for bf16 rows on a CPU without bf16 dot products): the same product as the
+    kernel's path, one row or many."""
     w, b = _weight(37, 70, seed=13)
     w, b = w.to(dtype), b.to(dtype)
     fast, slow = Int8Weight(w, b), Int8Weight(w, b)
@@ -209,7 +218,8 @@ def test_without_the_kernels_every_step_dequantizes_the_unpacked_codes(dtype):
     assert torch.equal(slow.dequantized(dtype), fast.dequantized(dtype))
     for rows in (1, quantization.KERNEL_MAX_ROWS + 3):
         x = torch.randn(rows, 70).to(dtype)
-        ref, tol, mag = _reference_and_tolerance(x, _dequantized(codes, scales).to(dtype), b, dtype)
+        gemm_dtype = torch.float32 if dtype == torch.bfloat16 and not native_bf16_cpu() else dtype
+        ref, tol, mag = _reference_and_tolerance(x, _dequantized(codes, scales).to(gemm_dtype), b, dtype)
         assert ((slow.linear(x).double() - ref).abs() <= tol).all()
 
 

@@ -14,19 +14,22 @@ import torch
 from engine import LLMEngine, SamplingParams
 from engine.config import EngineConfig
 from engine.dtypes import cpu_flags
-from engine.fused_llama import FusedLlama
+from engine.fused_llama import FusedLlama, linear_kind
 from engine.kernels import load_kernels, loaded_variant
+from engine.packed_linear import bf16_widened
 
 pytestmark = pytest.mark.skipif(not load_kernels(), reason="the C++ kernels did not build (see the log)")
 
-# bf16 runs the one call only where every linear is on the block kernel alone: the avx512_bf16
-# build, without AMX or with the elastic pool's helpers (packed_linear.bf16_kernel_only). The
-# pool needs a second thread.
-BF16_ON_KERNELS = load_kernels() and loaded_variant() == "avx512_bf16" and (
-    "amx_bf16" not in cpu_flags() or torch.get_num_threads() > 1)
+# bf16 runs the one call only where no linear keeps oneDNN's copy: the avx512_bf16 build, without
+# AMX or with the elastic pool's helpers (packed_linear.bf16_kernel_only; the pool needs a second
+# thread), or a CPU without bf16 dot products (packed_linear.bf16_widened: steps of fewer than
+# BF16_WIDE_MIN_ROWS rows, more than these tests' 16).
+BF16_ON_KERNELS = load_kernels() and (
+    (bf16_widened() and linear_kind(torch.bfloat16) is not None)        # the fused forward runs bf16 there
+    or loaded_variant() == "avx512_bf16" and ("amx_bf16" not in cpu_flags() or torch.get_num_threads() > 1))
 bf16_only_on_kernels = pytest.mark.skipif(
-    not BF16_ON_KERNELS, reason="bf16 linears leave steps to oneDNN here (not the avx512_bf16 build, or AMX on "
-                                "one thread): the layers cannot be one call")
+    not BF16_ON_KERNELS, reason="bf16 linears leave steps to oneDNN here (AMX on one thread): the layers cannot be "
+                                "one call")
 
 
 def engine_for(model: str, quantization: str | None) -> LLMEngine:

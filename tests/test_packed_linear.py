@@ -9,7 +9,8 @@ from torch import nn
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.kernels import load_kernels
-from engine.packed_linear import FP32_KERNEL_MAX_ROWS, PackedLinear, available, fp32_kernel_only
+from engine import packed_linear
+from engine.packed_linear import FP32_KERNEL_MAX_ROWS, FP32_PLAIN_MIN_ROWS, PackedLinear, available, fp32_kernel_only
 from tests.linear_helpers import assert_rows_invariant
 
 pytestmark = pytest.mark.skipif(not available(), reason="neither the C++ kernels nor oneDNN are available")
@@ -61,6 +62,24 @@ def test_big_fp32_steps_as_one_batched_gemm_over_the_packed_blocks(bias):
         got = packed._blocks_gemm(x)
         torch.testing.assert_close(got, lin(x), rtol=1e-4, atol=1e-4)
     assert got.is_contiguous() and got.shape == (300, 37)
+
+
+@pytest.mark.skipif(not load_kernels(), reason="C++ kernels did not build")
+@pytest.mark.parametrize("bias", [False, True])
+def test_big_fp32_steps_as_plain_gemms_on_the_blocks_transposed(monkeypatch, bias):
+    """The form Intel CPUs run from FP32_PLAIN_MIN_ROWS (tested on every host): the blocks
+    transposed into the scratch buffer, here two blocks (32 outputs) at a time, so 37 outputs
+    take two slices, the last one 5 wide; nn.Linear's product to fp32 rounding."""
+    monkeypatch.setattr(packed_linear, "SCRATCH_ELEMENTS", 96 * 16 * 2)
+    torch.manual_seed(2)
+    lin = nn.Linear(96, 37, bias=bias)
+    packed = PackedLinear(lin, "streamgate")
+    x = torch.randn(FP32_PLAIN_MIN_ROWS + 3, 96)
+    with torch.inference_mode():
+        got = packed_linear.plain_gemm(x, packed.packed, packed.bias, 37)
+        torch.testing.assert_close(got, lin(x), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(packed(x), lin(x), rtol=1e-4, atol=1e-4)      # whichever form this host runs
+    assert got.shape == (FP32_PLAIN_MIN_ROWS + 3, 37)
 
 
 def test_runner_packs_eager_fp32_by_default_and_not_when_off(tiny_model):

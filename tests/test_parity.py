@@ -9,7 +9,9 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from tests.conftest import NO_CUDA, cuda_available
+from tests.bf16 import SKIP_REASON as BF16_SKIP
 from tests.bf16 import assert_tokens_within_noise
+from tests.bf16 import runs_here as bf16_runs_here
 from tests.models import assert_greedy_parity, hf_greedy_batch, load_reference, pool, run_to_completion
 
 FP32_TOL = 1e-4     # fp32: HF's greedy tokens exactly, up to near-ties of this size
@@ -110,23 +112,15 @@ def test_prefix_cache_off_means_no_hits(tiny_model):
     assert engine.stats()["prefix_cache_hit_tokens"] == 0
 
 
-def has_native_bf16() -> bool:
-    from engine.dtypes import native_bf16_cpu
-
-    return native_bf16_cpu()
-
-
-# bf16 on a CPU without bf16 instructions (AVX512-BF16 or AMX) is emulated (tens of times
-# slower than fp32 at one token): the SmolLM2 bf16 run would take many minutes there, so it
-# runs only where bf16 is native (and there it is what dtype "auto" picks).
-# transformers' forward on CPU fp32 is checked on the tiny models only (the fused forward is
-# SmolLM2's default and is checked on it).
+# bf16 runs where tests/bf16.py's runs_here() says the references take seconds (not on
+# AVX2-only CPUs). transformers' forward on CPU fp32 is checked on the tiny models only (the
+# fused forward is SmolLM2's default and is checked on it).
 SMOLLM2_PATHS = [p if p.id != "cpu-bf16-kernel" else pytest.param(
-    *p.values, id=p.id, marks=pytest.mark.skipif(not has_native_bf16(), reason="no AVX512-BF16 or AMX-bf16 on this CPU: bf16 is emulated"))
+    *p.values, id=p.id, marks=pytest.mark.skipif(not bf16_runs_here(), reason=BF16_SKIP))
     for p in PATHS if p.id != "cpu-fp32-kernel-hf-forward"]
 
 
-@pytest.mark.skipif(not has_native_bf16(), reason="no AVX512-BF16 or AMX-bf16 on this CPU: bf16 is emulated")
+@pytest.mark.skipif(not bf16_runs_here(), reason=BF16_SKIP)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_bf16_head_dim_64_under_pressure_with_prefix_hits(tiny_model, mode):
     """The bf16 kernel paths at head_dim 64 (the 'llama-slow' model; the tiny models' head_dim
