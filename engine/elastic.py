@@ -11,7 +11,9 @@ that has not started one; the step's torch operators run on one thread (torch's 
 is not used), so the kernels must run every step: the bf16 linears on the block kernel at every
 size (no oneDNN copy; AMX tiles above 4 rows where the CPU has them), which is the
 avx512_bf16 build's, in bf16 (int8 weights too: their prefill steps on AMX tiles, or dequantized
-into the block kernel's layout without AMX, quantization.py).
+into the block kernel's layout without AMX, quantization.py). On a CPU without bf16 dot
+products (packed_linear.bf16_widened) bf16 steps of 80+ rows run MKL's GEMM on widened weights
+(`library_gemm`: on torch's threads for its duration); the steps below run on the kernels.
 
 On by default when served (`EngineConfig.elastic_threads` None: AsyncEngine turns it on), off
 in process. Served beside GuideLLM (bench.peers, 2026-12-05, `afe2f57`): 47.5 / 176.4 / 326.4
@@ -24,11 +26,16 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 
 log = logging.getLogger("streamgate.engine")
 
-# A helper spins this long after its last chunk, then sleeps until the next loop wakes it.
-SPIN_US = int(os.environ.get("STREAMGATE_ELASTIC_SPIN_US", "200"))
+# A helper spins this long after its last chunk (yielding its core to any other thread after
+# the first 20 us), then sleeps until the next loop wakes it. 200 us until 2026-12-07: on the
+# Intel Ice Lake host (KVM) a one-row bf16 step on the pool took 18.2-19.9 ms at 200 us, 16.7
+# at 500, 16.1 at 1,000, 15.8 at 2,000 (15.6 on OpenMP); served, one stream's ITL p50 23.3 ms
+# at 200 us, 17.3 at 2,000 (30.3 on OpenMP). The C++ op's own default stays 200.
+SPIN_US = int(os.environ.get("STREAMGATE_ELASTIC_SPIN_US", "1000"))
 
 
 def pool_threads() -> int:
@@ -53,10 +60,39 @@ def fits(dtype) -> str | None:
         return "the C++ kernels did not build"
     if dtype != torch.bfloat16:     # first: true in every build, so the reason does not depend on the host
         return f"{dtype} leaves big steps to oneDNN or MKL (bf16 runs them on the kernels)"
-    if loaded_variant() != "avx512_bf16":
-        return (f"the {loaded_variant()} kernels leave big steps to a library GEMM (oneDNN, or MKL on widened weights; "
-                "the avx512_bf16 build runs them all)")
+    if loaded_variant() != "avx512_bf16" and not widened():
+        return f"the {loaded_variant()} kernels leave big steps to oneDNN (the avx512_bf16 build runs them all)"
     return None
+
+
+def widened() -> bool:
+    """Whether bf16 steps run on the kernels up to packed_linear.BF16_WIDE_MIN_ROWS rows and above
+    as MKL GEMMs on widened weights (a CPU without bf16 dot products): on the pool those GEMMs
+    run inside `library_gemm`."""
+    from .packed_linear import bf16_widened
+
+    return bf16_widened()
+
+
+_torch_threads = 1          # torch's thread count when the pool started: library_gemm's
+
+
+@contextmanager
+def library_gemm():
+    """Around a library GEMM a step cannot leave (bf16's widened big steps, int8's dequantized
+    ones, on a CPU without bf16 dot products): while the pool runs the kernels' loops, torch's
+    operators get the threads torch had when it started (then one again), so a 300-token
+    prefill's GEMMs are not left to one core; OpenMP's team then serves those GEMMs only."""
+    import torch
+
+    if pool_threads() <= 1 or _torch_threads <= 1:
+        yield
+        return
+    torch.set_num_threads(_torch_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
 
 
 def start(config, dtype) -> bool:
@@ -72,6 +108,8 @@ def start(config, dtype) -> bool:
         return False
     if pool_threads() != threads:
         torch.ops.streamgate.elastic_threads(threads, SPIN_US)
+    global _torch_threads
+    _torch_threads = threads
     log.info("elastic threads: the kernels' loops on %d threads, torch's operators on one", threads)
     return True
 

@@ -99,16 +99,18 @@ def plain_gemm(x2: torch.Tensor, blocks: torch.Tensor, bias32: torch.Tensor | No
     plain [K, n] operand beats the block kernels' passes and the batched GEMM over the blocks
     (bf16_widened(), fp32_kernel_only())."""
     K = blocks.shape[1]
-    xf, step = x2.float(), max(1, SCRATCH_ELEMENTS // (K * 16))
+    step = max(1, SCRATCH_ELEMENTS // (K * 16))
     pieces = []
-    for b0 in range(0, blocks.shape[0], step):
-        part = blocks[b0:b0 + step]
-        n0, n1 = b0 * 16, min(N, (b0 + part.shape[0]) * 16)
-        wide = scratch(torch.float32, part.numel()).view(K, part.shape[0], 16)
-        wide.copy_(part.permute(1, 0, 2))
-        w = wide.view(K, -1)[:, :n1 - n0]
-        y = torch.mm(xf, w) if bias32 is None else torch.addmm(bias32[n0:n1], xf, w)
-        pieces.append(y if y.dtype == x2.dtype else y.to(x2.dtype))
+    with elastic.library_gemm():
+        xf = x2.float()
+        for b0 in range(0, blocks.shape[0], step):
+            part = blocks[b0:b0 + step]
+            n0, n1 = b0 * 16, min(N, (b0 + part.shape[0]) * 16)
+            wide = scratch(torch.float32, part.numel()).view(K, part.shape[0], 16)
+            wide.copy_(part.permute(1, 0, 2))
+            w = wide.view(K, -1)[:, :n1 - n0]
+            y = torch.mm(xf, w) if bias32 is None else torch.addmm(bias32[n0:n1], xf, w)
+            pieces.append(y if y.dtype == x2.dtype else y.to(x2.dtype))
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
 

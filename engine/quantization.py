@@ -50,6 +50,7 @@ import threading
 import torch
 from torch import nn
 
+from . import elastic
 from .dtypes import native_bf16_cpu
 from .kernels import amx_linear_rows, load_kernels, loaded_variant
 
@@ -124,7 +125,8 @@ class Int8Weight:
         elif self.kernel and x2.dtype == torch.bfloat16 and loaded_variant() == "avx512_bf16":
             y = self._dequantized_blocks(x2)
         elif x2.dtype == torch.bfloat16 and not native_bf16_cpu():     # oneDNN would emulate a bf16 GEMM
-            y = self._dequantized_gemm(x2.float()).to(x2.dtype)
+            with elastic.library_gemm():
+                y = self._dequantized_gemm(x2.float()).to(x2.dtype)
         else:
             y = self._dequantized_gemm(x2)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)

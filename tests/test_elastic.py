@@ -125,13 +125,37 @@ def test_served_engines_take_the_pool_by_default_in_process_ones_do_not(tiny_mod
 @pytest.mark.skipif(BF16_UNFIT is not None, reason=f"bf16 engines cannot take the pool here: {BF16_UNFIT}")
 def test_int8_engines_take_the_pool_and_their_prefill_steps_keep_openmps_bits(tiny_model, all_threads, pool_off_after):
     """int8 weights in bf16 take the pool wherever bf16 does (without AMX their prefill steps
-    dequantize into the block kernel's layout, quantization.py): a mixed step of 93 rows (past
-    the int8 kernel's 32) gives the same logits on the pool as on OpenMP's loops."""
+    dequantize into the block kernel's layout, quantization.py, or without bf16 dot products
+    into fp32 for MKL's GEMM): a mixed step of 93 rows (past the int8 kernel's 32) gives the
+    same logits on the pool as on OpenMP's loops."""
     eng = LLMEngine(EngineConfig(model=tiny_model("llama-slow"), dtype="bfloat16", quantization="int8",
                                  attention_backend="kernel", num_kv_blocks=64, block_size=8, elastic_threads=True))
     assert eng.runner.elastic and elastic.fits(torch.bfloat16) is None
     prepared = eng.runner._prepare(mixed_batch(eng))
     on_pool = eng.runner.execute(*prepared).clone()
     assert torch.ops.streamgate.elastic_threads(0) == 0
+    # OpenMP's loops on as many threads as the pool had: the runner then keeps torch's count (on
+    # the pool it takes one, but a CPU without bf16 dot products runs these 93 rows' GEMMs on
+    # MKL with the pool's count, elastic.library_gemm, and MKL's bits follow the count).
+    eng.runner.elastic = False
     torch.set_num_threads(os.cpu_count())
     assert torch.equal(eng.runner.execute(*prepared), on_pool)
+
+
+@pytest.mark.skipif(BF16_UNFIT is not None, reason=f"bf16 engines cannot take the pool here: {BF16_UNFIT}")
+def test_a_library_gemm_on_the_pool_gets_torchs_threads_back(tiny_model, all_threads, pool_off_after):
+    """On the pool a step's torch operators run on one thread, but a GEMM the kernels leave to
+    MKL (bf16's widened big steps, int8's dequantized ones, on a CPU without bf16 dot products)
+    runs inside library_gemm on the threads torch had when the pool started, then one again;
+    with the pool off it leaves torch's count alone."""
+    eng = LLMEngine(EngineConfig(model=tiny_model("llama-slow"), dtype="bfloat16", num_kv_blocks=16,
+                                 elastic_threads=True))
+    full = os.cpu_count()
+    assert eng.runner.elastic and elastic.pool_threads() == full
+    elastic.one_torch_thread()
+    with elastic.library_gemm():
+        assert torch.get_num_threads() == full
+    assert torch.get_num_threads() == 1
+    assert torch.ops.streamgate.elastic_threads(0) == 0
+    with elastic.library_gemm():
+        assert torch.get_num_threads() == 1
