@@ -11,8 +11,9 @@ runs as one step, in `ROUNDS` rounds that alternate the sizes so that a shared h
 minutes fall on every size alike. Each size's time per token is the median of its rounds, and
 the curve is fitted as b + a / size by least squares: b what a token costs once the step's
 matmuls are full, a the step's fixed cost (scheduling, sampling, small matmuls' waste). The
-budget is the smallest size whose fitted cost per token is within `TOLERANCE` of b. A size whose
-step takes longer than `MAX_STEP_S` ends the ladder: such a step stalls every stream.
+budget is the smallest size whose fitted cost per token is within `TOLERANCE` of b, and no
+larger than the largest size whose step took at most `MAX_CHOSEN_STEP_S`. A size whose step
+takes longer than `MAX_STEP_S` ends the ladder: such a step stalls every stream.
 
 On Zen 4 (2 cores, bf16, SmolLM2-135M) the probe measured 1475 / 1495 / 1541 / 1544 / 1534 /
 1493 prompt tok/s at steps of 64 / 128 / 256 / 512 / 1,024 / 2,048 tokens: a flat curve (two
@@ -51,6 +52,7 @@ FIT_RUNG = 32                # a size below the floor timed for the fit only
 ROUNDS = 3                   # rounds after the warm one (first steps at a new size build kernels)
 TOLERANCE = 0.02             # the budget's fitted time per token may exceed b by this fraction
 MAX_STEP_S = 2.0             # a size slower than this ends the ladder
+MAX_CHOSEN_STEP_S = 1.0      # the budget's own step takes at most this (median), whatever the fit says
 
 
 @dataclass(frozen=True)
@@ -79,15 +81,24 @@ def fit(per_token_s: dict[int, float]) -> tuple[float, float]:
     return a, my - a * mx
 
 
-def choose(per_token_s: dict[int, float], tolerance: float = TOLERANCE, floor: int = 0) -> int:
+def choose(per_token_s: dict[int, float], tolerance: float = TOLERANCE, floor: int = 0,
+           max_step_s: float = MAX_CHOSEN_STEP_S) -> int:
     """The smallest size of at least `floor` whose cost per token on the fitted b + a / size is
     within `tolerance` of b (the largest size if none is; the smallest if steps have no fixed
-    cost to spread, a <= 0)."""
+    cost to spread, a <= 0), but no larger than the largest size whose measured step took at
+    most `max_step_s` (a prompt step stalls every decoding stream for its length): where a
+    step's fixed cost is large, the fit's knee lies past any step a stream should wait for.
+    On the Intel Ice Lake host (bf16, 2026-12-07) bf16 steps of 80+ rows widen every layer's
+    weights for MKL's GEMM (~60 ms a step), the curve kept falling to 2,048 tokens, and that
+    budget's 2,000-token prompt steps stalled 16 decoding streams for 4.2 s."""
     sizes = sorted(m for m in per_token_s if m >= floor)
     a, b = fit(per_token_s)
     if a <= 0 or b <= 0:
-        return sizes[0] if a <= 0 else sizes[-1]
-    return next((m for m in sizes if a / m <= tolerance * b), sizes[-1])
+        knee = sizes[0] if a <= 0 else sizes[-1]
+    else:
+        knee = next((m for m in sizes if a / m <= tolerance * b), sizes[-1])
+    quick = [m for m in sizes if m * per_token_s[m] <= max_step_s]
+    return min(knee, quick[-1]) if quick else sizes[0]
 
 
 def pieces(size: int, max_seqs: int) -> list[int]:

@@ -68,7 +68,7 @@ class SchedulerConfig(Section):
                                               "sequence needs its decode token)", check=POSITIVE_INT,
                                               none="auto: measured at start, the smallest step whose prompt "
                                               "tokens cost within 2% of a full step's (a fit of the measured "
-                                              "curve: budget_probe.py)")
+                                              "curve: budget_probe.py), at most a 1 s step")
     chunked_prefill: bool = knob(True, "split long prompts over steps (off: prefill-first, unchunked, "
                                  "for comparison)")
     batching: str = knob("continuous", "static: request-level batches (for comparison)", choices=BATCHING)

@@ -11,19 +11,34 @@ import asyncio
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.budget_probe import FIT_RUNG, LADDER, MAX_STEP_S, PIECE, TOLERANCE, choose, fit, ladder, measure, pieces
+from engine.budget_probe import (FIT_RUNG, LADDER, MAX_CHOSEN_STEP_S, MAX_STEP_S, PIECE, TOLERANCE, choose, fit, ladder,
+                                 measure, pieces)
 from tests.models import hf_greedy, load_reference
 
 
 def test_fit_recovers_a_known_curve_and_choose_takes_its_knee():
-    """Per token 1 + 10 / size ms: a = 10, b = 1; within 2 % of b from 500 tokens, so 512;
-    within 5 % from 200, so 256; the floor is respected."""
+    """Per token 1 + 10 / size (units, not seconds: no step limit): a = 10, b = 1; within 2 % of
+    b from 500 tokens, so 512; within 5 % from 200, so 256; the floor is respected."""
     curve = {m: 1.0 + 10.0 / m for m in (32, *LADDER)}
+    free = float("inf")
     assert fit(curve) == (pytest.approx(10.0), pytest.approx(1.0))
-    assert choose(curve, 0.02) == 512 and choose(curve, 0.05) == 256
-    assert choose(curve, 0.05, floor=1024) == 1024
-    assert choose({64: 1.0, 128: 1.0, 256: 1.0}) == 64                 # no fixed cost: the smallest
-    assert choose({64: 1.0, 128: 1.5, 256: 2.0}, floor=128) == 128     # cost rising with the size
+    assert choose(curve, 0.02, max_step_s=free) == 512 and choose(curve, 0.05, max_step_s=free) == 256
+    assert choose(curve, 0.05, floor=1024, max_step_s=free) == 1024
+    assert choose({64: 1.0, 128: 1.0, 256: 1.0}, max_step_s=free) == 64               # no fixed cost: the smallest
+    assert choose({64: 1.0, 128: 1.5, 256: 2.0}, floor=128, max_step_s=free) == 128   # cost rising with the size
+
+
+def test_the_budget_step_takes_at_most_the_chosen_limit():
+    """A large fixed cost puts the fit's knee past every size (60 ms a step, 0.9 ms a token:
+    within 2 % of b only from ~3,300 tokens, so 2,048), but a 2,048-token step takes 1.9 s and
+    a 1,024-token one 0.98 s: the budget is the largest size within MAX_CHOSEN_STEP_S, 1,024;
+    where no size is, the smallest; a curve whose knee comes first keeps its knee."""
+    curve = {m: 0.0009 + 0.060 / m for m in (32, *LADDER)}
+    assert MAX_CHOSEN_STEP_S == 1.0
+    assert choose(curve, max_step_s=float("inf")) == 2048
+    assert choose(curve) == 1024 and choose(curve, max_step_s=0.3) == 256
+    assert choose(curve, floor=64, max_step_s=0.01) == 64
+    assert choose({m: 0.001 + 0.010 / m for m in LADDER}) == 512
 
 
 def test_a_noisy_flat_curve_does_not_choose_by_its_luckiest_size():
@@ -37,7 +52,8 @@ def test_a_noisy_flat_curve_does_not_choose_by_its_luckiest_size():
               {32: 746, 64: 663, 128: 629, 256: 601, 512: 591, 1024: 584, 2048: 584}]
     best_size = [min(m for m, s in p.items() if m >= 64 and s <= 1.02 * min(p.values())) for p in probes]
     assert set(best_size) == {128, 512, 1024}
-    assert [choose(p, floor=64) for p in probes] == [512] * 5
+    seconds = [{m: us * 1e-6 for m, us in p.items()} for p in probes]     # 2,048 tokens: 1.2-1.3 s a step
+    assert [choose(p, floor=64) for p in seconds] == [512] * 5
 
 
 def test_ladder_starts_at_the_floor_and_stops_at_the_ceiling():
