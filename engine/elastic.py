@@ -49,9 +49,11 @@ def pool_threads() -> int:
     return int(torch.ops.streamgate.elastic_threads(-1))
 
 
-def fits(dtype) -> str | None:
+def fits(dtype, fused: bool = True) -> str | None:
     """Why the elastic pool cannot run this engine's steps in `dtype` (None: it can; int8 weights
-    too, whose steps all run on the kernels in the avx512_bf16 build: quantization.py)."""
+    too, whose steps all run on the kernels in the avx512_bf16 build: quantization.py). Without
+    bf16 dot products only the fused forward's (`fused`: fused_llama.bf16_widened_here) run on
+    the kernels; transformers' forward would run torch's emulated bf16 matmuls on one thread."""
     import torch
 
     from .kernels import load_kernels, loaded_variant
@@ -60,8 +62,9 @@ def fits(dtype) -> str | None:
         return "the C++ kernels did not build"
     if dtype != torch.bfloat16:     # first: true in every build, so the reason does not depend on the host
         return f"{dtype} leaves big steps to oneDNN or MKL (bf16 runs them on the kernels)"
-    if loaded_variant() != "avx512_bf16" and not widened():
-        return f"the {loaded_variant()} kernels leave big steps to oneDNN (the avx512_bf16 build runs them all)"
+    if loaded_variant() != "avx512_bf16" and not (widened() and fused):
+        return (f"the {loaded_variant()} kernels leave big steps to oneDNN (the avx512_bf16 build runs them all"
+                + (", and without it only the fused forward's)" if widened() else ")"))
     return None
 
 
@@ -95,7 +98,7 @@ def library_gemm():
         torch.set_num_threads(1)
 
 
-def start(config, dtype) -> bool:
+def start(config, dtype, fused: bool = True) -> bool:
     """Start the pool with as many threads as torch has (the stepping thread and helpers) if
     this engine's steps run on the kernels; False (and why, logged) if not."""
     import torch
@@ -103,7 +106,7 @@ def start(config, dtype) -> bool:
     threads = torch.get_num_threads()
     if threads <= 1:
         return False
-    if (why := fits(dtype)) is not None:
+    if (why := fits(dtype, fused)) is not None:
         log.warning("elastic threads off: %s", why)
         return False
     if pool_threads() != threads:

@@ -41,7 +41,8 @@ class ModelRunner:
         self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else None
         self.model, self.tokenizer, self.family = load_model(config.model, self.dtype, self.device, tp)
         eager_cpu = self.device.type == "cpu" and not config.compile and tp == 1
-        self.elastic = config.elastic_threads and eager_cpu and elastic.start(config, self.dtype)   # elastic.py
+        self.elastic = (config.elastic_threads and eager_cpu                                          # elastic.py
+                        and elastic.start(config, self.dtype, bf16_widened_here(config, self.model.config)))
         hf = self.model.config
         self.vocab_size = hf.vocab_size
         self.max_position_embeddings = getattr(hf, "max_position_embeddings", None)

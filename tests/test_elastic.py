@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams, elastic
-from engine.kernels import load_kernels
+from engine.kernels import load_kernels, loaded_variant
 from tests.bf16 import assert_tokens_within_noise
 from tests.models import run_to_completion
 
@@ -159,3 +159,20 @@ def test_a_library_gemm_on_the_pool_gets_torchs_threads_back(tiny_model, all_thr
     assert torch.ops.streamgate.elastic_threads(0) == 0
     with elastic.library_gemm():
         assert torch.get_num_threads() == 1
+
+
+@pytest.mark.skipif(not elastic.widened() or loaded_variant() == "avx512_bf16",
+                    reason="a CPU with bf16 dot products: the avx512_bf16 build runs every bf16 step on the kernels")
+def test_without_bf16_dot_products_only_the_fused_forward_takes_the_pool(tiny_model, all_threads, pool_off_after):
+    """Without bf16 dot products the kernels run bf16 steps for the fused forward only:
+    transformers' forward (`fused_layers=False`, or a family it does not fuse) would run torch's
+    emulated bf16 matmuls on the pool's one torch thread, so such an engine stays on OpenMP."""
+    assert elastic.fits(torch.bfloat16) is None
+    assert "fused forward" in elastic.fits(torch.bfloat16, fused=False)
+    model = tiny_model("llama")
+    fused = LLMEngine(EngineConfig(model=model, dtype="bfloat16", num_kv_blocks=16, elastic_threads=True))
+    assert fused.runner.elastic
+    torch.ops.streamgate.elastic_threads(0)
+    plain = LLMEngine(EngineConfig(model=model, dtype="bfloat16", num_kv_blocks=16, elastic_threads=True,
+                                   fused_layers=False))
+    assert not plain.runner.elastic and elastic.pool_threads() == 0
