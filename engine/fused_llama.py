@@ -16,17 +16,15 @@ Mistral, Qwen2, Qwen3: pre-norm RMSNorm layers, SiLU gate/up MLP, full rotary; Q
 biases ride in the packed GEMM, Qwen3's per-head q/k RMSNorms run as transformers' modules,
 Mistral's sliding window is the attention's), every layer that family's decoder layer, the
 C++ kernels built; anything else keeps transformers' forward. fp32 weights are packed for the C++
-linear kernel; bf16 ones for oneDNN's matmul (with avx512_bf16 or AMX its bf16 GEMM is 3-5x
-the fp32 one at 8+ rows and reads half the bytes at one row: docs/BENCHMARKS.md §8.16), and
-the C++ operators round bf16 results where transformers' bf16 modules do. Greedy parity with
-HF `generate` is tested as for the transformers path (tests/test_parity.py).
+linear kernel, bf16 ones for the bf16 block kernel and, where it keeps one, oneDNN's matmul
+(packed_linear.Bf16Weight); the C++ operators round bf16 results where transformers' bf16
+modules do. Greedy parity with HF `generate` is tested as for the transformers path.
 
-Where every linear is bf16 on the block kernel alone (the avx512_bf16 build without a oneDNN
-copy: a CPU without AMX, or the elastic pool) or int8 on its kernel (steps of up to 32 rows),
-and every layer is plain, the whole layer loop is one operator call (csrc/llama_layers.cpp: the
-same operators in the same order, the same bits, tests/test_llama_layers.py): no Python between
-them, and the GIL released once a step instead of at every call, where a served engine waited
-for it behind the event loop.
+Where no bf16 linear keeps a oneDNN copy (up to 79 rows without bf16 dot products) or int8
+runs on its kernel (up to 32 rows), and every layer is plain, the whole layer loop is one
+operator call (csrc/llama_layers.cpp: the same operators in the same order, the same bits,
+tests/test_llama_layers.py): no Python between them, and the GIL released once a step
+instead of at every call, where a served engine waited for it behind the event loop.
 """
 
 from __future__ import annotations
@@ -101,8 +99,9 @@ def bf16_widened_here(config, hf_config) -> bool:
 
 
 def linear_kind(dtype: torch.dtype) -> str | None:
-    """How the fused forward packs weights of `dtype`: the C++ kernel (fp32), oneDNN (bf16,
-    where oneDNN has native bf16 instructions), or None (not fused)."""
+    """How the fused forward packs weights of `dtype`: the C++ kernel (fp32), oneDNN (bf16, where
+    oneDNN runs bf16: AVX-512 or better; maybe_fuse then takes the block kernel where it can), or
+    None (not fused)."""
     if dtype == torch.float32:
         return "streamgate"
     if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
