@@ -62,19 +62,13 @@ def fits(dtype, fused: bool = True) -> str | None:
         return "the C++ kernels did not build"
     if dtype != torch.bfloat16:     # first: true in every build, so the reason does not depend on the host
         return f"{dtype} leaves big steps to oneDNN or MKL (bf16 runs them on the kernels)"
-    if loaded_variant() != "avx512_bf16" and not (widened() and fused):
+    from .packed_linear import bf16_widened     # up to 79 rows on the kernels, MKL inside library_gemm above
+
+    widened = bf16_widened()
+    if loaded_variant() != "avx512_bf16" and not (widened and fused):
         return (f"the {loaded_variant()} kernels leave big steps to oneDNN (the avx512_bf16 build runs them all"
-                + (", and without it only the fused forward's)" if widened() else ")"))
+                + (", and without it only the fused forward's)" if widened else ")"))
     return None
-
-
-def widened() -> bool:
-    """Whether bf16 steps run on the kernels up to packed_linear.BF16_WIDE_MIN_ROWS rows and above
-    as MKL GEMMs on widened weights (a CPU without bf16 dot products): on the pool those GEMMs
-    run inside `library_gemm`."""
-    from .packed_linear import bf16_widened
-
-    return bf16_widened()
 
 
 _torch_threads = 1          # torch's thread count when the pool started: library_gemm's

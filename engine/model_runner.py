@@ -35,14 +35,13 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
-        widened = (config.dtype == "auto" and not native_bf16_cpu()
-                   and bf16_widened_here(config, model_config(config.model)))
+        # The fused forward runs bf16 on a CPU without bf16 dot products: "auto" is bf16, the pool fits.
+        widened = not native_bf16_cpu() and bf16_widened_here(config, model_config(config.model))
         self.dtype, tp = resolve_dtype(config.dtype, self.device, widened), config.tensor_parallel_size
         self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else None
         self.model, self.tokenizer, self.family = load_model(config.model, self.dtype, self.device, tp)
         eager_cpu = self.device.type == "cpu" and not config.compile and tp == 1
-        self.elastic = (config.elastic_threads and eager_cpu                                          # elastic.py
-                        and elastic.start(config, self.dtype, bf16_widened_here(config, self.model.config)))
+        self.elastic = config.elastic_threads and eager_cpu and elastic.start(config, self.dtype, widened)  # elastic.py
         hf = self.model.config
         self.vocab_size = hf.vocab_size
         self.max_position_embeddings = getattr(hf, "max_position_embeddings", None)

@@ -40,7 +40,7 @@ from . import elastic
 from .dtypes import cpu_flags, cpu_vendor, native_bf16_cpu
 from .huge_pages import Arena
 from .kernels import amx_linear_rows, load_kernels, loaded_variant
-from .quantization import SCRATCH_ELEMENTS, Int8Linear, Int8Weight, quantize_linears, scratch
+from .quantization import Int8Linear, Int8Weight, in_slices, quantize_linears
 
 log = logging.getLogger("streamgate.engine")
 
@@ -92,26 +92,25 @@ def bf16_widened() -> bool:
 
 def plain_gemm(x2: torch.Tensor, blocks: torch.Tensor, bias32: torch.Tensor | None, N: int) -> torch.Tensor:
     """x2 [M, K] @ W^T + b as fp32 GEMMs on the plain layout: W's blocks [ceil(N/16), K, 16]
-    (bf16: widened, exactly; fp32: as they are), at most SCRATCH_ELEMENTS weights at a time,
+    (bf16: widened, exactly; fp32: as they are), a slice at a time (quantization.in_slices)
     transposed into this thread's fp32 scratch [K, n]; the rows widened once, the bias added in
     fp32, each sum rounded once to x2's dtype, as the block kernels' are (products exact for
     bf16 rows, fp32 sums in the GEMM's order). Steps of many rows: the library's GEMM on one
     plain [K, n] operand beats the block kernels' passes and the batched GEMM over the blocks
     (bf16_widened(), fp32_kernel_only())."""
     K = blocks.shape[1]
-    step = max(1, SCRATCH_ELEMENTS // (K * 16))
-    pieces = []
+
+    def gemm(n0: int, n1: int, buf: torch.Tensor) -> torch.Tensor:
+        part = blocks[n0 // 16:-(-n1 // 16)]
+        wide = buf[:part.numel()].view(K, part.shape[0], 16)
+        wide.copy_(part.permute(1, 0, 2))
+        w = wide.view(K, -1)[:, :n1 - n0]
+        y = torch.mm(xf, w) if bias32 is None else torch.addmm(bias32[n0:n1], xf, w)
+        return y if y.dtype == x2.dtype else y.to(x2.dtype)
+
     with elastic.library_gemm():
         xf = x2.float()
-        for b0 in range(0, blocks.shape[0], step):
-            part = blocks[b0:b0 + step]
-            n0, n1 = b0 * 16, min(N, (b0 + part.shape[0]) * 16)
-            wide = scratch(torch.float32, part.numel()).view(K, part.shape[0], 16)
-            wide.copy_(part.permute(1, 0, 2))
-            w = wide.view(K, -1)[:, :n1 - n0]
-            y = torch.mm(xf, w) if bias32 is None else torch.addmm(bias32[n0:n1], xf, w)
-            pieces.append(y if y.dtype == x2.dtype else y.to(x2.dtype))
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+        return in_slices(N, K, torch.float32, lambda n: -(-n // 16) * 16 * K, gemm)
 
 
 class Bf16Weight:
@@ -150,7 +149,7 @@ class Bf16Weight:
         if self._on_blocks(x2):
             y = torch.ops.streamgate.linear_bf16(x2, self.blocks, self.bias32, self.out_features)
         elif self.widened:
-            y = self._widened_gemm(x2)
+            y = plain_gemm(x2, self.blocks, self.bias32, self.out_features)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.onednn, self.bias, "none", [], "")
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
@@ -160,9 +159,6 @@ class Bf16Weight:
         if self.widened:
             return x2.shape[0] < BF16_WIDE_MIN_ROWS
         return self.onednn is None or x2.shape[0] <= BF16_KERNEL_MAX_ROWS or self._on_tiles(x2)
-
-    def _widened_gemm(self, x2: torch.Tensor) -> torch.Tensor:
-        return plain_gemm(x2, self.blocks, self.bias32, self.out_features)
 
     def _on_tiles(self, x2: torch.Tensor) -> bool:
         """Whether linear() runs these rows [M, K] on the block copy's AMX tiles: past 4 rows

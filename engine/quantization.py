@@ -82,6 +82,17 @@ def scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
     return buf[:numel]
 
 
+def in_slices(N: int, K: int, dtype: torch.dtype, elements, gemm) -> torch.Tensor:
+    """gemm(n0, n1, buf) for output slices [n0, n1) of an N x K weight, at most SCRATCH_ELEMENTS
+    weights each (whole blocks of 16 outputs), buf this thread's scratch buffer of `dtype`, at
+    least elements(n) for the widest slice; the pieces side by side. A layer's weight is
+    dequantized (int8) or widened (bf16, packed_linear.plain_gemm) a slice at a time into it."""
+    step = max(_BLOCK, SCRATCH_ELEMENTS // K // _BLOCK * _BLOCK)
+    buf = scratch(dtype, elements(min(N, step)))
+    pieces = [gemm(n0, min(N, n0 + step), buf) for n0 in range(0, N, step)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
+
 class Int8Weight:
     """An int8 weight (packed codes), its per-channel scales and bias; `linear` runs it."""
 
@@ -161,14 +172,7 @@ class Int8Weight:
         return self._in_slices(x2, lambda n: n * K, gemm)
 
     def _in_slices(self, x2: torch.Tensor, elements, gemm) -> torch.Tensor:
-        """gemm(n0, n1, buf) for output slices [n0, n1) of at most SCRATCH_ELEMENTS weights
-        (whole blocks of 16 outputs), buf this thread's scratch buffer of x2's dtype, at least
-        elements(n) for the widest slice; the pieces side by side."""
-        N, K = self.out_features, self.in_features
-        step = max(_BLOCK, SCRATCH_ELEMENTS // K // _BLOCK * _BLOCK)
-        buf = scratch(x2.dtype, elements(min(N, step)))
-        pieces = [gemm(n0, min(N, n0 + step), buf) for n0 in range(0, N, step)]
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+        return in_slices(self.out_features, self.in_features, x2.dtype, elements, gemm)
 
 
 class Int8Linear(nn.Module):

@@ -13,6 +13,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams, elastic
 from engine.kernels import load_kernels, loaded_variant
+from engine.packed_linear import bf16_widened
 from tests.bf16 import assert_tokens_within_noise
 from tests.models import run_to_completion
 
@@ -161,7 +162,7 @@ def test_a_library_gemm_on_the_pool_gets_torchs_threads_back(tiny_model, all_thr
         assert torch.get_num_threads() == 1
 
 
-@pytest.mark.skipif(not elastic.widened() or loaded_variant() == "avx512_bf16",
+@pytest.mark.skipif(not bf16_widened() or loaded_variant() == "avx512_bf16",
                     reason="a CPU with bf16 dot products: the avx512_bf16 build runs every bf16 step on the kernels")
 def test_without_bf16_dot_products_only_the_fused_forward_takes_the_pool(tiny_model, all_threads, pool_off_after):
     """Without bf16 dot products the kernels run bf16 steps for the fused forward only:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine import packed_linear
+from engine import packed_linear, quantization
 from engine.kernels import load_kernels, loaded_variant
 from engine.packed_linear import Bf16Weight, PackedLinear
 from tests.linear_helpers import assert_rows_invariant, reference_and_tolerance, weight
@@ -183,13 +183,13 @@ def test_the_widened_gemm_matches_the_reference_in_slices(monkeypatch, dtype):
     """Bf16Weight's fp32 GEMM on widened weights (the big steps of a CPU without bf16 dot
     products), its scratch slices two blocks wide: a 101-output weight in four slices, the last
     one 5 outputs past the last whole block, bias in fp32, one rounding to the rows' dtype."""
-    monkeypatch.setattr(packed_linear, "SCRATCH_ELEMENTS", 70 * 16 * 2)
+    monkeypatch.setattr(quantization, "SCRATCH_ELEMENTS", 70 * 16 * 2)
     w, b = _weight(101, 70, seed=12)
     weight = Bf16Weight(w, b)
     for rows in (1, 9, 130):
         x = torch.randn(rows, 70, generator=torch.Generator().manual_seed(rows)).to(dtype)
         with torch.inference_mode():
-            y = weight._widened_gemm(x)
+            y = packed_linear.plain_gemm(x, weight.blocks, weight.bias32, 101)
         assert y.dtype == dtype and y.shape == (rows, 101)
         ref, tol = _reference_and_tolerance(x, w, b.float(), dtype)
         err = (y.double() - ref).abs()

@@ -9,7 +9,7 @@ from torch import nn
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.kernels import load_kernels
-from engine import packed_linear
+from engine import packed_linear, quantization
 from engine.packed_linear import FP32_KERNEL_MAX_ROWS, FP32_PLAIN_MIN_ROWS, PackedLinear, available, fp32_kernel_only
 from tests.linear_helpers import assert_rows_invariant
 
@@ -70,7 +70,7 @@ def test_big_fp32_steps_as_plain_gemms_on_the_blocks_transposed(monkeypatch, bia
     """The form Intel CPUs run from FP32_PLAIN_MIN_ROWS (tested on every host): the blocks
     transposed into the scratch buffer, here two blocks (32 outputs) at a time, so 37 outputs
     take two slices, the last one 5 wide; nn.Linear's product to fp32 rounding."""
-    monkeypatch.setattr(packed_linear, "SCRATCH_ELEMENTS", 96 * 16 * 2)
+    monkeypatch.setattr(quantization, "SCRATCH_ELEMENTS", 96 * 16 * 2)
     torch.manual_seed(2)
     lin = nn.Linear(96, 37, bias=bias)
     packed = PackedLinear(lin, "streamgate")
