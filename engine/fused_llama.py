@@ -53,11 +53,20 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
 
+def _config_allows(config) -> bool:       # eager, one process, fused_layers and packed_linear not False
+    return not (config.fused_layers is False or config.packed_linear is False or config.compile
+                or config.tensor_parallel_size > 1)
+
+
+def _model_config_fits(cfg, family=None) -> bool:     # supports()'s checks on transformers' config alone
+    return (getattr(cfg, "model_type", None) in _CLASSES and (family is None or family.fused)
+            and getattr(cfg, "hidden_act", None) == "silu" and getattr(cfg, "pretraining_tp", 1) == 1)
+
+
 def supports(model: nn.Module, family=None) -> bool:
     cfg = model.config
     prefix = _CLASSES.get(getattr(cfg, "model_type", None))
-    return (prefix is not None and (family is None or family.fused) and getattr(cfg, "hidden_act", None) == "silu"
-            and getattr(cfg, "pretraining_tp", 1) == 1 and type(model).__name__ == f"{prefix}ForCausalLM"
+    return (prefix is not None and _model_config_fits(cfg, family) and type(model).__name__ == f"{prefix}ForCausalLM"
             and len(model.model.layers) > 0
             and all(type(m).__name__ == f"{prefix}DecoderLayer" for m in model.model.layers))
 
@@ -66,7 +75,7 @@ def maybe_fuse(model: nn.Module, config, device: torch.device, dtype: torch.dtyp
                family=None) -> FusedLlama | None:
     """The fused forward for eager fp32 or bf16 on CPU in one process, unless `config.fused_layers`
     or `config.packed_linear` is False; None where it does not apply."""
-    if config.fused_layers is False or config.packed_linear is False or config.compile or config.tensor_parallel_size > 1:
+    if not _config_allows(config):
         return None
     kind = "int8" if getattr(config, "quantization", None) == "int8" else linear_kind(dtype)
     if not (device.type == "cpu" and kind and available() == "streamgate" and supports(model, family)):
@@ -92,10 +101,8 @@ def bf16_widened_here(config, hf_config) -> bool:
     from .models import check_supported
 
     return (config.device == "cpu" and bf16_widened() and linear_kind(torch.bfloat16) is not None
-            and available() == "streamgate" and config.fused_layers is not False and config.packed_linear is not False
-            and not config.compile and config.tensor_parallel_size == 1
-            and getattr(hf_config, "hidden_act", None) == "silu" and getattr(hf_config, "pretraining_tp", 1) == 1
-            and check_supported(hf_config).fused)
+            and available() == "streamgate" and _config_allows(config)
+            and _model_config_fits(hf_config) and check_supported(hf_config).fused)
 
 
 def linear_kind(dtype: torch.dtype) -> str | None:
