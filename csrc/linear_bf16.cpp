@@ -27,7 +27,8 @@
 // bench.engine.gemm --crossover --threads 1) against oneDNN's prepacked bf16 matmul at
 // SmolLM2-135M's shapes: 1.75-2.5x at 1 row, 1.2-1.7x at 8, 1.0-1.2x at 32, 0.96-1.05x at
 // 64-512 (~190 GFLOP/s a core, as oneDNN); the head 1.8-2.1x at 1-2 rows, 0.87-1.1x at
-// 4-512. The shift+FMA form is compute-bound above ~4 rows (one 16-lane FMA a cycle).
+// 4-512. The shift+FMA form runs linear_blocks.h's register tiles (8 rows x 3 blocks a pass),
+// compute-bound from ~8 rows: on the Intel Ice Lake host ~150-210 of two cores' ~330 fp32 GFLOP/s.
 #include "parallel.h"
 #include "linear_blocks.h"
 #include "linear_amx.h"

@@ -39,7 +39,9 @@ typedef float lanes_t __attribute__((vector_size(32)));
 constexpr int kParts = kBlock / kLanes;
 
 // The epilogue: y[row, n0 + n] = sum[n] * scale[n0 + n] + bias[n0 + n], rounded once to T
-// (scale and bias optional).
+// (scale and bias optional). A whole block's sixteen go as vectors (bf16 rounded to nearest even
+// by integer ops, NaN as c10's 0x7fc0: the bits of c10::BFloat16(float)); a last partial block,
+// value by value in the same arithmetic.
 template <typename T>
 struct Out {
   T* y;
@@ -47,10 +49,28 @@ struct Out {
   const float* scale;
   const float* bias;
   inline void store(int64_t row, int64_t n0, const float* sum, int64_t valid) const {
-    for (int64_t n = 0; n < valid; ++n) {
-      const float v = scale ? sum[n] * scale[n0 + n] : sum[n];
-      y[row * ys + n0 + n] = static_cast<T>(v + (bias ? bias[n0 + n] : 0.0f));
+    T* dst = y + row * ys + n0;
+    if (valid < kBlock) {
+      for (int64_t n = 0; n < valid; ++n) dst[n] = static_cast<T>(value(sum, n0, n));
+      return;
     }
+    float v[kBlock];
+    for (int n = 0; n < kBlock; ++n) v[n] = value(sum, n0, n);
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      uint16_t h[kBlock];
+      for (int n = 0; n < kBlock; ++n) {
+        uint32_t b;
+        std::memcpy(&b, v + n, sizeof b);
+        h[n] = v[n] != v[n] ? uint16_t{0x7fc0} : static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+      }
+      std::memcpy(dst, h, sizeof h);
+    } else {
+      for (int n = 0; n < kBlock; ++n) dst[n] = static_cast<T>(v[n]);
+    }
+  }
+  inline float value(const float* sum, int64_t n0, int64_t n) const {
+    const float v = scale ? sum[n] * scale[n0 + n] : sum[n];
+    return v + (bias ? bias[n0 + n] : 0.0f);
   }
 };
 
@@ -69,46 +89,45 @@ constexpr int64_t kFarAheadBytes = 16 << 10;
 // The int8 stream's hint on this CPU: prefetcht0 on Intel's, prefetchnta elsewhere.
 inline int stream_prefetch_hint() { return streamgate::cpu::intel_cpu() ? kPrefetchT0 : kPrefetchNta; }
 
-// Rows m..m+R-1 of x (fp32, row stride xs) against one block: U accumulators per row over
-// the packed rows. Not inlined: inside parallel_for's lambda GCC kept the accumulators on the
-// stack (a store and a reload per FMA, 3x slower). Hint: a software prefetch 4 KB ahead in the
-// stream with that locality (kNoPrefetch: none); see stream_prefetch_hint().
-template <class Code, int R, int U, int Hint, typename T>
-__attribute__((noinline)) void block_rows(const float* x, int64_t xs, const typename Code::code_t* block, int64_t K,
-                                          const Out<T>& out, int64_t row, int64_t n0, int64_t valid) {
+// Rows m..m+R-1 of x (fp32, row stride xs) against C blocks side by side (block_codes codes
+// apart): one fp32 chain per row and output over k in order, whatever R and C, so a row's sum is
+// the same sequence of FMAs in a one-row decode as among verified drafts or other sequences' rows
+// (row-invariant: speculative greedy output equals the plain run's). Each packed row of the C
+// blocks is widened once and FMA'd with R broadcast activations; sums [R][C * 16] fp32 for the
+// caller's epilogue. Not inlined: inside parallel_for's lambda GCC kept the accumulators on the
+// stack (a store and a reload per FMA, 3x slower). Hint: a software prefetch 4 KB ahead in each
+// block's stream, once a cache line, with that locality (kNoPrefetch: none); see stream_prefetch_hint().
+template <class Code, int R, int C, int Hint>
+__attribute__((noinline)) void tile_rows(const float* x, int64_t xs, const typename Code::code_t* block,
+                                         int64_t block_codes, int64_t K, float* sums) {
+  using code_t = typename Code::code_t;
   constexpr int P = Code::kPack;
   constexpr int64_t kRow = kBlock * P;             // codes per packed row
+  constexpr int64_t kLine = std::max<int64_t>(1, 64 / (kRow * sizeof(code_t)));  // packed rows a line
   const int64_t full = K / P;                     // packed rows whose k all exist
-  lanes_t acc[U][R][kParts];
-  for (int u = 0; u < U; ++u)
-    for (int j = 0; j < R; ++j)
-      for (int p = 0; p < kParts; ++p) acc[u][j][p] = lanes_t{};
-  int64_t r = 0;
-  for (; r + U <= full; r += U) {
-    if constexpr (Hint != kNoPrefetch)
-      __builtin_prefetch(block + (r + 4096 / (kRow * sizeof(typename Code::code_t))) * kRow, 0, Hint);
-    for (int u = 0; u < U; ++u)
-      for (int s = 0; s < P; ++s)
-        for (int p = 0; p < kParts; ++p) {
-          const lanes_t w = Code::widen(block + (r + u) * kRow, s, p);
-          for (int j = 0; j < R; ++j) acc[u][j][p] += x[j * xs + (r + u) * P + s] * w;
-        }
-  }
-  for (; r * P < K; ++r)                          // the k tail (and a last, partly zero row)
-    for (int s = 0; s < P && r * P + s < K; ++s)
-      for (int p = 0; p < kParts; ++p) {
-        const lanes_t w = Code::widen(block + r * kRow, s, p);
-        for (int j = 0; j < R; ++j) acc[0][j][p] += x[j * xs + r * P + s] * w;
-      }
-  for (int j = 0; j < R; ++j) {
-    float tmp[kBlock];
-    for (int p = 0; p < kParts; ++p) {
-      lanes_t sum = acc[0][j][p];
-      for (int u = 1; u < U; ++u) sum += acc[u][j][p];
-      std::memcpy(tmp + p * kLanes, &sum, sizeof sum);
+  lanes_t acc[R][C][kParts];
+  for (int j = 0; j < R; ++j)
+    for (int c = 0; c < C; ++c)
+      for (int p = 0; p < kParts; ++p) acc[j][c][p] = lanes_t{};
+  // One packed row's k-sub-index s: the C blocks' codes widened, each FMA'd into R rows.
+#define STREAMGATE_TILE_STEP(r, s)                                                  \
+  for (int c = 0; c < C; ++c)                                                       \
+    for (int p = 0; p < kParts; ++p) {                                              \
+      const lanes_t w = Code::widen(block + c * block_codes + (r) * kRow, s, p);    \
+      for (int j = 0; j < R; ++j) acc[j][c][p] += x[j * xs + (r) * P + (s)] * w;   \
     }
-    out.store(row + j, n0, tmp, valid);
+  for (int64_t r = 0; r < full; ++r) {
+    if constexpr (Hint != kNoPrefetch)
+      if (r % kLine == 0)
+        for (int c = 0; c < C; ++c)
+          __builtin_prefetch(block + c * block_codes + r * kRow + 4096 / sizeof(code_t), 0, Hint);
+    for (int s = 0; s < P; ++s) STREAMGATE_TILE_STEP(r, s)
   }
+  for (int s = 0; s < K - full * P; ++s) STREAMGATE_TILE_STEP(full, s)   // the last, partly zero packed row
+#undef STREAMGATE_TILE_STEP
+  for (int j = 0; j < R; ++j)
+    for (int c = 0; c < C; ++c)
+      for (int p = 0; p < kParts; ++p) std::memcpy(sums + (j * C + c) * kBlock + p * kLanes, &acc[j][c][p], sizeof(lanes_t));
 }
 
 // Calls f(std::integral_constant<int, R>{}, m) for rows m..m+R-1 covering 0..M-1: passes of
@@ -154,36 +173,51 @@ inline void pass_groups(int64_t M, int64_t blocks, int64_t block_bytes, int64_t 
   });
 }
 
-// Splits the blocks over the threads, at least `grain_bytes` of weights per task so small
-// layers do not pay for waking a thread; each thread calls f(b) for its blocks in order.
-template <class F>
-inline void split_blocks(int64_t blocks, int64_t block_bytes, int64_t grain_bytes, F&& f) {
-  const int64_t grain = std::max<int64_t>(1, grain_bytes / std::max<int64_t>(1, block_bytes));
-  streamgate::cpu::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) f(b);
-  });
-}
+// The FMA path: passes of up to kFmaRows rows over tile_blocks(R) blocks side by side, each
+// widened packed row shared by R x C FMAs (the widening, a shuffle and a shift, competes with the
+// FMAs for the vector ports: a pass of 4 rows over one block, as before 2026-12-07, left ~100 of a
+// core's 166 fp32 GFLOP/s on the Intel Ice Lake host, 75-130 GFLOP/s on two cores at 8-300 rows;
+// 8 rows x 3 blocks reach 110-210 of their ~330). Accumulators: R x C x kParts registers, 24 of AVX-512's 32, 12 of
+// AVX2's 16. A thread's blocks are taken C at a time, every pass over them before the next, so
+// later passes read them from L2.
+#if defined(__AVX512F__)
+constexpr int kFmaRows = 8;
+constexpr int tile_blocks(int R) { return R <= 4 ? 6 : R <= 6 ? 4 : 3; }
+#else
+constexpr int kFmaRows = 6;
+constexpr int tile_blocks(int R) { return R == 1 ? 6 : R == 2 ? 3 : R == 3 ? 2 : 1; }
+#endif
 
-// The FMA path: every block, kFmaRows rows a pass (one widened row shared by them), each row
-// with kFmaSplit accumulators over k whatever the pass width, so a row's sum is the same
-// sequence of FMAs in a one-row decode as among k verified drafts or other sequences' rows
-// (row-invariant: speculative greedy output equals the plain run's). Two chains keep a
-// one-row stream ahead of memory; with 16-lane registers 4 rows x 2 fit the 32 of AVX-512,
-// with two 8-lane halves (AVX2, 16 registers) passes of 2 rows do.
-constexpr int kFmaSplit = 2;
-constexpr int kFmaRows = kParts == 1 ? 4 : 2;
+// f(std::integral_constant<int, g>{}) for 1 <= g <= Max.
+template <int Max, class F>
+inline void with_width(int64_t g, F&& f) {
+  if (g >= Max) f(std::integral_constant<int, Max>{});
+  else if constexpr (Max > 1) with_width<Max - 1>(g, f);
+}
 
 template <class Code, int Hint, typename T>
 void fma_blocks(const float* xp, int64_t xs, int64_t M, int64_t K, int64_t N, const typename Code::code_t* wp,
                 const Out<T>& out, int64_t blocks, int64_t grain_bytes) {
   const int64_t block_codes = (K + Code::kPack - 1) / Code::kPack * Code::kPack * kBlock;
-  split_blocks(blocks, block_codes * sizeof(typename Code::code_t), grain_bytes, [&](int64_t b) {
-    const auto* block = wp + b * block_codes;
-    const int64_t n0 = b * kBlock, valid = std::min(kBlock, N - n0);
-    row_groups<kFmaRows>(M, [&](auto r, int64_t m) {
-      constexpr int R = decltype(r)::value;
-      block_rows<Code, R, kFmaSplit, Hint>(xp + m * xs, xs, block, K, out, m, n0, valid);
-    });
+  const int64_t group = tile_blocks(static_cast<int>(std::min<int64_t>(M, kFmaRows)));
+  const int64_t block_bytes = block_codes * sizeof(typename Code::code_t);
+  const int64_t grain = std::max<int64_t>(1, grain_bytes / std::max<int64_t>(1, block_bytes));   // K = 0: bias only
+  streamgate::cpu::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t g0 = b0; g0 < b1; g0 += group) {
+      row_groups<kFmaRows>(M, [&](auto r, int64_t m) {
+        constexpr int R = decltype(r)::value;
+        with_width<tile_blocks(R)>(std::min(group, b1 - g0), [&](auto c) {
+          constexpr int C = decltype(c)::value;
+          float sums[R * C * kBlock];
+          tile_rows<Code, R, C, Hint>(xp + m * xs, xs, wp + g0 * block_codes, block_codes, K, sums);
+          for (int j = 0; j < R; ++j)
+            for (int i = 0; i < C; ++i) {
+              const int64_t n0 = (g0 + i) * kBlock;
+              out.store(m + j, n0, sums + (j * C + i) * kBlock, std::min(kBlock, N - n0));
+            }
+        });
+      });
+    }
   });
 }
 

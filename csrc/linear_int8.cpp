@@ -8,8 +8,8 @@
 // sixteen fp32 lanes in registers (sign-extend + convert: one AVX-512 register, two AVX2 ones,
 // two vector-extension ones elsewhere) and FMAs it with the activation, broadcast;
 // accumulation is fp32, the scale and bias are applied once at the end and the result
-// rounded once to the activation's dtype. One row keeps four independent accumulators (k
-// unrolled by 4), four rows share one widened row; blocks are split over the threads, with a
+// rounded once to the activation's dtype. A pass widens each row of several blocks side by side
+// once for up to 8 rows (linear_blocks.h's tiles); blocks are split over the threads, with a
 // software prefetch 4 KB ahead (prefetchnta, or prefetcht0 on Intel's CPUs: linear_blocks.h).
 // Activations in bf16/fp16 are converted to fp32 once per call (a few rows).
 //

@@ -12,8 +12,9 @@ is not used), so the kernels must run every step: the bf16 linears on the block 
 size (no oneDNN copy; AMX tiles above 4 rows where the CPU has them), which is the
 avx512_bf16 build's, in bf16 (int8 weights too: their prefill steps on AMX tiles, or dequantized
 into the block kernel's layout without AMX, quantization.py). On a CPU without bf16 dot
-products (packed_linear.bf16_widened) bf16 steps of 80+ rows run MKL's GEMM on widened weights
-(`library_gemm`: on torch's threads for its duration); the steps below run on the kernels.
+products (packed_linear.bf16_widened) every bf16 step of the fused forward runs on the kernels
+too; int8 weights' big steps there run MKL's GEMM on dequantized weights (`library_gemm`: on
+torch's threads for its duration).
 
 On by default when served (`EngineConfig.elastic_threads` None: AsyncEngine turns it on), off
 in process. Served beside GuideLLM (bench.peers, 2026-12-05, `afe2f57`): 47.5 / 176.4 / 326.4
@@ -62,7 +63,7 @@ def fits(dtype, fused: bool = True) -> str | None:
         return "the C++ kernels did not build"
     if dtype != torch.bfloat16:     # first: true in every build, so the reason does not depend on the host
         return f"{dtype} leaves big steps to oneDNN or MKL (bf16 runs them on the kernels)"
-    from .packed_linear import bf16_widened     # up to 79 rows on the kernels, MKL inside library_gemm above
+    from .packed_linear import bf16_widened     # every step on the shift+FMA kernel
 
     widened = bf16_widened()
     if loaded_variant() != "avx512_bf16" and not (widened and fused):
@@ -76,8 +77,8 @@ _torch_threads = 1          # torch's thread count when the pool started: librar
 
 @contextmanager
 def library_gemm():
-    """Around a library GEMM a step cannot leave (bf16's widened big steps, int8's dequantized
-    ones, on a CPU without bf16 dot products): while the pool runs the kernels' loops, torch's
+    """Around a library GEMM a step cannot leave (int8's dequantized big steps on a CPU without
+    bf16 dot products): while the pool runs the kernels' loops, torch's
     operators get the threads torch had when it started (then one again), so a 300-token
     prefill's GEMMs are not left to one core; OpenMP's team then serves those GEMMs only."""
     import torch

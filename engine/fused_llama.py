@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .attention import kernel_layers, paged_attention
-from .packed_linear import (BF16_BLOCK_COPY_MAX_BYTES, BF16_WIDE_MIN_ROWS, PackedLinear, arrange, available,
+from .packed_linear import (BF16_BLOCK_COPY_MAX_BYTES, PackedLinear, arrange, available,
                             bf16_kernel_only, bf16_widened)
 from .quantization import KERNEL_MAX_ROWS as INT8_KERNEL_MAX_ROWS
 from .quantization import Int8Weight
@@ -96,8 +96,8 @@ def bf16_block_copy_fits(model: nn.Module) -> bool:
 
 def bf16_widened_here(config, hf_config) -> bool:
     """Whether this engine config and model (transformers' config) would run bf16 on the fused
-    forward with its big steps widened to fp32 GEMMs (packed_linear.bf16_widened: a CPU
-    without bf16 dot products): there `--dtype auto` takes bf16 (dtypes.resolve_dtype)."""
+    forward on the shift+FMA block kernel (packed_linear.bf16_widened: a CPU without bf16 dot
+    products, the weights widened in registers): there `--dtype auto` takes bf16 (dtypes.resolve_dtype)."""
     from .models import check_supported
 
     return (config.device == "cpu" and bf16_widened() and linear_kind(torch.bfloat16) is not None
@@ -212,10 +212,8 @@ class FusedLlama:
             arrange([m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head])
         self.layer_args = self._cpp_layer_args()
         self.cpp_layers = self.layer_args is not None     # tests and benchmarks turn it off to compare
-        # Bigger steps take the Python loop: int8's dequantizing GEMM, bf16's widened one (Bf16Weight).
-        widened = kind == "bf16" and bf16_widened()
-        self.cpp_max_rows = (INT8_KERNEL_MAX_ROWS if kind == "int8" else BF16_WIDE_MIN_ROWS - 1 if widened
-                             else float("inf"))
+        # Bigger steps take the Python loop: int8's dequantizing GEMM (quantization.py).
+        self.cpp_max_rows = INT8_KERNEL_MAX_ROWS if kind == "int8" else float("inf")
         self._bound: tuple | None = None                  # (the pools, their LlamaLayers): _bound_layers
         log.info("fused Llama-shaped forward (%s): %d layers, q/k/v and gate/up packed as one GEMM each (%s)",
                  cfg.model_type, len(self.layers), kind)

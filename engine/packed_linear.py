@@ -17,9 +17,10 @@ Zen 4 host, no AMX). Kind "bf16" (`Bf16Weight`), which the fused forward asks fo
 C++ kernels built, runs csrc/linear_bf16.cpp's block kernel. Where that is its VDPBF16PS form
 (the avx512_bf16 variant) on a CPU without AMX (`bf16_kernel_only()`) it runs every step and
 oneDNN's copy is not made: one copy of the weights. On a CPU without bf16 dot products
-(`bf16_widened()`: the shift+FMA form) there is one copy too: the kernel runs steps of fewer
-than BF16_WIDE_MIN_ROWS rows, and bigger ones run fp32 GEMMs on the blocks widened into a
-scratch buffer, not oneDNN's emulated bf16 GEMM (3x slower at 300 rows). With AMX the kernel
+(`bf16_widened()`: the shift+FMA form) there is one copy too and the kernel runs every step,
+its passes of 8 rows over 3 blocks side by side at ~60 % of the FMA units' peak from 8 rows up
+(oneDNN's emulated bf16 GEMM is 3x slower at 300 rows, MKL's fp32 one on a widened copy 1.2x
+with its widening). With AMX the kernel
 runs steps of up to BF16_KERNEL_MAX_ROWS rows (up to BF16_TILES_MAX_ROWS on AMX tiles) and
 oneDNN's prepacked copy the rest; both copies are held, so only while the model's linear
 weights are at most BF16_BLOCK_COPY_MAX_BYTES (2 GiB of bf16: a ~1B-parameter model). The
@@ -49,7 +50,6 @@ FP32_KERNEL_MAX_ROWS = 4       # fp32 on Intel CPUs: the kernel up to here, a ba
 FP32_PLAIN_MIN_ROWS = 128      # fp32 on Intel CPUs: from here one GEMM on the blocks transposed (plain_gemm)
 BF16_TILES_MAX_ROWS = 64       # bf16 on AMX: the block copy on AMX tiles from 5 rows to here, oneDNN above
 BF16_BLOCK_COPY_MAX_BYTES = 2 << 30     # a second (block) copy doubles bf16 linear bytes: only up to this much extra
-BF16_WIDE_MIN_ROWS = 80        # bf16 without bf16 dot products: the kernel below, widened fp32 GEMMs from here
 
 
 def fp32_kernel_only() -> bool:
@@ -72,32 +72,30 @@ def bf16_kernel_only() -> bool:
     its VDPBF16PS form (the avx512_bf16 variant) on a CPU without AMX, where it measured at
     least oneDNN's prepacked bf16 matmul from 1 to 512 rows, or with AMX on the elastic pool
     (elastic.py: torch's operators, oneDNN's included, on one thread). Otherwise (AMX: oneDNN's
-    tiles; no AVX512-BF16: the shift+FMA form, compute-bound above ~4 rows) oneDNN keeps the
-    steps above BF16_KERNEL_MAX_ROWS."""
+    tiles) oneDNN keeps the steps above BF16_KERNEL_MAX_ROWS; without AVX512-BF16 the shift+FMA
+    form runs every step (bf16_widened)."""
     return (load_kernels() and loaded_variant() == "avx512_bf16"
             and ("amx_bf16" not in cpu_flags() or elastic.pool_threads() > 1))
 
 
 def bf16_widened() -> bool:
-    """Whether bf16 steps of BF16_WIDE_MIN_ROWS rows or more run as fp32 GEMMs on the layer's
-    weights widened into a scratch buffer, and oneDNN's copy is not made: a CPU without bf16 dot
-    products (no AVX512-BF16, no AMX; dtypes.native_bf16_cpu), where oneDNN emulates its bf16
-    GEMM. The shift+FMA block kernel runs the steps below. SmolLM2's 120 layer linears on the
-    Intel Ice Lake host (avx512 build, 2 threads, 2026-12-07; oneDNN bf16 / kernel / widened):
-    8 rows 45.2 / 22.9 / 45.4 ms, 32 rows 129.5 / 59.6-68.8 / 82-98, 64 rows - / 108-118 / 124,
-    128 rows - / 207-227 / 167, 300 rows 1,027 / 483 / 335-350 (fp32's kernel 440), 512 rows
-    - / 812 / 498."""
+    """Whether the shift+FMA block kernel runs every bf16 step and oneDNN's copy is not made: a
+    CPU without bf16 dot products (no AVX512-BF16, no AMX; dtypes.native_bf16_cpu), where oneDNN
+    emulates its bf16 GEMM. SmolLM2's 120 layer linears on the Intel Ice Lake host (avx512
+    build, 2 threads, 2026-12-07; oneDNN bf16 / the kernel's passes of 4 rows over one block /
+    MKL's fp32 GEMM on a widened copy, widening included / the kernel's register tiles, 8 rows
+    over 3 blocks, three runs alternating with the 4-row form): 8 rows 45.2 / 21.1-23.7 / 45.4
+    / 13.3-16.1 ms, 32 rows 129.5 / 57.5-60.2 / 82-98 / 38.0-44.4, 300 rows 1,027 / 481-615 /
+    335-350 / 312-400."""
     return load_kernels() and not native_bf16_cpu()
 
 
 def plain_gemm(x2: torch.Tensor, blocks: torch.Tensor, bias32: torch.Tensor | None, N: int) -> torch.Tensor:
-    """x2 [M, K] @ W^T + b as fp32 GEMMs on the plain layout: W's blocks [ceil(N/16), K, 16]
-    (bf16: widened, exactly; fp32: as they are), a slice at a time (quantization.in_slices)
-    transposed into this thread's fp32 scratch [K, n]; the rows widened once, the bias added in
-    fp32, each sum rounded once to x2's dtype, as the block kernels' are (products exact for
-    bf16 rows, fp32 sums in the GEMM's order). Steps of many rows: the library's GEMM on one
-    plain [K, n] operand beats the block kernels' passes and the batched GEMM over the blocks
-    (bf16_widened(), fp32_kernel_only())."""
+    """x2 [M, K] @ W^T + b as fp32 GEMMs on the plain layout: fp32 W's blocks [ceil(N/16), K,
+    16], a slice at a time (quantization.in_slices) transposed into this thread's fp32 scratch
+    [K, n]; the bias added in fp32, each sum rounded once to x2's dtype. Steps of many rows on
+    Intel CPUs: the library's GEMM on one plain [K, n] operand beats the fp32 kernel's passes and
+    the batched GEMM over the blocks (fp32_kernel_only())."""
     K = blocks.shape[1]
 
     def gemm(n0: int, n1: int, buf: torch.Tensor) -> torch.Tensor:
@@ -127,8 +125,7 @@ class Bf16Weight:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int = 8):
         self.out_features, self.in_features = weight.shape
         self.blocks = torch.ops.streamgate.pack_bf16(weight.contiguous())
-        self.widened = bf16_widened()
-        self.onednn = (None if bf16_kernel_only() or self.widened
+        self.onednn = (None if bf16_kernel_only() or bf16_widened()
                        else torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint))
         self.bias = None if bias is None else bias.detach().contiguous()
         self.bias32 = None if bias is None else self.bias.float().contiguous()          # the kernel's
@@ -148,16 +145,12 @@ class Bf16Weight:
         # at 32, 9.8 against 10.2 at 64, 59.5 against 51.5 at 512 (so oneDNN above 64).
         if self._on_blocks(x2):
             y = torch.ops.streamgate.linear_bf16(x2, self.blocks, self.bias32, self.out_features)
-        elif self.widened:
-            y = plain_gemm(x2, self.blocks, self.bias32, self.out_features)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.onednn, self.bias, "none", [], "")
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def _on_blocks(self, x2: torch.Tensor) -> bool:
-        """Whether linear() runs these rows [M, K] on the block copy (else oneDNN's, or widened)."""
-        if self.widened:
-            return x2.shape[0] < BF16_WIDE_MIN_ROWS
+        """Whether linear() runs these rows [M, K] on the block copy (else oneDNN's)."""
         return self.onednn is None or x2.shape[0] <= BF16_KERNEL_MAX_ROWS or self._on_tiles(x2)
 
     def _on_tiles(self, x2: torch.Tensor) -> bool:

@@ -73,8 +73,7 @@ def test_loops_on_the_pool_give_openmps_bits_even_when_no_helper_runs(tiny_model
         assert done.wait(120), "a loop waited for a helper that never ran"
         assert torch.equal(out["logits"], ref)
         assert torch.ops.streamgate.elastic_threads(0) == 0
-        # Back on OpenMP's loops, as many threads: a bf16 chunk of 80+ rows without bf16 dot
-        # products runs MKL's GEMM (packed_linear.bf16_widened), whose bits follow the thread count.
+        # Back on OpenMP's loops, as many threads: the same bits.
         assert torch.equal(eng.runner.execute(*prepared), ref)
     finally:
         torch.set_num_threads(full)

@@ -2,8 +2,8 @@
 (engine/packed_linear.py's Bf16Weight) against an fp64 reference computed from the same bf16
 weights, with tolerances derived from fp32's (and bf16's) rounding: 1..20 rows (every register
 group and the k tails), odd N and K, bias or none, fp32/bf16/fp16 and strided activations; the
-engine's switch to oneDNN above BF16_KERNEL_MAX_ROWS rows, or to fp32 GEMMs on widened weights
-from BF16_WIDE_MIN_ROWS where the CPU has no bf16 dot products.
+engine's switch to oneDNN above BF16_KERNEL_MAX_ROWS rows (none where the CPU has no bf16 dot
+products).
 tests/test_kernel_variants.py runs this file in every other instruction-set variant the host
 executes (AVX-512, AVX2, SSE)."""
 
@@ -50,9 +50,10 @@ def _unpacked(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_bf16_matches_the_fp64_reference(n, k, dtype, with_bias):
-    """1..20 rows (the 4-row FMA passes and 8-row VDPBF16PS ones, every row tail with its k
-    unrolling, K not a multiple of the unroll, odd K: a zero-padded pair), N not a multiple of
-    16, within the fp32-derived bound."""
+    """1..20 rows (the FMA tiles of up to 8 rows over up to 6 blocks and 8-row VDPBF16PS
+    passes, every row tail with its k unrolling, K not a multiple of the unroll, odd K: a
+    zero-padded pair), N not a multiple of 16 (a last group of fewer blocks, a last partial
+    block), within the fp32-derived bound."""
     w, b = _weight(n, k, seed=n * 1000 + k)
     packed = ops.pack_bf16(w)
     assert packed.shape[0] == -(-n // 16) and packed.dtype == torch.bfloat16
@@ -66,6 +67,25 @@ def test_linear_bf16_matches_the_fp64_reference(n, k, dtype, with_bias):
         ref, tol = _reference_and_tolerance(x, w, bias32, dtype)
         err = (y.double() - ref).abs()
         assert (err <= tol).all(), (rows, (err / tol).max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_row_rounds_as_torch_rounds_it_and_leaves_the_others(dtype):
+    """A NaN in one row's activations: that row's outputs are NaN, in bf16 with the bits torch's
+    own rounding gives a NaN (c10's 0x7fc0; whole blocks are rounded as vectors), an inf row's
+    are not finite, and the other rows match the same rows computed without them."""
+    w, _ = _weight(48, 40, seed=5)
+    packed = ops.pack_bf16(w)
+    x = torch.randn(9, 40, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x[2, 7], x[5, 0] = float("nan"), float("inf")
+    y = ops.linear_bf16(x, packed, None, 48)
+    assert torch.isnan(y[2]).all()
+    if dtype == torch.bfloat16:          # the rounding's NaN: c10's, as torch rounds an fp32 NaN
+        nan = torch.tensor(float("nan")).bfloat16().view(torch.int16)
+        assert (y[2].view(torch.int16) == nan).all()
+    assert not torch.isfinite(y[5]).any()
+    rest = [0, 1, 3, 4, 6, 7, 8]
+    assert torch.equal(y[rest], ops.linear_bf16(x[rest], packed, None, 48))
 
 
 @pytest.mark.parametrize("n, k", [(37, 70), (200, 576), (40, 1), (90, 64)])
@@ -156,16 +176,16 @@ def test_linear_bf16_takes_strided_activations_and_catches_a_wrong_weight(dtype)
 def test_bf16_weight_agrees_on_both_sides_of_the_crossover(with_bias):
     """Bf16Weight: the kernel up to BF16_KERNEL_MAX_ROWS rows and oneDNN's prepacked bf16
     matmul above, or (bf16_kernel_only(): the VDPBF16PS kernel without AMX) the kernel alone,
-    or (bf16_widened(): no bf16 dot products) the kernel below BF16_WIDE_MIN_ROWS rows and fp32
-    GEMMs on widened weights from there, no oneDNN copy held in either; each within the bound
+    or (bf16_widened(): no bf16 dot products) the shift+FMA kernel alone, no oneDNN copy held in
+    either; each within the bound
     of the fp64 reference ([1, M, K] as the model passes it); the bf16 GEMM may add the bf16
     bias to a rounded product: one more bf16 rounding."""
     w, b = _weight(101, 70, seed=11)
     weight = Bf16Weight(w, b if with_bias else None)
     widened = packed_linear.bf16_widened()
     assert (weight.onednn is None) == (packed_linear.bf16_kernel_only() or widened)
-    limit = packed_linear.BF16_WIDE_MIN_ROWS - 1 if widened else packed_linear.BF16_KERNEL_MAX_ROWS
-    for rows in (1, limit, limit + 1, 40, 67, 130):
+    limit = packed_linear.BF16_KERNEL_MAX_ROWS
+    for rows in (1, limit, limit + 1, 40, 67, 130, 300):
         x = torch.randn(rows, 70, generator=torch.Generator().manual_seed(rows)).bfloat16()
         with torch.inference_mode():
             y = weight.linear(x[None])[0]
@@ -173,25 +193,6 @@ def test_bf16_weight_agrees_on_both_sides_of_the_crossover(with_bias):
         ref, tol = _reference_and_tolerance(x, w, b.float() if with_bias else None, torch.bfloat16)
         if rows > limit and with_bias and weight.onednn is not None:
             tol = tol + 2.0 ** -8 * (ref.abs() + tol)
-        err = (y.double() - ref).abs()
-        assert (err <= tol).all(), (rows, (err / tol).max().item())
-
-
-@pytest.mark.skipif(loaded_variant() == "avx512_bf16", reason="the widened GEMM reads the shift+FMA blocks' layout")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_widened_gemm_matches_the_reference_in_slices(monkeypatch, dtype):
-    """Bf16Weight's fp32 GEMM on widened weights (the big steps of a CPU without bf16 dot
-    products), its scratch slices two blocks wide: a 101-output weight in four slices, the last
-    one 5 outputs past the last whole block, bias in fp32, one rounding to the rows' dtype."""
-    monkeypatch.setattr(quantization, "SCRATCH_ELEMENTS", 70 * 16 * 2)
-    w, b = _weight(101, 70, seed=12)
-    weight = Bf16Weight(w, b)
-    for rows in (1, 9, 130):
-        x = torch.randn(rows, 70, generator=torch.Generator().manual_seed(rows)).to(dtype)
-        with torch.inference_mode():
-            y = packed_linear.plain_gemm(x, weight.blocks, weight.bias32, 101)
-        assert y.dtype == dtype and y.shape == (rows, 101)
-        ref, tol = _reference_and_tolerance(x, w, b.float(), dtype)
         err = (y.double() - ref).abs()
         assert (err <= tol).all(), (rows, (err / tol).max().item())
 

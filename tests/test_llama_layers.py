@@ -22,8 +22,7 @@ pytestmark = pytest.mark.skipif(not load_kernels(), reason="the C++ kernels did 
 
 # bf16 runs the one call only where no linear keeps oneDNN's copy: the avx512_bf16 build, without
 # AMX or with the elastic pool's helpers (packed_linear.bf16_kernel_only; the pool needs a second
-# thread), or a CPU without bf16 dot products (packed_linear.bf16_widened: steps of fewer than
-# BF16_WIDE_MIN_ROWS rows, more than these tests' 16).
+# thread), or a CPU without bf16 dot products (packed_linear.bf16_widened: the shift+FMA kernel).
 BF16_ON_KERNELS = load_kernels() and (
     (bf16_widened() and linear_kind(torch.bfloat16) is not None)        # the fused forward runs bf16 there
     or loaded_variant() == "avx512_bf16" and ("amx_bf16" not in cpu_flags() or torch.get_num_threads() > 1))
