@@ -5,7 +5,8 @@
 // with the activation, broadcast, accumulating in fp32; an epilogue applies the per-channel
 // scale (int8) or none, adds the bias and rounds once to the output's dtype. Blocks are split
 // over the threads by parallel.h's loop (OpenMP's, or the elastic pool's chunks: the caller's
-// from the front, helpers' from the back); each thread's blocks are one contiguous stream.
+// from the front, helpers' from the back); each thread's blocks are one contiguous range, read
+// a few blocks side by side (fma_blocks' tiles).
 //
 // A code type is a struct with `code_t`, `kPack` and `static lanes_t widen(const code_t* row,
 // int sub, int part)` (lanes `part` of k-sub-index `sub` of one packed row).
@@ -17,6 +18,7 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #if defined(__AVX2__)
@@ -38,10 +40,27 @@ typedef float lanes_t __attribute__((vector_size(32)));
 #endif
 constexpr int kParts = kBlock / kLanes;
 
+// acc + x * w as one fused multiply-add, by name where the ISA has one: a contracted `acc += x * w`
+// is left to the compiler, which may split a lone chain into a multiply and an add (GCC's
+// avoid-fma-chains tuning for some CPUs), and a row's bits must not depend on how many chains
+// share its pass. Without FMA (x86-64-v2, the fallback build) it is a multiply and an add always.
+inline lanes_t fma_lanes(float x, lanes_t w, lanes_t acc) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<lanes_t>(_mm512_fmadd_ps(_mm512_set1_ps(x), reinterpret_cast<__m512>(w),
+                                                   reinterpret_cast<__m512>(acc)));
+#elif defined(__FMA__) && defined(__AVX2__)
+  return reinterpret_cast<lanes_t>(_mm256_fmadd_ps(_mm256_set1_ps(x), reinterpret_cast<__m256>(w),
+                                                   reinterpret_cast<__m256>(acc)));
+#else
+  return acc + x * w;
+#endif
+}
+
 // The epilogue: y[row, n0 + n] = sum[n] * scale[n0 + n] + bias[n0 + n], rounded once to T
-// (scale and bias optional). A whole block's sixteen go as vectors (bf16 rounded to nearest even
+// (scale and bias optional; with a scale one fused multiply-add, so the bits do not depend on the
+// compiler's contraction). A whole block's sixteen are rounded as vectors (bf16 to nearest even
 // by integer ops, NaN as c10's 0x7fc0: the bits of c10::BFloat16(float)); a last partial block,
-// value by value in the same arithmetic.
+// value by value.
 template <typename T>
 struct Out {
   T* y;
@@ -69,8 +88,8 @@ struct Out {
     }
   }
   inline float value(const float* sum, int64_t n0, int64_t n) const {
-    const float v = scale ? sum[n] * scale[n0 + n] : sum[n];
-    return v + (bias ? bias[n0 + n] : 0.0f);
+    const float b = bias ? bias[n0 + n] : 0.0f;
+    return scale ? std::fma(sum[n], scale[n0 + n], b) : sum[n] + b;
   }
 };
 
@@ -114,7 +133,7 @@ __attribute__((noinline)) void tile_rows(const float* x, int64_t xs, const typen
   for (int c = 0; c < C; ++c)                                                       \
     for (int p = 0; p < kParts; ++p) {                                              \
       const lanes_t w = Code::widen(block + c * block_codes + (r) * kRow, s, p);    \
-      for (int j = 0; j < R; ++j) acc[j][c][p] += x[j * xs + (r) * P + (s)] * w;   \
+      for (int j = 0; j < R; ++j) acc[j][c][p] = fma_lanes(x[j * xs + (r) * P + (s)], w, acc[j][c][p]); \
     }
   for (int64_t r = 0; r < full; ++r) {
     if constexpr (Hint != kNoPrefetch)
@@ -178,19 +197,23 @@ inline void pass_groups(int64_t M, int64_t blocks, int64_t block_bytes, int64_t 
 // FMAs for the vector ports: a pass of 4 rows over one block, as before 2026-12-07, left ~100 of a
 // core's 166 fp32 GFLOP/s on the Intel Ice Lake host, 75-130 GFLOP/s on two cores at 8-300 rows;
 // 8 rows x 3 blocks reach 110-210 of their ~330). Accumulators: R x C x kParts registers, 24 of AVX-512's 32, 12 of
-// AVX2's 16. A thread's blocks are taken C at a time, every pass over them before the next, so
+// AVX2's 16 (three 16-output blocks of two 4-lane halves elsewhere). A thread's blocks are taken C at a time, every pass over them before the next, so
 // later passes read them from L2.
 #if defined(__AVX512F__)
 constexpr int kFmaRows = 8;
 constexpr int tile_blocks(int R) { return R <= 4 ? 6 : R <= 6 ? 4 : 3; }
-#else
+#elif defined(__AVX2__)
 constexpr int kFmaRows = 6;
 constexpr int tile_blocks(int R) { return R == 1 ? 6 : R == 2 ? 3 : R == 3 ? 2 : 1; }
+#else                      // 8-lane vectors of two 4-lane registers (SSE's 16, NEON's 32): 12 at most
+constexpr int kFmaRows = 3;
+constexpr int tile_blocks(int R) { return R == 1 ? 3 : 1; }
 #endif
 
 // f(std::integral_constant<int, g>{}) for 1 <= g <= Max.
 template <int Max, class F>
 inline void with_width(int64_t g, F&& f) {
+  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(g <= Max);
   if (g >= Max) f(std::integral_constant<int, Max>{});
   else if constexpr (Max > 1) with_width<Max - 1>(g, f);
 }

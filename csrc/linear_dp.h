@@ -80,7 +80,7 @@ inline Side side_of(const uint16_t* wp, int64_t block_bytes, const NextGroup& ne
 // Rows row..row+R-1 of x as bf16 k-pairs (one 32-bit word each, row stride xs words) against
 // B consecutive blocks of K2 packed pair rows from `block` (outputs n0..n0+16B-1, of N): one
 // accumulator per row and block, VDPBF16PS with the pair broadcast; `side` lines from side_of
-// prefetched into L2 spread over the packed rows. Not inlined, as block_rows.
+// prefetched into L2 spread over the packed rows. Not inlined, as tile_rows (linear_blocks.h).
 // Silu: the blocks are pairs, a gate block then its up block, and out.y [.., N / 2] gets
 // silu(gate) * up, each rounded as the two outputs and silu_and_mul(block=16) round them.
 template <int R, int B, bool Silu = false, typename T>

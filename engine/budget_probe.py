@@ -88,9 +88,9 @@ def choose(per_token_s: dict[int, float], tolerance: float = TOLERANCE, floor: i
     cost to spread, a <= 0), but no larger than the largest size whose measured step took at
     most `max_step_s` (a prompt step stalls every decoding stream for its length): where a
     step's fixed cost is large, the fit's knee lies past any step a stream should wait for.
-    On the Intel Ice Lake host (bf16, 2026-12-07) bf16 steps of 80+ rows widen every layer's
-    weights for MKL's GEMM (~60 ms a step), the curve kept falling to 2,048 tokens, and that
-    budget's 2,000-token prompt steps stalled 16 decoding streams for 4.2 s."""
+    On the Intel Ice Lake host (bf16, 2026-12-07, `66704d9`, when bf16 steps of 80+ rows widened
+    every layer's weights for MKL's GEMM, ~60 ms a step) the curve kept falling to 2,048 tokens,
+    and that budget's 2,000-token prompt steps stalled 16 decoding streams for 4.2 s."""
     sizes = sorted(m for m in per_token_s if m >= floor)
     a, b = fit(per_token_s)
     if a <= 0 or b <= 0:

@@ -20,7 +20,7 @@ linear kernel, bf16 ones for the bf16 block kernel and, where it keeps one, oneD
 (packed_linear.Bf16Weight); the C++ operators round bf16 results where transformers' bf16
 modules do. Greedy parity with HF `generate` is tested as for the transformers path.
 
-Where no bf16 linear keeps a oneDNN copy (up to 79 rows without bf16 dot products) or int8
+Where no bf16 linear keeps a oneDNN copy (every step without bf16 dot products) or int8
 runs on its kernel (up to 32 rows), and every layer is plain, the whole layer loop is one
 operator call (csrc/llama_layers.cpp: the same operators in the same order, the same bits,
 tests/test_llama_layers.py): no Python between them, and the GIL released once a step

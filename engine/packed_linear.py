@@ -19,8 +19,9 @@ C++ kernels built, runs csrc/linear_bf16.cpp's block kernel. Where that is its V
 oneDNN's copy is not made: one copy of the weights. On a CPU without bf16 dot products
 (`bf16_widened()`: the shift+FMA form) there is one copy too and the kernel runs every step,
 its passes of 8 rows over 3 blocks side by side at ~60 % of the FMA units' peak from 8 rows up
-(oneDNN's emulated bf16 GEMM is 3x slower at 300 rows, MKL's fp32 one on a widened copy 1.2x
-with its widening). With AMX the kernel
+(oneDNN's emulated bf16 GEMM is 3x slower at 300 rows; MKL's fp32 one on a widened copy, its
+widening included, ties it from 128 to 512 rows, within ±10 %, and would need the scratch copy).
+With AMX the kernel
 runs steps of up to BF16_KERNEL_MAX_ROWS rows (up to BF16_TILES_MAX_ROWS on AMX tiles) and
 oneDNN's prepacked copy the rest; both copies are held, so only while the model's linear
 weights are at most BF16_BLOCK_COPY_MAX_BYTES (2 GiB of bf16: a ~1B-parameter model). The

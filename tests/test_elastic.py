@@ -145,7 +145,7 @@ def test_int8_engines_take_the_pool_and_their_prefill_steps_keep_openmps_bits(ti
 @pytest.mark.skipif(BF16_UNFIT is not None, reason=f"bf16 engines cannot take the pool here: {BF16_UNFIT}")
 def test_a_library_gemm_on_the_pool_gets_torchs_threads_back(tiny_model, all_threads, pool_off_after):
     """On the pool a step's torch operators run on one thread, but a GEMM the kernels leave to
-    MKL (bf16's widened big steps, int8's dequantized ones, on a CPU without bf16 dot products)
+    MKL (int8's dequantized big steps on a CPU without bf16 dot products)
     runs inside library_gemm on the threads torch had when the pool started, then one again;
     with the pool off it leaves torch's count alone."""
     eng = LLMEngine(EngineConfig(model=tiny_model("llama-slow"), dtype="bfloat16", num_kv_blocks=16,

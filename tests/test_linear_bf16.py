@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine import packed_linear, quantization
+from engine import packed_linear
 from engine.kernels import load_kernels, loaded_variant
 from engine.packed_linear import Bf16Weight, PackedLinear
 from tests.linear_helpers import assert_rows_invariant, reference_and_tolerance, weight

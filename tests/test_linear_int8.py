@@ -95,8 +95,9 @@ def test_many_bf16_rows_run_the_block_kernel_on_the_dequantized_weight(monkeypat
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_int8_matches_the_dequantized_fp32_reference(n, k, dtype, with_bias):
-    """1..20 rows (every row group: 4-row passes, the 3/2/1-row tails with their k unrolling,
-    K not a multiple of the unroll), N not a multiple of 16, within the fp32-derived bound."""
+    """1..20 rows (every row group: the FMA tiles of up to 8 rows over up to 6 blocks and their
+    row tails, VNNI's passes where they run), N not a multiple of 16, within the fp32-derived
+    bound."""
     w, b = _weight(n, k, seed=n * 1000 + k)
     codes, scales = quantize_int8(w)
     packed = ops.pack_int8(codes)
