@@ -78,9 +78,9 @@ _torch_threads = 1          # torch's thread count when the pool started: librar
 @contextmanager
 def library_gemm():
     """Around a library GEMM a step cannot leave (int8's dequantized big steps on a CPU without
-    bf16 dot products): while the pool runs the kernels' loops, torch's
-    operators get the threads torch had when it started (then one again), so a 300-token
-    prefill's GEMMs are not left to one core; OpenMP's team then serves those GEMMs only."""
+    bf16 dot products): while the pool runs the kernels' loops, torch's operators get the
+    threads torch had when it started (then one again), so a 300-token prefill's GEMMs are not
+    left to one core; OpenMP's team then serves those GEMMs only."""
     import torch
 
     if pool_threads() <= 1 or _torch_threads <= 1:

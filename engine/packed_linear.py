@@ -13,17 +13,16 @@ Either differs from MKL in the last bits (another summation order), as between a
 libraries. bf16 weights (the fused Llama forward in bf16) are asked for as "onednn": with
 AVX512-BF16 or AMX, oneDNN's bf16 GEMM on its packed layout is faster than any fp32 form at
 8+ rows (docs/BENCHMARKS.md §8.16), but at one row it is compute-bound (~21 GFLOP/s on the
-Zen 4 host, no AMX). Kind "bf16" (`Bf16Weight`), which the fused forward asks for where the
-C++ kernels built, runs csrc/linear_bf16.cpp's block kernel. Where that is its VDPBF16PS form
-(the avx512_bf16 variant) on a CPU without AMX (`bf16_kernel_only()`) it runs every step and
-oneDNN's copy is not made: one copy of the weights. On a CPU without bf16 dot products
-(`bf16_widened()`: the shift+FMA form) there is one copy too and the kernel runs every step,
-its passes of 8 rows over 3 blocks side by side at ~60 % of the FMA units' peak from 8 rows up
-(oneDNN's emulated bf16 GEMM is 3x slower at 300 rows; MKL's fp32 one on a widened copy, its
-widening included, ties it from 128 to 512 rows, within ±10 %, and would need the scratch copy).
-With AMX the kernel
-runs steps of up to BF16_KERNEL_MAX_ROWS rows (up to BF16_TILES_MAX_ROWS on AMX tiles) and
-oneDNN's prepacked copy the rest; both copies are held, so only while the model's linear
+Zen 4 host, no AMX). Kind "bf16" (`Bf16Weight`), which the fused forward asks for where the C++
+kernels built, runs csrc/linear_bf16.cpp's block kernel. Where that is its VDPBF16PS form (the
+avx512_bf16 variant) on a CPU without AMX (`bf16_kernel_only()`) it runs every step and oneDNN's
+copy is not made: one copy of the weights. On a CPU without bf16 dot products (`bf16_widened()`:
+the shift+FMA form) there is one copy too and the kernel runs every step, its passes of 8 rows
+over 3 blocks side by side at 45-65 % of the FMA units' peak from 8 rows up (oneDNN's emulated
+bf16 GEMM is 3x slower at 300 rows; MKL's fp32 one on a widened copy, its widening included,
+ties it from 128 to 512 rows, within ±10 %, and would need the scratch copy). With AMX the
+kernel runs steps of up to BF16_KERNEL_MAX_ROWS rows (up to BF16_TILES_MAX_ROWS on AMX tiles)
+and oneDNN's prepacked copy the rest; both copies are held, so only while the model's linear
 weights are at most BF16_BLOCK_COPY_MAX_BYTES (2 GiB of bf16: a ~1B-parameter model). The
 measurements behind the splits: docs/ENGINE.md ("The forward pass") and docs/BENCHMARKS.md §10
 (`gemm-crossover`).
