@@ -146,7 +146,8 @@ __attribute__((noinline)) void tile_rows(const float* x, int64_t xs, const typen
 #undef STREAMGATE_TILE_STEP
   for (int j = 0; j < R; ++j)
     for (int c = 0; c < C; ++c)
-      for (int p = 0; p < kParts; ++p) std::memcpy(sums + (j * C + c) * kBlock + p * kLanes, &acc[j][c][p], sizeof(lanes_t));
+      for (int p = 0; p < kParts; ++p)
+        std::memcpy(sums + (j * C + c) * kBlock + p * kLanes, &acc[j][c][p], sizeof(lanes_t));
 }
 
 // Calls f(std::integral_constant<int, R>{}, m) for rows m..m+R-1 covering 0..M-1: passes of
@@ -196,9 +197,11 @@ inline void pass_groups(int64_t M, int64_t blocks, int64_t block_bytes, int64_t 
 // widened packed row shared by R x C FMAs (the widening, a shuffle and a shift, competes with the
 // FMAs for the vector ports: a pass of 4 rows over one block, as before 2026-12-07, left ~100 of a
 // core's 166 fp32 GFLOP/s on the Intel Ice Lake host, 75-130 GFLOP/s on two cores at 8-300 rows;
-// 8 rows x 3 blocks reach 110-210 of their ~330). Accumulators: R x C x kParts registers, 24 of AVX-512's 32, 12 of
-// AVX2's 16 (three 16-output blocks of two 4-lane halves elsewhere). A thread's blocks are taken C at a time, every pass over them before the next, so
-// later passes read them from L2.
+// 8 rows x 3 blocks reach 110-210 of their ~330). Accumulators: R x C x kParts registers, 24 of
+// AVX-512's 32, 12 of AVX2's 16 (three 16-output blocks of two 4-lane halves elsewhere). A
+// thread's blocks are taken C at a time, every pass over them before the next, so later passes
+// read them from L2; row_groups picks a group's tile width (C = the blocks left, at most
+// tile_blocks(R)) as it picks a pass's rows.
 #if defined(__AVX512F__)
 constexpr int kFmaRows = 8;
 constexpr int tile_blocks(int R) { return R <= 4 ? 6 : R <= 6 ? 4 : 3; }
@@ -209,14 +212,6 @@ constexpr int tile_blocks(int R) { return R == 1 ? 6 : R == 2 ? 3 : R == 3 ? 2 :
 constexpr int kFmaRows = 3;
 constexpr int tile_blocks(int R) { return R == 1 ? 3 : 1; }
 #endif
-
-// f(std::integral_constant<int, g>{}) for 1 <= g <= Max.
-template <int Max, class F>
-inline void with_width(int64_t g, F&& f) {
-  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(g <= Max);
-  if (g >= Max) f(std::integral_constant<int, Max>{});
-  else if constexpr (Max > 1) with_width<Max - 1>(g, f);
-}
 
 template <class Code, int Hint, typename T>
 void fma_blocks(const float* xp, int64_t xs, int64_t M, int64_t K, int64_t N, const typename Code::code_t* wp,
@@ -229,7 +224,7 @@ void fma_blocks(const float* xp, int64_t xs, int64_t M, int64_t K, int64_t N, co
     for (int64_t g0 = b0; g0 < b1; g0 += group) {
       row_groups<kFmaRows>(M, [&](auto r, int64_t m) {
         constexpr int R = decltype(r)::value;
-        with_width<tile_blocks(R)>(std::min(group, b1 - g0), [&](auto c) {
+        row_groups<tile_blocks(R)>(std::min(group, b1 - g0), [&](auto c, int64_t) {   // one call: at most the width
           constexpr int C = decltype(c)::value;
           float sums[R * C * kBlock];
           tile_rows<Code, R, C, Hint>(xp + m * xs, xs, wp + g0 * block_codes, block_codes, K, sums);

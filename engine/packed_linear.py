@@ -106,9 +106,8 @@ def plain_gemm(x2: torch.Tensor, blocks: torch.Tensor, bias32: torch.Tensor | No
         y = torch.mm(xf, w) if bias32 is None else torch.addmm(bias32[n0:n1], xf, w)
         return y if y.dtype == x2.dtype else y.to(x2.dtype)
 
-    with elastic.library_gemm():
-        xf = x2.float()
-        return in_slices(N, K, torch.float32, lambda n: -(-n // 16) * 16 * K, gemm)
+    xf = x2.float()                      # fp32 engines never take the elastic pool (elastic.fits)
+    return in_slices(N, K, torch.float32, lambda n: -(-n // 16) * 16 * K, gemm)
 
 
 class Bf16Weight:
