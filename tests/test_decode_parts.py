@@ -46,10 +46,10 @@ def items(ctx_lens, dtype=torch.bfloat16):
     return [dict(zip(keys, r)) for r in rows.tolist()]
 
 
-# Builds with AVX-512 (the avx512 and avx512_bf16 variants, engine/kernels.py) take a decode row
+# Builds with AVX-512 (the avx512, avx512_vnni and avx512_bf16 variants, engine/kernels.py) take a decode row
 # as one item for all heads, and only they cut it in parts; the others' decode rows are query
 # tiles. Named by the build, not asked of its work list, so a build that lost its parts fails.
-PARTS_BUILT = ops is not None and loaded_variant() in ("avx512", "avx512_bf16")
+PARTS_BUILT = ops is not None and loaded_variant() in ("avx512", "avx512_vnni", "avx512_bf16")
 needs_parts = pytest.mark.skipif(not PARTS_BUILT, reason="this build has no AVX-512 (decode rows are query "
                                                          "tiles): no parts")
 

@@ -19,6 +19,7 @@ AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 HOSTS = {   # flags as /proc/cpuinfo lists them on the hosts the project has run on (the relevant subset)
     "zen1 (AVX2 only)": (AVX2 | {"sha_ni"}, "avx2"),
     "skylake-x (AVX-512)": (AVX512, "avx512"),
+    "ice lake (AVX512-VNNI, no AVX512-BF16)": (AVX512 | {"avx512_vnni", "avx512_vbmi", "avx512ifma"}, "avx512_vnni"),
     "zen5 (AVX512-BF16)": (AVX512 | {"avx512_bf16", "avx512_vnni"}, "avx512_bf16"),
     "sapphire rapids (AMX)": (AVX512 | {"avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"},
                               "avx512_bf16"),
@@ -41,7 +42,7 @@ def test_a_forced_variant_this_cpu_cannot_run_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="lacks avx512_bf16"):
         kernels.choose_variant(frozenset(AVX512))
     monkeypatch.setenv(kernels.ISA_ENV, "sse9")
-    with pytest.raises(ValueError, match="the variants are avx512_bf16, avx512, avx2, x86_64"):
+    with pytest.raises(ValueError, match="the variants are avx512_bf16, avx512_vnni, avx512, avx2, x86_64"):
         kernels.choose_variant(frozenset(AVX512))
     monkeypatch.setenv(kernels.ISA_ENV, "avx2")
     assert kernels.choose_variant(frozenset(AVX512)).name == "avx2"
