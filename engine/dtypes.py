@@ -15,10 +15,10 @@ def resolve_dtype(name: str, device: torch.device, widened_bf16: bool = False) -
     products (AVX512-BF16 or AMX-bf16), where oneDNN's bf16 GEMM is 3-5x its fp32 one and a
     decode step is faster at every batch size (docs/BENCHMARKS.md §8.16), and where the caller
     says the fused forward runs bf16 without them (`widened_bf16`: fused_llama.bf16_widened_here;
-    the block kernel streams half of fp32's bytes and widens them in registers for fp32 FMAs).
-    Elsewhere (e.g. AVX2-only CPUs, or a family the fused forward does not run) torch's bf16
-    matmuls are emulated and a one-token decode step runs tens of times slower
-    than in fp32 (§8.2)."""
+    the block kernel streams half of fp32's bytes and widens them in registers for fp32 FMAs;
+    AVX-512 and, since 2026-12-07, AVX2-only CPUs). Elsewhere (a family the fused forward does
+    not run, the SSE build) torch's bf16 matmuls are emulated and a one-token decode step runs
+    tens of times slower than in fp32 (§8.2)."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda" or native_bf16_cpu() or (device.type == "cpu" and widened_bf16):

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from .attention import kernel_layers, paged_attention
+from .kernels import loaded_variant
 from .packed_linear import (BF16_BLOCK_COPY_MAX_BYTES, PackedLinear, arrange, available,
                             bf16_kernel_only, bf16_widened)
 from .quantization import KERNEL_MAX_ROWS as INT8_KERNEL_MAX_ROWS
@@ -107,12 +108,19 @@ def bf16_widened_here(config, hf_config) -> bool:
 
 def linear_kind(dtype: torch.dtype) -> str | None:
     """How the fused forward packs weights of `dtype`: the C++ kernel (fp32), oneDNN (bf16, where
-    oneDNN runs bf16: AVX-512 or better; maybe_fuse then takes the block kernel where it can), or
-    None (not fused)."""
+    oneDNN runs bf16: AVX-512 or better; maybe_fuse then takes the block kernel where it can), the
+    block kernel (bf16 on AVX2-only CPUs, the avx2 build: oneDNN has no bf16 there, the kernel's
+    AVX2 tiles widen it), or None (not fused). SmolLM2 bf16 against fp32 in the avx2 build, this
+    path played on the Intel Ice Lake host (bench.engine.hosts' avx2 flags, 2 threads, 2026-12-07):
+    decode 1 / 8 / 32 rows 16.0 / 42.8 / 113.5 against 30.8-33.5 / 53.1-65.5 / 148-164 ms, a
+    300-token prefill 889 against 526-556 ms; transformers' bf16 forward took 40.6-42.3 /
+    121-143 / 373-668 and 2,759-3,083."""
     if dtype == torch.float32:
         return "streamgate"
     if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "onednn"
+    if dtype == torch.bfloat16 and bf16_widened() and loaded_variant() == "avx2":
+        return "bf16"
     return None
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from engine.config import EngineConfig
-from engine.fused_llama import FusedLlama
+from engine.fused_llama import FusedLlama, linear_kind
 from engine.kernels import load_kernels
 from tests.bf16 import assert_tensor_within_noise
 from engine.model_runner import ModelRunner
@@ -160,7 +160,7 @@ def test_bf16_operators_round_where_transformers_does():
     assert_rounded_like(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :1536]) * gate_up[:, 1536:])
 
 
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 GEMM on this CPU")
+@pytest.mark.skipif(linear_kind(torch.bfloat16) is None, reason="the fused forward does not run bf16 on this CPU")
 def test_fused_bf16_logits_match_transformers_bf16(tiny_model):
     """In bf16 the runner fuses too (weights packed for the bf16 block kernel and oneDNN), and its logits on a packed
     batch meet the bf16 contract (tests/bf16.py): within twice what transformers' own bf16
@@ -176,7 +176,7 @@ def test_fused_bf16_logits_match_transformers_bf16(tiny_model):
         assert isinstance(eng.runner.forward, FusedLlama) == fused
         if fused:
             # the bf16 block kernel: every step where it is the VDPBF16PS form without AMX
-            # (packed_linear.bf16_kernel_only), else up to 4 rows (the head's 2 rows here) with
+            # (packed_linear.bf16_kernel_only) or widened (no bf16 dot products), else up to 4 rows (the head's 2 rows here) with
             # oneDNN's prepacked weight for the 12-row layers (the tiny model fits the budget)
             assert eng.runner.forward.lm_head.kind == "bf16"
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

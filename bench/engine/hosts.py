@@ -10,7 +10,8 @@ int8 tiles) and ONEDNN_MAX_CPU_ISA (oneDNN's GEMMs). The CPU's caches, memory an
 host's, so the figures say what each code path costs here, not what such a CPU would make:
 - "amx": this host as it is (an AMX CPU);
 - "avx512_bf16": no AMX (a Zen 4 / Zen 5 class host): AVX512-BF16 dot products;
-- "avx2": no AVX-512 (a Zen 1 / Haswell class host): where "auto" is fp32.
+- "avx2": no AVX-512 (a Zen 1 / Haswell class host): bf16 on the block kernel's AVX2 tiles
+  (fused_llama.linear_kind; transformers' emulated bf16 before 2026-12-07).
 Per process: a `--ctx`-token prompt's prefill step (one chunk, median of `--prefill-reps`) and
 the median decode step at each of `--rows` sequences (prompts of `--ctx` tokens, greedy).
 Writes --json-out (bench/results/hosts.json); `python -m bench report` renders it (§10).
@@ -109,8 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for host in args.hosts.split(","):
         for dtype in args.dtypes.split(","):
-            if host == "avx2" and dtype == "bfloat16":
-                continue            # emulated bf16 GEMMs there: "auto" is fp32 (engine/dtypes.py)
             with tempfile.TemporaryDirectory(prefix="hosts-") as tmp:
                 out = Path(tmp) / "r.json"
                 cmd = [sys.executable, "-m", "bench.engine.hosts", "--child", str(out), "--dtype", dtype,
