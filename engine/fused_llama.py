@@ -38,8 +38,8 @@ from torch import nn
 
 from .attention import kernel_layers, paged_attention
 from .kernels import loaded_variant
-from .packed_linear import (BF16_BLOCK_COPY_MAX_BYTES, PackedLinear, arrange, available,
-                            bf16_kernel_only, bf16_widened)
+from .packed_linear import (BF16_BLOCK_COPY_MAX_BYTES, BF16_WIDE_MIN_ROWS, PackedLinear, arrange, available,
+                            bf16_kernel_only, bf16_wide_gemm, bf16_widened)
 from .quantization import KERNEL_MAX_ROWS as INT8_KERNEL_MAX_ROWS
 from .quantization import Int8Weight
 
@@ -220,8 +220,9 @@ class FusedLlama:
             arrange([m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head])
         self.layer_args = self._cpp_layer_args()
         self.cpp_layers = self.layer_args is not None     # tests and benchmarks turn it off to compare
-        # Bigger steps take the Python loop: int8's dequantizing GEMM (quantization.py).
-        self.cpp_max_rows = INT8_KERNEL_MAX_ROWS if kind == "int8" else float("inf")
+        # Bigger steps take the Python loop: int8's dequantizing GEMM (quantization.py), bf16's widened one (avx2).
+        self.cpp_max_rows = (INT8_KERNEL_MAX_ROWS if kind == "int8"
+                             else BF16_WIDE_MIN_ROWS - 1 if bf16_wide_gemm() else float("inf"))
         self._bound: tuple | None = None                  # (the pools, their LlamaLayers): _bound_layers
         log.info("fused Llama-shaped forward (%s): %d layers, q/k/v and gate/up packed as one GEMM each (%s)",
                  cfg.model_type, len(self.layers), kind)

@@ -20,7 +20,8 @@ copy is not made: one copy of the weights. On a CPU without bf16 dot products (`
 the shift+FMA form) there is one copy too and the kernel runs every step, its passes of 8 rows
 over 3 blocks side by side at 45-65 % of the FMA units' peak from 8 rows up (oneDNN's emulated
 bf16 GEMM is 3x slower at 300 rows; MKL's fp32 one on a widened copy, its widening included,
-ties it from 128 to 512 rows, within ±10 %, and would need the scratch copy). With AMX the
+ties it from 128 to 512 rows, within ±10 %, and would need the scratch copy); in the avx2 build
+(AVX2-only CPUs) steps of BF16_WIDE_MIN_ROWS rows or more take that GEMM (`bf16_wide_gemm`). With AMX the
 kernel runs steps of up to BF16_KERNEL_MAX_ROWS rows (up to BF16_TILES_MAX_ROWS on AMX tiles)
 and oneDNN's prepacked copy the rest; both copies are held, so only while the model's linear
 weights are at most BF16_BLOCK_COPY_MAX_BYTES (2 GiB of bf16: a ~1B-parameter model). The
@@ -48,6 +49,7 @@ log = logging.getLogger("streamgate.engine")
 BF16_KERNEL_MAX_ROWS = 4       # bf16 with both copies: the block kernel up to here, oneDNN above (measured)
 FP32_KERNEL_MAX_ROWS = 4       # fp32 on Intel CPUs: the kernel up to here, a batched GEMM on its blocks above
 FP32_PLAIN_MIN_ROWS = 128      # fp32 on Intel CPUs: from here one GEMM on the blocks transposed (plain_gemm)
+BF16_WIDE_MIN_ROWS = 80        # bf16 in the avx2 build: its tiles below, MKL's fp32 GEMM on the widened blocks from here
 BF16_TILES_MAX_ROWS = 64       # bf16 on AMX: the block copy on AMX tiles from 5 rows to here, oneDNN above
 BF16_BLOCK_COPY_MAX_BYTES = 2 << 30     # a second (block) copy doubles bf16 linear bytes: only up to this much extra
 
@@ -90,12 +92,24 @@ def bf16_widened() -> bool:
     return load_kernels() and not native_bf16_cpu()
 
 
+def bf16_wide_gemm() -> bool:
+    """Whether bf16 steps of BF16_WIDE_MIN_ROWS rows or more run MKL's fp32 GEMM on the blocks
+    widened into a scratch buffer (plain_gemm): the avx2 build without bf16 dot products, whose
+    tiles (6 rows over one block in AVX2's 16 registers) trail it on many rows. SmolLM2's 120
+    layer linears, bf16, 2 threads, played on the Intel Ice Lake host with bench.engine.hosts'
+    avx2 flags and MKL at AVX2 (2026-12-07; kernel / widened GEMM, widening included): 32 rows
+    79 / 120 ms, 64 rows 139 / 151, 96 rows 199 / 189, 128 rows 291 / 260, 300 rows 708 / 543,
+    512 rows 1,067 / 741."""
+    return bf16_widened() and loaded_variant() == "avx2"
+
+
 def plain_gemm(x2: torch.Tensor, blocks: torch.Tensor, bias32: torch.Tensor | None, N: int) -> torch.Tensor:
-    """x2 [M, K] @ W^T + b as fp32 GEMMs on the plain layout: fp32 W's blocks [ceil(N/16), K,
-    16], a slice at a time (quantization.in_slices) transposed into this thread's fp32 scratch
-    [K, n]; the bias added in fp32, each sum rounded once to x2's dtype. Steps of many rows on
-    Intel CPUs: the library's GEMM on one plain [K, n] operand beats the fp32 kernel's passes and
-    the batched GEMM over the blocks (fp32_kernel_only())."""
+    """x2 [M, K] @ W^T + b as fp32 GEMMs on the plain layout: W's blocks [ceil(N/16), K, 16]
+    (fp32 as they are; bf16 widened, exactly), a slice at a time (quantization.in_slices)
+    transposed into this thread's fp32 scratch [K, n]; the bias added in fp32, each sum rounded
+    once to x2's dtype. Steps of many rows: the library's GEMM on one plain [K, n] operand beats
+    the fp32 kernel's passes and the batched GEMM over the blocks on Intel CPUs
+    (fp32_kernel_only()), and the bf16 kernel's AVX2 tiles (bf16_wide_gemm())."""
     K = blocks.shape[1]
 
     def gemm(n0: int, n1: int, buf: torch.Tensor) -> torch.Tensor:
@@ -106,8 +120,9 @@ def plain_gemm(x2: torch.Tensor, blocks: torch.Tensor, bias32: torch.Tensor | No
         y = torch.mm(xf, w) if bias32 is None else torch.addmm(bias32[n0:n1], xf, w)
         return y if y.dtype == x2.dtype else y.to(x2.dtype)
 
-    xf = x2.float()                      # fp32 engines never take the elastic pool (elastic.fits)
-    return in_slices(N, K, torch.float32, lambda n: -(-n // 16) * 16 * K, gemm)
+    with elastic.library_gemm():         # bf16 on the elastic pool: torch's threads for MKL meanwhile
+        xf = x2.float()
+        return in_slices(N, K, torch.float32, lambda n: -(-n // 16) * 16 * K, gemm)
 
 
 class Bf16Weight:
@@ -126,6 +141,7 @@ class Bf16Weight:
         self.blocks = torch.ops.streamgate.pack_bf16(weight.contiguous())
         self.onednn = (None if bf16_kernel_only() or bf16_widened()
                        else torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint))
+        self.wide_gemm = bf16_wide_gemm()
         self.bias = None if bias is None else bias.detach().contiguous()
         self.bias32 = None if bias is None else self.bias.float().contiguous()          # the kernel's
 
@@ -142,7 +158,9 @@ class Bf16Weight:
         # AMX tiles (csrc/linear_amx.h) run the block copy in place: SmolLM2's 120 layer linears,
         # Intel AMX host, weights in cache, 5.5 against oneDNN's 6.7 ms at 8 rows, 6.4 against 7.7
         # at 32, 9.8 against 10.2 at 64, 59.5 against 51.5 at 512 (so oneDNN above 64).
-        if self._on_blocks(x2):
+        if self.wide_gemm and rows >= BF16_WIDE_MIN_ROWS:
+            y = plain_gemm(x2, self.blocks, self.bias32, self.out_features)
+        elif self._on_blocks(x2):
             y = torch.ops.streamgate.linear_bf16(x2, self.blocks, self.bias32, self.out_features)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.onednn, self.bias, "none", [], "")

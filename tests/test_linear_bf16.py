@@ -197,6 +197,33 @@ def test_bf16_weight_agrees_on_both_sides_of_the_crossover(with_bias):
         assert (err <= tol).all(), (rows, (err / tol).max().item())
 
 
+@pytest.mark.skipif(loaded_variant() == "avx512_bf16", reason="the widened GEMM reads the shift+FMA blocks' layout")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_widened_gemm_matches_the_reference_in_slices(monkeypatch, dtype):
+    """MKL's fp32 GEMM on widened bf16 blocks (plain_gemm; the big steps of the avx2 build), its
+    scratch slices two blocks wide: a 101-output weight in four slices, the last one 5 outputs
+    past the last whole block, bias in fp32, one rounding to the rows' dtype. Bf16Weight takes it
+    from BF16_WIDE_MIN_ROWS rows where bf16_wide_gemm() says so, the kernel below."""
+    from engine import quantization
+
+    monkeypatch.setattr(quantization, "SCRATCH_ELEMENTS", 70 * 16 * 2)
+    monkeypatch.setattr(packed_linear, "bf16_wide_gemm", lambda: True)
+    w, b = _weight(101, 70, seed=12)
+    weight = Bf16Weight(w, b)
+    wide = packed_linear.BF16_WIDE_MIN_ROWS
+    for rows in (1, 9, wide - 1, wide, 130):
+        x = torch.randn(rows, 70, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        with torch.inference_mode():
+            y = packed_linear.plain_gemm(x, weight.blocks, weight.bias32, 101)
+            on_weight = weight.linear(x)
+        assert y.dtype == dtype and y.shape == (rows, 101)
+        ref, tol = _reference_and_tolerance(x, w, b.float(), dtype)
+        err = (y.double() - ref).abs()
+        assert (err <= tol).all(), (rows, (err / tol).max().item())
+        kernel = ops.linear_bf16(x, weight.blocks, weight.bias32, 101)
+        assert torch.equal(on_weight, y if rows >= wide else kernel), rows
+
+
 def test_the_kernel_alone_only_with_avx512_bf16_and_without_amx(monkeypatch):
     """oneDNN's copy is dropped only where the VDPBF16PS kernel was measured against it: the
     avx512_bf16 variant on a CPU without AMX tiles."""
