@@ -30,13 +30,13 @@ instead of at every call, where a served engine waited for it behind the event l
 from __future__ import annotations
 
 import logging
-from functools import cache
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from .attention import kernel_layers, paged_attention
+from .fused_pack import fuse, packed_of, silu_block, weight_of
 from .kernels import loaded_variant
 from .packed_linear import (BF16_BLOCK_COPY_MAX_BYTES, BF16_WIDE_MIN_ROWS, PackedLinear, arrange, available,
                             bf16_kernel_only, bf16_wide_gemm, bf16_widened)
@@ -124,56 +124,6 @@ def linear_kind(dtype: torch.dtype) -> str | None:
     return None
 
 
-def _fuse(kind: str, *linears: nn.Linear, block: int = 0) -> PackedLinear:
-    """One packed linear computing the concatenation of `linears`' outputs (block > 0, two
-    linears: their outputs alternating in blocks of `block`, as silu_and_mul(block) reads them)."""
-    w = linears[0].weight
-
-    def joined(ts):
-        if not block:
-            return torch.cat(ts)
-        return torch.stack([t.reshape(-1, block, *t.shape[1:]) for t in ts], 1).reshape(-1, *ts[0].shape[1:])
-
-    fused = nn.Linear(w.shape[1], sum(m.out_features for m in linears), bias=linears[0].bias is not None, dtype=w.dtype)
-    with torch.no_grad():
-        fused.weight.copy_(joined([m.weight for m in linears]))
-        if fused.bias is not None:
-            fused.bias.copy_(joined([m.bias for m in linears]))
-    return PackedLinear(fused, kind)
-
-
-def silu_block(kind: str, mlp: nn.Module) -> int:
-    """16 where gate/up can run as one pass with SiLU·up in its epilogue (bf16 block weights,
-    whole 16-output blocks, a kernel build that runs it: AMX tiles or VDPBF16PS passes,
-    csrc/linear_amx.h and linear_dp.h), so they are packed alternating in blocks of 16; else 0
-    (gate then up)."""
-    return 16 if (kind == "bf16" and mlp.gate_proj.weight.dtype == torch.bfloat16 and mlp.gate_proj.out_features % 16 == 0
-                  and fused_silu_runs()) else 0
-
-
-@cache
-def fused_silu_runs() -> bool:
-    """Whether this process's kernels run linear_bf16_silu (the avx512_bf16 build): tried once
-    on a 5 x 32 step."""
-    try:
-        w = torch.ops.streamgate.pack_bf16(torch.zeros(32, 32, dtype=torch.bfloat16))
-        torch.ops.streamgate.linear_bf16_silu(torch.zeros(5, 32, dtype=torch.bfloat16), w, None, 32)
-        return True
-    except RuntimeError:
-        return False
-
-
-def _packed(weight) -> torch.Tensor:
-    """A bf16 or int8 weight's packed blocks (what its kernel reads)."""
-    return weight.codes if isinstance(weight, Int8Weight) else weight.blocks
-
-
-def _weight(linear: PackedLinear):
-    """What a packed linear's forward comes down to, as an object with `.linear(x)`: its int8
-    or bf16 weight, else the module itself (called so, without nn.Module's call machinery)."""
-    return linear.packed if linear.kind in ("int8", "bf16") else linear
-
-
 class _Layer:
     """One decoder layer's weights, packed. The transformers modules give theirs up (no second
     copy in memory): the fused ones take their place as `qkv_proj` / `gate_up_proj`, o_proj and
@@ -184,15 +134,15 @@ class _Layer:
         self.attn = attn                                        # layer_idx, scaling for attention
         self.window = window
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)   # Qwen3
-        self.qkv = attn.qkv_proj = _fuse(kind, attn.q_proj, attn.k_proj, attn.v_proj)
+        self.qkv = attn.qkv_proj = fuse(kind, attn.q_proj, attn.k_proj, attn.v_proj)
         self.o = attn.o_proj = PackedLinear(attn.o_proj, kind)
         self.silu_block = silu_block(kind, mlp)
-        self.gate_up = mlp.gate_up_proj = _fuse(kind, mlp.gate_proj, mlp.up_proj, block=self.silu_block)
+        self.gate_up = mlp.gate_up_proj = fuse(kind, mlp.gate_proj, mlp.up_proj, block=self.silu_block)
         self.down = mlp.down_proj = PackedLinear(mlp.down_proj, kind)
         attn.q_proj = attn.k_proj = attn.v_proj = mlp.gate_proj = mlp.up_proj = None
         # What each call runs, without nn.Module's call machinery (~120 calls a step).
         self.qkv_w, self.o_w, self.gate_up_w, self.down_w = (
-            _weight(m) for m in (self.qkv, self.o, self.gate_up, self.down))
+            weight_of(m) for m in (self.qkv, self.o, self.gate_up, self.down))
         self.norm_in, self.eps_in = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
         self.norm_post = layer.post_attention_layernorm.weight.detach()
         self.eps_post = layer.post_attention_layernorm.variance_epsilon
@@ -245,7 +195,7 @@ class FusedLlama:
                 or not hasattr(torch.ops.streamgate, "llama_layers")):
             return None
         weights = [t for l, (qkv, o, gate_up, down) in zip(self.layers, linears)
-                   for t in (l.norm_in, _packed(qkv), _packed(o), l.norm_post, _packed(gate_up), _packed(down))]
+                   for t in (l.norm_in, packed_of(qkv), packed_of(o), l.norm_post, packed_of(gate_up), packed_of(down))]
         biases = [w.bias32 for w in ws]
         scales = [w.scales if isinstance(w, Int8Weight) else None for w in ws]
         eps = [float(e) for l in self.layers for e in (l.eps_in, l.eps_post)]

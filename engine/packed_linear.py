@@ -180,7 +180,7 @@ class Bf16Weight:
 
     def silu_linear(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up [M, N / 2] of a gate/up weight packed alternating in blocks of 16
-        (fused_llama.silu_block): in one pass, the GEMM's epilogue applying SiLU·up
+        (fused_pack.silu_block): in one pass, the GEMM's epilogue applying SiLU·up
         (csrc/linear_amx.h on AMX tiles, csrc/linear_dp.h's VDPBF16PS passes), wherever linear()
         would run the block copy on bf16 rows in the avx512_bf16 build; else linear() then
         silu_and_mul(block=16). The same bits either way."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.fused_llama import _fuse, fused_silu_runs
+from engine.fused_pack import fuse, fused_silu_runs
 from engine.kernels import load_kernels
 from tests.linear_helpers import weight
 
@@ -46,8 +46,8 @@ def gate_up(i: int, k: int, bias: bool, seed: int):
 def test_fused_gate_up_silu_gives_the_unfused_bits(rows, bias, amx):
     i, k = 112, 96                                      # 7 pairs of blocks: odd counts in every pass width
     lin = gate_up(i, k, bias, seed=rows)
-    plain = _fuse("bf16", *lin).packed                  # gate then up
-    blocked = _fuse("bf16", *lin, block=16).packed       # alternating blocks of 16
+    plain = fuse("bf16", *lin).packed                  # gate then up
+    blocked = fuse("bf16", *lin, block=16).packed       # alternating blocks of 16
     x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2).bfloat16()
     want = ops.silu_and_mul(ops.linear_bf16(x, plain.blocks, plain.bias32, 2 * i))
     fused = ops.linear_bf16_silu(x, blocked.blocks, blocked.bias32, 2 * i)
@@ -63,7 +63,7 @@ def test_silu_linear_below_the_tiles_gives_gate_then_up_bits(rows):
     """Up to 4 rows the VDPBF16PS passes run (row-invariant sums) with SiLU·up in their store:
     the same bits as gate then up."""
     lin = gate_up(32, 64, True, seed=7)
-    plain, blocked = _fuse("bf16", *lin).packed, _fuse("bf16", *lin, block=16).packed
+    plain, blocked = fuse("bf16", *lin).packed, fuse("bf16", *lin, block=16).packed
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
     want = ops.silu_and_mul(plain.linear(x))
     assert torch.equal(blocked.silu_linear(x).view(torch.int16), want.view(torch.int16))
@@ -71,10 +71,10 @@ def test_silu_linear_below_the_tiles_gives_gate_then_up_bits(rows):
 
 def test_the_fused_op_refuses_what_it_cannot_run():
     lin = gate_up(48, 64, False, seed=1)
-    blocked = _fuse("bf16", *lin, block=16).packed
+    blocked = fuse("bf16", *lin, block=16).packed
     with pytest.raises(RuntimeError, match="bf16 rows"):
         ops.linear_bf16_silu(torch.zeros(4, 64), blocked.blocks, None, 96)
-    odd = _fuse("bf16", *gate_up(24, 64, False, seed=2)).packed
+    odd = fuse("bf16", *gate_up(24, 64, False, seed=2)).packed
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.linear_bf16_silu(torch.zeros(8, 64, dtype=torch.bfloat16), odd.blocks, None, 48)
     with pytest.raises(RuntimeError, match="block must divide"):
@@ -86,7 +86,7 @@ def test_row_invariant_one_row_gives_the_bits_it_gets_among_others():
     (speculative verification, a batch): the VDPBF16PS passes' sums do not depend on the pass."""
     ops.amx_tiles(False)
     try:
-        blocked = _fuse("bf16", *gate_up(64, 96, True, seed=5), block=16).packed
+        blocked = fuse("bf16", *gate_up(64, 96, True, seed=5), block=16).packed
         x = torch.randn(8, 96, generator=torch.Generator().manual_seed(11)).bfloat16()
         together = ops.linear_bf16_silu(x, blocked.blocks, blocked.bias32, 128)
         for r in range(8):
