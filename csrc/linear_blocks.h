@@ -213,6 +213,17 @@ constexpr int kFmaRows = 3;
 constexpr int tile_blocks(int R) { return R == 1 ? 3 : 1; }
 #endif
 
+// fp32 weights (linear.cpp's packed blocks [ceil(N/16), K, 16]) as a code type: widening is a load.
+struct Fp32Code {
+  using code_t = float;
+  static constexpr int kPack = 1;
+  static inline lanes_t widen(const float* row, int, int p) {
+    lanes_t v;
+    std::memcpy(&v, row + p * kLanes, sizeof v);
+    return v;
+  }
+};
+
 template <class Code, int Hint, typename T>
 void fma_blocks(const float* xp, int64_t xs, int64_t M, int64_t K, int64_t N, const typename Code::code_t* wp,
                 const Out<T>& out, int64_t blocks, int64_t grain_bytes) {

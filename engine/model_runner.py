@@ -21,7 +21,7 @@ from .kv_cache import PagedKVCache
 from .threads import ThreadTuner
 from .kv_groups import plan_groups
 from .models import load_model, model_config
-from .packed_linear import bf16_kernel_only, fp32_kernel_only, maybe_pack
+from .packed_linear import bf16_kernel_only, maybe_pack
 from .prompt_logprobs import rows as prompt_logprob_rows
 from .scheduler import SchedulerOutput
 
@@ -81,11 +81,10 @@ class ModelRunner:
         if self.forward is self.model:
             maybe_pack(self.model, config, self.device, self.dtype)
         # Steps of every size are tuned (when asked) only where the kernels give the same bits on
-        # any thread count (threads.py): the fused forward on the fp32 kernel alone (not on Intel
-        # CPUs) or the bf16 block kernel alone; oneDNN, batched GEMMs or int8's run big steps else.
+        # any thread count (threads.py): the fused forward on the fp32 kernel or the bf16 block
+        # kernel alone; oneDNN, MKL (bf16 in the avx2 build) or int8's run big steps else.
         kind = getattr(self.forward, "kind", None)
-        large = config.adaptive_threads_all_steps and ((kind == "streamgate" and fp32_kernel_only())
-                                                       or (kind == "bf16" and bf16_kernel_only()))
+        large = config.adaptive_threads_all_steps and (kind == "streamgate" or (kind == "bf16" and bf16_kernel_only()))
         tune = config.adaptive_threads and eager_cpu and not self.elastic       # the pool shares loops itself
         self.threads = ThreadTuner(torch.get_num_threads(), large=large) if tune else None
         self.graphs: DecodeGraphs | None = None

@@ -5,8 +5,9 @@ A decode step's GEMMs have a few rows, so they are bound by reading the weights.
 core idle at a few rows. Two packed forms, best first:
 - "streamgate": the C++ kernel (csrc/linear.cpp), weight in 16-output column blocks; it
   streams ~17-20 GB/s on two cores: 1.5x oneDNN at 1 row, 1.7x at 8, 1.2x at 32, within 3 %
-  at 128-512 (docs/BENCHMARKS.md §8.13, AMD hosts); on Intel CPUs steps of more than
-  FP32_KERNEL_MAX_ROWS rows run torch's batched GEMM over the same blocks (`fp32_kernel_only`);
+  at 128-512 (docs/BENCHMARKS.md §8.13, AMD hosts); since 2026-12-07 on linear_blocks.h's
+  register tiles, every step on every CPU (Intel's ran a batched GEMM over the blocks above 4
+  rows and MKL's from 128 before; the tiles beat both, 1.09-1.95x, csrc/linear.cpp);
 - "onednn": where the kernel did not build, oneDNN's matmul on its own blocked layout (what
   inductor's weight prepacking and vLLM's CPU linear use): 2.1x MKL at 8 rows (§8.12).
 Either differs from MKL in the last bits (another summation order), as between any two GEMM
@@ -39,7 +40,7 @@ import torch
 from torch import nn
 
 from . import elastic
-from .dtypes import cpu_flags, cpu_vendor, native_bf16_cpu
+from .dtypes import cpu_flags, native_bf16_cpu
 from .huge_pages import Arena
 from .kernels import amx_linear_rows, load_kernels, loaded_variant
 from .quantization import Int8Linear, Int8Weight, in_slices, quantize_linears
@@ -47,26 +48,9 @@ from .quantization import Int8Linear, Int8Weight, in_slices, quantize_linears
 log = logging.getLogger("streamgate.engine")
 
 BF16_KERNEL_MAX_ROWS = 4       # bf16 with both copies: the block kernel up to here, oneDNN above (measured)
-FP32_KERNEL_MAX_ROWS = 4       # fp32 on Intel CPUs: the kernel up to here, a batched GEMM on its blocks above
-FP32_PLAIN_MIN_ROWS = 128      # fp32 on Intel CPUs: from here one GEMM on the blocks transposed (plain_gemm)
 BF16_WIDE_MIN_ROWS = 80        # bf16 in the avx2 build: its tiles below, MKL's fp32 GEMM on the widened blocks from here
 BF16_TILES_MAX_ROWS = 64       # bf16 on AMX: the block copy on AMX tiles from 5 rows to here, oneDNN above
 BF16_BLOCK_COPY_MAX_BYTES = 2 << 30     # a second (block) copy doubles bf16 linear bytes: only up to this much extra
-
-
-def fp32_kernel_only() -> bool:
-    """Whether the fp32 kernel (csrc/linear.cpp) runs steps of every size. On Intel CPUs steps of
-    more than FP32_KERNEL_MAX_ROWS rows run torch's batched GEMM over the packed blocks instead
-    (`PackedLinear._blocks_gemm`: no second copy): the kernel's passes of up to 4 rows are bound
-    by their loads there, while the library's blocked GEMM reaches the FMA units. SmolLM2's 120
-    layer linears on the Intel AMX host (2 threads, 2026-12-04): 8 rows 10.4 ms against 32.3,
-    300 rows 225 against 1,359, 512 rows 360 against 2,369. On AMD's Zen 1 the kernel tied
-    oneDNN and beat MKL at 512 rows (docs/bench/HISTORY.md §8.13); the batched form was not
-    measured on an AMD CPU, so AMD keeps the kernel. From FP32_PLAIN_MIN_ROWS rows, one GEMM on
-    the blocks transposed into a scratch buffer (`plain_gemm`) beats both: Intel Ice Lake host
-    (2 threads, 2026-12-07; plain / batched / kernel) 128 rows 168 / 213 / 204 ms, 300 rows
-    312 / 481 / 440, 512 rows 495 / 807 / 731; at 64 rows 128 / 133 / 100."""
-    return cpu_vendor() != "GenuineIntel"
 
 
 def bf16_kernel_only() -> bool:
@@ -105,11 +89,10 @@ def bf16_wide_gemm() -> bool:
 
 def plain_gemm(x2: torch.Tensor, blocks: torch.Tensor, bias32: torch.Tensor | None, N: int) -> torch.Tensor:
     """x2 [M, K] @ W^T + b as fp32 GEMMs on the plain layout: W's blocks [ceil(N/16), K, 16]
-    (fp32 as they are; bf16 widened, exactly), a slice at a time (quantization.in_slices)
+    (bf16 widened, exactly; fp32 as they are), a slice at a time (quantization.in_slices)
     transposed into this thread's fp32 scratch [K, n]; the bias added in fp32, each sum rounded
-    once to x2's dtype. Steps of many rows: the library's GEMM on one plain [K, n] operand beats
-    the fp32 kernel's passes and the batched GEMM over the blocks on Intel CPUs
-    (fp32_kernel_only()), and the bf16 kernel's AVX2 tiles (bf16_wide_gemm())."""
+    once to x2's dtype. Steps of many rows in the avx2 build, where the library's GEMM on one
+    plain [K, n] operand beats the bf16 kernel's AVX2 tiles (bf16_wide_gemm())."""
     K = blocks.shape[1]
 
     def gemm(n0: int, n1: int, buf: torch.Tensor) -> torch.Tensor:
@@ -215,22 +198,10 @@ class PackedLinear(nn.Module):
             return self.packed.linear(x)
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] >= FP32_PLAIN_MIN_ROWS and not fp32_kernel_only():
-            y = plain_gemm(x2, self.packed, self.bias, self.out_features)
-        elif x2.shape[0] > FP32_KERNEL_MAX_ROWS and not fp32_kernel_only():
-            y = self._blocks_gemm(x2)
-        else:
-            y = torch.ops.streamgate.linear(x2, self.packed, self.bias, self.out_features)
+        y = torch.ops.streamgate.linear(x.reshape(-1, self.in_features), self.packed, self.bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
 
     linear = forward                      # as Int8Weight / Bf16Weight call it (the fused forward)
-
-    def _blocks_gemm(self, x2: torch.Tensor) -> torch.Tensor:
-        """x2 [M, K] @ the packed blocks [ceil(N/16), K, 16] as one batched GEMM (torch.matmul
-        broadcasts x2 over the blocks): [blocks, M, 16], then outputs in order, bias added."""
-        y = torch.matmul(x2, self.packed).permute(1, 0, 2).reshape(x2.shape[0], -1)[:, :self.out_features]
-        return y.contiguous() if self.bias is None else y + self.bias
 
 
 def available() -> str | None:

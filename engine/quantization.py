@@ -86,7 +86,7 @@ def in_slices(N: int, K: int, dtype: torch.dtype, elements, gemm) -> torch.Tenso
     """gemm(n0, n1, buf) for output slices [n0, n1) of an N x K weight, at most SCRATCH_ELEMENTS
     weights each (whole blocks of 16 outputs), buf this thread's scratch buffer of `dtype`, at
     least elements(n) for the widest slice; the pieces side by side. A layer's weight is
-    dequantized (int8) or transposed (fp32 blocks, packed_linear.plain_gemm) a slice at a time into it."""
+    dequantized (int8) or widened (bf16 blocks in the avx2 build, packed_linear.plain_gemm) a slice at a time into it."""
     step = max(_BLOCK, SCRATCH_ELEMENTS // K // _BLOCK * _BLOCK)
     buf = scratch(dtype, elements(min(N, step)))
     pieces = [gemm(n0, min(N, n0 + step), buf) for n0 in range(0, N, step)]

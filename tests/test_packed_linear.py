@@ -10,7 +10,7 @@ from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.kernels import load_kernels
 from engine import packed_linear, quantization
-from engine.packed_linear import FP32_KERNEL_MAX_ROWS, FP32_PLAIN_MIN_ROWS, PackedLinear, available, fp32_kernel_only
+from engine.packed_linear import PackedLinear, available
 from tests.linear_helpers import assert_rows_invariant
 
 pytestmark = pytest.mark.skipif(not available(), reason="neither the C++ kernels nor oneDNN are available")
@@ -38,48 +38,33 @@ def test_packed_linear_matches_nn_linear_for_any_row_count(kind, bias, out_featu
 
 @pytest.mark.skipif(not load_kernels(), reason="C++ kernels did not build")
 def test_the_fp32_kernel_gives_a_row_the_same_bits_whatever_rows_share_its_call():
-    """Each output row of the fp32 kernel is bitwise the row computed alone (one in-order sum
-    per lane), so a decode and the same position among verified drafts agree: 1..20 rows where
-    the kernel takes every step, 1..FP32_KERNEL_MAX_ROWS where bigger steps run the batched GEMM."""
+    """Each output row of the fp32 kernel is bitwise the row computed alone (one fp32 chain
+    per (row, output) over k in order, whatever the tile), so a decode and the same position
+    among verified drafts agree: 1..20 rows, every tile and row tail."""
     torch.manual_seed(0)
     packed = PackedLinear(nn.Linear(96, 37), "streamgate")
-    rows = 20 if fp32_kernel_only() else FP32_KERNEL_MAX_ROWS
+    rows = 20
     with torch.inference_mode():
         assert_rows_invariant(packed, torch.randn(rows, 96))
 
 
 @pytest.mark.skipif(not load_kernels(), reason="C++ kernels did not build")
 @pytest.mark.parametrize("bias", [False, True])
-def test_big_fp32_steps_as_one_batched_gemm_over_the_packed_blocks(bias):
-    """The form Intel CPUs run above FP32_KERNEL_MAX_ROWS (tested on every host): torch.matmul
-    of the rows with the [ceil(N/16), K, 16] blocks, outputs put back in order, past N cut,
-    bias added: nn.Linear's product to fp32 rounding, contiguous."""
-    torch.manual_seed(1)
-    lin = nn.Linear(96, 37, bias=bias)
-    packed = PackedLinear(lin, "streamgate")
-    x = torch.randn(300, 96)
-    with torch.inference_mode():
-        got = packed._blocks_gemm(x)
-        torch.testing.assert_close(got, lin(x), rtol=1e-4, atol=1e-4)
-    assert got.is_contiguous() and got.shape == (300, 37)
-
-
-@pytest.mark.skipif(not load_kernels(), reason="C++ kernels did not build")
-@pytest.mark.parametrize("bias", [False, True])
-def test_big_fp32_steps_as_plain_gemms_on_the_blocks_transposed(monkeypatch, bias):
-    """The form Intel CPUs run from FP32_PLAIN_MIN_ROWS (tested on every host): the blocks
-    transposed into the scratch buffer, here two blocks (32 outputs) at a time, so 37 outputs
-    take two slices, the last one 5 wide; nn.Linear's product to fp32 rounding."""
+def test_plain_gemm_on_fp32_blocks_transposed_and_the_kernel_at_many_rows(monkeypatch, bias):
+    """plain_gemm (the avx2 build's big bf16 steps, on fp32 blocks here, tested on every host): the
+    blocks transposed into the scratch buffer, here two blocks (32 outputs) at a time, so 37
+    outputs take two slices, the last one 5 wide; and the kernel (every fp32 step): nn.Linear's
+    product to fp32 rounding."""
     monkeypatch.setattr(quantization, "SCRATCH_ELEMENTS", 96 * 16 * 2)
     torch.manual_seed(2)
     lin = nn.Linear(96, 37, bias=bias)
     packed = PackedLinear(lin, "streamgate")
-    x = torch.randn(FP32_PLAIN_MIN_ROWS + 3, 96)
+    x = torch.randn(131, 96)
     with torch.inference_mode():
         got = packed_linear.plain_gemm(x, packed.packed, packed.bias, 37)
         torch.testing.assert_close(got, lin(x), rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(packed(x), lin(x), rtol=1e-4, atol=1e-4)      # whichever form this host runs
-    assert got.shape == (FP32_PLAIN_MIN_ROWS + 3, 37)
+        torch.testing.assert_close(packed(x), lin(x), rtol=1e-4, atol=1e-4)      # the kernel
+    assert got.shape == (131, 37)
 
 
 def test_runner_packs_eager_fp32_by_default_and_not_when_off(tiny_model):

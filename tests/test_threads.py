@@ -62,14 +62,13 @@ def test_large_steps_are_tuned_by_bucket_where_asked():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prefill_steps_are_bit_identical_on_one_or_all_threads_where_tuned(default_model_dir, dtype, all_threads):
     """Off by default; asked for (adaptive_threads_all_steps), the tuner takes steps of every
-    size only on the fused forward on the fp32 kernel alone (not on Intel CPUs, where big fp32
-    steps run a batched GEMM) or on the bf16 block kernel alone, and there a 330-row prefill
-    step gives the same logits on one thread and on all."""
-    from engine.packed_linear import bf16_kernel_only, fp32_kernel_only
+    size only on the fused forward on the fp32 kernel or on the bf16 block kernel alone, and
+    there a 330-row prefill step gives the same logits on one thread and on all."""
+    from engine.packed_linear import bf16_kernel_only
 
     assert not LLMEngine(EngineConfig(model=default_model_dir, dtype=dtype, **TEST_POOL)).runner.threads.large
     eng = LLMEngine(EngineConfig(model=default_model_dir, dtype=dtype, adaptive_threads_all_steps=True, **TEST_POOL))
-    assert eng.runner.threads.large == (fp32_kernel_only() if dtype == "float32" else bf16_kernel_only())
+    assert eng.runner.threads.large == (dtype == "float32" or bf16_kernel_only())
     if not eng.runner.threads.large:               # big bf16 steps run oneDNN here: always all threads
         return
     for i, n in enumerate((40, 90, 200)):
