@@ -110,11 +110,12 @@ def linear_kind(dtype: torch.dtype) -> str | None:
     """How the fused forward packs weights of `dtype`: the C++ kernel (fp32), oneDNN (bf16, where
     oneDNN runs bf16: AVX-512 or better; maybe_fuse then takes the block kernel where it can), the
     block kernel (bf16 on AVX2-only CPUs, the avx2 build: oneDNN has no bf16 there, the kernel's
-    AVX2 tiles widen it), or None (not fused). SmolLM2 bf16 against fp32 in the avx2 build, this
-    path played on the Intel Ice Lake host (bench.engine.hosts' avx2 flags, 2 threads, 2026-12-07):
-    decode 1 / 8 / 32 rows 16.0 / 42.8 / 113.5 against 30.8-33.5 / 53.1-65.5 / 148-164 ms, a
-    300-token prefill 889 against 526-556 ms; transformers' bf16 forward took 40.6-42.3 /
-    121-143 / 373-668 and 2,759-3,083."""
+    AVX2 tiles widen it, MKL's fp32 GEMM takes its big steps: packed_linear.bf16_wide_gemm), or
+    None (not fused). SmolLM2 bf16 against fp32 in the avx2 build, played on the Intel Ice Lake
+    host (bench.engine.hosts' avx2 flags, MKL at AVX2, 2 threads, 2026-12-07): decode 1 / 8 / 32
+    rows 13.3-16.6 / 37.0-42.8 / 112-120 against 28.0-30.2 / 49.6-55.3 / 117-154 ms, a 300-token
+    prefill 501-521 against 486-498 ms; transformers' bf16 forward took 40.6-42.3 / 121-143 /
+    373-668 and 2,759-3,083."""
     if dtype == torch.float32:
         return "streamgate"
     if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():

@@ -7,8 +7,9 @@ Each (host, dtype) runs in its own process, which plays the host with what the e
 libraries detect: STREAMGATE_HIDE_CPU_FLAGS (the engine's dtype, kernel variant and linear forms,
 engine/dtypes.py), STREAMGATE_KERNEL_ISA (the kernel build), STREAMGATE_AMX=0 (the attention and
 int8 tiles), ONEDNN_MAX_CPU_ISA (oneDNN's GEMMs) and, for "avx2", MKL_ENABLE_INSTRUCTIONS (MKL's fp32
-GEMM, which fp32 prefill runs: without it MKL kept its AVX-512 code, and a 300-token fp32 prefill
-took 453 against 968 ms with it, 2026-12-07). The CPU's caches, memory and clock stay this
+GEMM, which bf16's big steps run there: without it MKL kept its AVX-512 code; a 300-token fp32
+prefill took 408-424 ms without, 472-478 with it, before the fp32 kernel took every step,
+2026-12-07). The CPU's caches, memory and clock stay this
 host's, so the figures say what each code path costs here, not what such a CPU would make:
 - "amx": this host as it is (an AMX CPU);
 - "avx512_bf16": no AMX (a Zen 4 / Zen 5 class host): AVX512-BF16 dot products;
