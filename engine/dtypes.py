@@ -55,8 +55,3 @@ def cpu_flags() -> frozenset[str]:
     hidden = {f.strip() for f in os.environ.get(HIDE_FLAGS_ENV, "").split(",") if f.strip()}
     return frozenset((cpuinfo_field("flags") or "").split()) - hidden
 
-
-@cache
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"; "" where there is none)."""
-    return cpuinfo_field("vendor_id") or ""

@@ -62,7 +62,7 @@ def fits(dtype, fused: bool = True) -> str | None:
     if not load_kernels():
         return "the C++ kernels did not build"
     if dtype != torch.bfloat16:     # first: true in every build, so the reason does not depend on the host
-        return f"{dtype} leaves big steps to oneDNN or MKL (bf16 runs them on the kernels)"
+        return f"{dtype}: the pool is measured in bf16 only (fp32's big steps ran on oneDNN or MKL until 2026-12-07)"
     from .packed_linear import bf16_widened     # every step on the shift+FMA kernel
 
     widened = bf16_widened()
