@@ -34,7 +34,7 @@ def test_the_committed_page_is_what_the_report_renders():
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     regions = report.REGION.findall(report.DOC.read_text())
-    assert {"families-kv", "speculative-bf16", "hosts", "peers-zen4-bf16", "peers-icelake-tiles"} <= set(regions)
+    assert {"families-kv", "speculative-bf16", "hosts", "peers-zen4-bf16", "peers-icelake-vnni"} <= set(regions)
     assert all((report.RESULTS / f"{name}.json").exists() for name in regions)
 
 
