@@ -259,7 +259,12 @@ def test_server_restart_is_shown(browser, tiny_model, tmp_path):
         tab = Tab(browser, server)
         try:
             server.sigterm()
-            expect(tab.page.locator("#banner")).to_contain_text("restarting (close 1012)")
+            try:
+                expect(tab.page.locator("#banner")).to_contain_text("restarting (close 1012)")
+            except AssertionError as exc:     # seen once in a full run (2026-12-07): say what the page saw instead
+                status = tab.page.locator("#conn-status").text_content()
+                raise AssertionError(f"{exc}\n#conn-status: {status!r}; sockets opened: {tab.sockets}; "
+                                     f"page problems: {tab.problems}") from exc
             expect(tab.page.locator("#conn-status")).to_have_attribute("data-state", re.compile("retrying|connecting"))
         finally:
             tab.close()
