@@ -13,15 +13,20 @@ namespace streamgate::cpu {
 #ifdef __AVX512F__
 // How a decode row's span walk gets the next span's K/V into cache while it computes this one
 // (blocks are scattered over the pool, and a span's compute loop keeps few misses in flight):
-// - prefetch instructions (Intel's CPUs): the next span, a 1/kv_heads share before each head (on
-//   the Intel AMX host a 32-row step's attention took 20 ms with them, 35 without: HISTORY.md);
+// - prefetch instructions (Intel's CPUs with AMX): the next span, a 1/kv_heads share before each
+//   head (on the Intel AMX host a 32-row step's attention took 20 ms with them, 35 without:
+//   HISTORY.md; the loads below were not measured there);
 // - loads (elsewhere): one byte of every 64-byte line of the next span's K and V, its blocks side
 //   by side, before this span's compute. On the Zen 4 host (2026-12-05) prefetcht0/t1/nta were
 //   all level with none, while these loads (a tight loop, many misses in flight) halved decode
 //   rows from memory: bench.engine.attention bf16, 2 threads, 32 x 340 tokens 24.3-25.5 -> 13.1 ms.
+//   On the Intel Ice Lake host (no AMX; 2026-12-07) they beat the prefetches by 7-14 %: 32 x
+//   287-350 tokens 24.5 / 20.7 -> 21.1 / 18.5 ms, 8 x 287-350 6.2 -> 5.6, 32 x 900-1,100 75.2 -> 69.8,
+//   one sequence of 300 1.7 -> 1.5 (the prefetch loop stalled on the line fill buffers: ~94 % of the
+//   walk's own time sat on its prefetcht0 and the next instruction).
 // torch.ops.streamgate.decode_span_loads switches; the outputs are bit-identical either way.
 inline std::atomic<bool>& decode_span_loads() {
-  static std::atomic<bool> on(!intel_cpu());
+  static std::atomic<bool> on(!(intel_cpu() && cpu_has_amx()));
   return on;
 }
 

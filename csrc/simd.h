@@ -12,6 +12,9 @@
 #ifdef __AVX__
 #include <immintrin.h>
 #endif
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 
 namespace streamgate::cpu {
 
@@ -32,6 +35,20 @@ inline bool intel_cpu() {
 #endif
   }();
   return intel;
+}
+
+// Whether the CPU has AMX tiles (CPUID 7.0 EDX bit 24; whether this process may use them is
+// attention_amx.h's amx_supported()). Probed once.
+inline bool cpu_has_amx() {
+  static const bool amx = [] {
+#if defined(__x86_64__)
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 24) & 1u);
+#else
+    return false;
+#endif
+  }();
+  return amx;
 }
 
 typedef float vec8 __attribute__((vector_size(32)));   // GCC/Clang vector extension
