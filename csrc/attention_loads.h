@@ -22,8 +22,8 @@ namespace streamgate::cpu {
 //   rows from memory: bench.engine.attention bf16, 2 threads, 32 x 340 tokens 24.3-25.5 -> 13.1 ms.
 //   On the Intel Ice Lake host (no AMX; 2026-12-07) they beat the prefetches by 7-14 %: 32 x
 //   287-350 tokens 24.5 / 20.7 -> 21.1 / 18.5 ms, 8 x 287-350 6.2 -> 5.6, 32 x 900-1,100 75.2 -> 69.8,
-//   one sequence of 300 1.7 -> 1.5 (the prefetch loop stalled on the line fill buffers: ~94 % of the
-//   walk's own time sat on its prefetcht0 and the next instruction).
+//   one sequence of 300 1.7 -> 1.5 (perf put ~94 % of the prefetching walk's own time on its
+//   prefetcht0 and the next instruction: likely the line fill buffers full; not read from counters).
 // torch.ops.streamgate.decode_span_loads switches; the outputs are bit-identical either way.
 inline std::atomic<bool>& decode_span_loads() {
   static std::atomic<bool> on(!(intel_cpu() && cpu_has_amx()));

@@ -24,7 +24,8 @@ constexpr int64_t kLanes = 8;        // fp32 lanes of one vector (AVX2: one regi
 // Intel AMX host: prefetcht0 4 KB ahead in the weight streams and the span walk; the Zen 4 host:
 // none in memory-bound streams, prefetcht1 16 KB ahead where compute shares the stream's time,
 // loads for the span walk), so the kernels choose by vendor (linear_dp.h, linear_vnni.h,
-// linear_blocks.h, attention_decode.h). Probed once.
+// linear_blocks.h; attention_loads.h by vendor and AMX, as the Intel Ice Lake host's span walk
+// measured loads ahead). Probed once.
 inline bool intel_cpu() {
   static const bool intel = [] {
 #if defined(__x86_64__) || defined(__i386__)
