@@ -18,8 +18,9 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "simd.h"
+
 #if defined(__AVX512BF16__) && defined(__x86_64__) && defined(__linux__)
-#include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -28,12 +29,11 @@ namespace streamgate::cpu {
 
 constexpr bool kAmxBuilt = true;
 
-// Whether this process may run AMX tiles: the CPU has AMX-TILE and AMX-BF16 (CPUID 7.0 EDX
-// bits 24 and 22) and the kernel grants this process the tile data state (Linux >= 5.16).
+// Whether this process may run AMX tiles: the CPU has AMX-TILE and AMX-BF16 (simd.h's
+// cpu_has_amx) and the kernel grants this process the tile data state (Linux >= 5.16).
 inline bool amx_supported() {
   static const bool ok = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1u) || !((d >> 22) & 1u)) return false;
+    if (!cpu_has_amx()) return false;
     constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
   }();

@@ -38,13 +38,13 @@ inline bool intel_cpu() {
   return intel;
 }
 
-// Whether the CPU has AMX tiles (CPUID 7.0 EDX bit 24; whether this process may use them is
-// attention_amx.h's amx_supported()). Probed once.
+// Whether the CPU has AMX-TILE and AMX-BF16 (CPUID 7.0 EDX bits 24 and 22; whether this process
+// may use them is attention_amx.h's amx_supported(), which asks this first). Probed once.
 inline bool cpu_has_amx() {
   static const bool amx = [] {
 #if defined(__x86_64__)
     unsigned a, b, c, d;
-    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 24) & 1u);
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 24) & 1u) && ((d >> 22) & 1u);
 #else
     return false;
 #endif
